@@ -1,0 +1,328 @@
+"""Moondream 2 weights as plain containers, and the model object that holds them.
+
+Weights are data, compute is functions: ``vision.py``, ``text.py`` and ``region.py`` take these
+frozen containers as arguments. ``MoondreamModel`` bundles the config, the three towers, the
+device and the dtype; it never runs anything itself.
+
+State-dict names are the native checkpoint names WITHOUT the ``model.`` prefix (the loader strips
+it): ``vision.blocks.{i}.attn.qkv.weight``, ``text.wte``, ``region.coord_features``, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kestrel.moondream.config import MoondreamConfig
+
+__all__ = [
+    "LayerNorm",
+    "Linear",
+    "MissingWeightError",
+    "MoondreamModel",
+    "RegionWeights",
+    "TextBlock",
+    "TextWeights",
+    "VisionBlock",
+    "VisionWeights",
+]
+
+
+class MissingWeightError(KeyError):
+    """A tensor the model needs is absent from the state dict, or has the wrong shape."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """y = x @ weight.T + bias; weight [out, in] (PyTorch layout)."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerNorm:
+    weight: Tensor
+    bias: Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class VisionBlock:
+    ln1: LayerNorm
+    qkv: Linear
+    proj: Linear
+    ln2: LayerNorm
+    fc1: Linear
+    fc2: Linear
+
+
+@dataclass(frozen=True, slots=True)
+class VisionWeights:
+    patch_emb: Linear  # [enc_dim, patch_dim]
+    pos_emb: Tensor  # [1, n_patches, enc_dim]
+    blocks: tuple[VisionBlock, ...]
+    post_ln: LayerNorm
+    proj_fc1: Linear  # [proj_inner_dim, 2 * enc_dim]
+    proj_fc2: Linear  # [proj_out_dim, proj_inner_dim]
+
+
+@dataclass(frozen=True, slots=True)
+class TextBlock:
+    ln: LayerNorm
+    qkv: Linear
+    proj: Linear
+    fc1: Linear
+    fc2: Linear
+
+
+@dataclass(frozen=True, slots=True)
+class TextWeights:
+    wte: Tensor  # [vocab, dim]
+    blocks: tuple[TextBlock, ...]
+    post_ln: LayerNorm
+    lm_head: Linear  # [vocab, dim]
+
+
+@dataclass(frozen=True, slots=True)
+class RegionWeights:
+    coord_features: Tensor  # [1, coord_feat_dim / 2]
+    coord_encoder: Linear
+    coord_fc1: Linear
+    coord_fc2: Linear  # -> coord bins
+    size_features: Tensor  # [2, size_feat_dim / 2]
+    size_encoder: Linear
+    size_fc1: Linear
+    size_fc2: Linear  # -> 2 * size bins
+
+
+class _Reader:
+    """Pulls tensors out of a state dict, checking shapes against the config."""
+
+    def __init__(self, sd: Mapping[str, Tensor]) -> None:
+        self.sd = sd
+        self.used: set[str] = set()
+
+    def get(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        if name not in self.sd:
+            raise MissingWeightError(
+                f"checkpoint lacks tensor '{name}' (expected shape {list(shape)}); "
+                "is this a Moondream 2 checkpoint matching its config.json?"
+            )
+        t = self.sd[name]
+        if tuple(t.shape) != shape:
+            raise MissingWeightError(
+                f"tensor '{name}' has shape {list(t.shape)}, the config expects {list(shape)}"
+            )
+        self.used.add(name)
+        return t
+
+    def linear(self, prefix: str, n_out: int, n_in: int) -> Linear:
+        return Linear(self.get(f"{prefix}.weight", (n_out, n_in)), self.get(f"{prefix}.bias", (n_out,)))
+
+    def ln(self, prefix: str, dim: int) -> LayerNorm:
+        return LayerNorm(self.get(f"{prefix}.weight", (dim,)), self.get(f"{prefix}.bias", (dim,)))
+
+
+def _vision_weights(r: _Reader, cfg: MoondreamConfig) -> VisionWeights:
+    v = cfg.vision
+    c = v.enc_dim
+    blocks = []
+    for i in range(v.enc_n_layers):
+        p = f"vision.blocks.{i}"
+        blocks.append(
+            VisionBlock(
+                ln1=r.ln(f"{p}.ln1", c),
+                qkv=r.linear(f"{p}.attn.qkv", 3 * c, c),
+                proj=r.linear(f"{p}.attn.proj", c, c),
+                ln2=r.ln(f"{p}.ln2", c),
+                fc1=r.linear(f"{p}.mlp.fc1", v.enc_ff_dim, c),
+                fc2=r.linear(f"{p}.mlp.fc2", c, v.enc_ff_dim),
+            )
+        )
+    return VisionWeights(
+        patch_emb=r.linear("vision.patch_emb", c, v.patch_dim),
+        pos_emb=r.get("vision.pos_emb", (1, v.n_patches, c)),
+        blocks=tuple(blocks),
+        post_ln=r.ln("vision.post_ln", c),
+        proj_fc1=r.linear("vision.proj_mlp.fc1", v.proj_inner_dim, 2 * c),
+        proj_fc2=r.linear("vision.proj_mlp.fc2", v.proj_out_dim, v.proj_inner_dim),
+    )
+
+
+def _text_weights(r: _Reader, cfg: MoondreamConfig) -> TextWeights:
+    t = cfg.text
+    blocks = []
+    for i in range(t.n_layers):
+        p = f"text.blocks.{i}"
+        blocks.append(
+            TextBlock(
+                ln=r.ln(f"{p}.ln", t.dim),
+                qkv=r.linear(f"{p}.attn.qkv", t.qkv_dim, t.dim),
+                proj=r.linear(f"{p}.attn.proj", t.dim, t.dim),
+                fc1=r.linear(f"{p}.mlp.fc1", t.ff_dim, t.dim),
+                fc2=r.linear(f"{p}.mlp.fc2", t.dim, t.ff_dim),
+            )
+        )
+    return TextWeights(
+        wte=r.get("text.wte", (t.vocab_size, t.dim)),
+        blocks=tuple(blocks),
+        post_ln=r.ln("text.post_ln", t.dim),
+        lm_head=r.linear("text.lm_head", t.vocab_size, t.dim),
+    )
+
+
+def _region_weights(r: _Reader, cfg: MoondreamConfig) -> RegionWeights:
+    g = cfg.region
+    return RegionWeights(
+        coord_features=r.get("region.coord_features", (1, g.coord_feat_dim // 2)),
+        coord_encoder=r.linear("region.coord_encoder", g.dim, g.coord_feat_dim),
+        coord_fc1=r.linear("region.coord_decoder.fc1", g.inner_dim, g.dim),
+        coord_fc2=r.linear("region.coord_decoder.fc2", g.coord_out_dim, g.inner_dim),
+        size_features=r.get("region.size_features", (2, g.size_feat_dim // 2)),
+        size_encoder=r.linear("region.size_encoder", g.dim, g.size_feat_dim),
+        size_fc1=r.linear("region.size_decoder.fc1", g.inner_dim, g.dim),
+        size_fc2=r.linear("region.size_decoder.fc2", g.size_out_dim, g.inner_dim),
+    )
+
+
+def _count(obj: object) -> int:
+    """Number of parameters in a (nested) weight container."""
+    if isinstance(obj, Tensor):
+        return obj.numel()
+    if isinstance(obj, tuple):
+        return sum(_count(o) for o in obj)
+    if obj is None:
+        return 0
+    return sum(_count(getattr(obj, s)) for s in obj.__slots__)  # type: ignore[attr-defined]
+
+
+def _default_dtype(device: torch.device, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """design.md 5.7: float32 on CPU, the checkpoint's own dtype elsewhere (bf16 for MD2)."""
+    return torch.float32 if device.type == "cpu" else checkpoint_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class MoondreamModel:
+    """Config + the three weight towers. All tensors share one device and one dtype."""
+
+    config: MoondreamConfig
+    vision: VisionWeights
+    text: TextWeights
+    region: RegionWeights
+
+    @property
+    def device(self) -> torch.device:
+        return self.text.wte.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.text.wte.dtype
+
+    @classmethod
+    def from_state_dict(cls, sd: Mapping[str, Tensor], config: MoondreamConfig) -> MoondreamModel:
+        """Wrap the tensors of ``sd`` (native names, no ``model.`` prefix) without copying.
+
+        Raises MissingWeightError naming the first absent or mis-shaped tensor. Unknown extra
+        keys are ignored, as the reference does (it loads with strict=False).
+        """
+        r = _Reader(sd)
+        model = cls(
+            config=config,
+            vision=_vision_weights(r, config),
+            text=_text_weights(r, config),
+            region=_region_weights(r, config),
+        )
+        dtypes = {sd[n].dtype for n in r.used}
+        devices = {sd[n].device for n in r.used}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise MissingWeightError(
+                f"state dict mixes dtypes {sorted(map(str, dtypes))} / devices "
+                f"{sorted(map(str, devices))}; load it with one dtype and device"
+            )
+        return model
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        revision: str | None = None,
+    ) -> MoondreamModel:
+        """Load a checkpoint directory (or hub name) through ``kestrel.moondream.weights``.
+
+        ``dtype=None`` picks float32 on CPU and the checkpoint's dtype on accelerators.
+        """
+        from kestrel.moondream import weights as loader
+
+        device = torch.device(device)
+        ckpt = loader.resolve_checkpoint(name_or_path, revision=revision)
+        config = loader.load_config(ckpt)
+        sd = loader.load_state_dict(ckpt, config, device=device, dtype=dtype)
+        if dtype is None:
+            ckpt_dtype = next(iter(sd.values())).dtype
+            want = _default_dtype(device, ckpt_dtype)
+            if want != ckpt_dtype:
+                sd = {k: v.to(want) for k, v in sd.items()}
+        return cls.from_state_dict(sd, config)
+
+    def to(self, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        """A copy of the model with every tensor moved / cast (used for the bf16 check)."""
+        sd = self.state_dict()
+        sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+        return MoondreamModel.from_state_dict(sd, self.config)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Native-name state dict (no ``model.`` prefix) of the weights held."""
+        out: dict[str, Tensor] = {}
+        _flatten_into(out, "vision", self.vision)
+        _flatten_into(out, "text", self.text)
+        _flatten_into(out, "region", self.region)
+        return out
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Parameters per tower plus ``total``."""
+        counts = {
+            "vision": _count(self.vision),
+            "text": _count(self.text),
+            "region": _count(self.region),
+        }
+        counts["total"] = sum(counts.values())
+        return counts
+
+
+# Container field -> checkpoint name piece (where they differ).
+_NATIVE = {
+    "qkv": "attn.qkv",
+    "proj": "attn.proj",
+    "fc1": "mlp.fc1",
+    "fc2": "mlp.fc2",
+    "proj_fc1": "proj_mlp.fc1",
+    "proj_fc2": "proj_mlp.fc2",
+    "coord_fc1": "coord_decoder.fc1",
+    "coord_fc2": "coord_decoder.fc2",
+    "size_fc1": "size_decoder.fc1",
+    "size_fc2": "size_decoder.fc2",
+}
+
+
+def _flatten_into(out: dict[str, Tensor], prefix: str, obj: object) -> None:
+    if isinstance(obj, Tensor):
+        out[prefix] = obj
+        return
+    if obj is None:
+        return
+    if isinstance(obj, tuple):
+        for i, o in enumerate(obj):
+            _flatten_into(out, f"{prefix}.{i}", o)
+        return
+    for s in obj.__slots__:  # type: ignore[attr-defined]
+        _flatten_into(out, f"{prefix}.{_NATIVE.get(s, s)}", getattr(obj, s))

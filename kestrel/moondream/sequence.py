@@ -1,0 +1,114 @@
+"""Per-sequence state of the cached runtime and the prompt -> cache-token mapping.
+
+Kept apart from the runtime so the bookkeeping (what a sequence owns, which part of its prompt is
+cacheable) can be read and tested without the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kestrel.prefix_cache.namespace import CacheNamespace
+from kestrel.prefix_cache.tokens import CoordToken, ImageToken, SizeToken, TextToken
+
+if TYPE_CHECKING:
+    import torch
+
+    from kestrel.moondream.config import MoondreamConfig
+    from kestrel.moondream.lora import LoraAdapter
+    from kestrel.prefix_cache.radix_cache import TreeNode
+
+__all__ = [
+    "PromptToken",
+    "SequenceError",
+    "SequenceState",
+    "build_cache_tokens",
+    "cacheable_prefix",
+    "validate_image_regions",
+]
+
+PromptToken = TextToken | CoordToken | SizeToken
+
+
+class SequenceError(ValueError):
+    """A request the runtime cannot run as given (bad tokens, too long, released twice...)."""
+
+
+@dataclass(slots=True, eq=False)
+class SequenceState:
+    """One running sequence. Fields after ``image_regions`` are the prefix-cache bookkeeping.
+
+    Ownership: the first ``cache_owned_page_count`` pages of the row belong to the cache tree
+    (``reused_page_count`` of them were reused at start, the rest were inserted by this sequence);
+    every page after them is private to this row and is freed by ``release_sequence``. The
+    sequence holds exactly one lock, on ``cache_lock_node`` (None when the cache is off).
+    """
+
+    batch_idx: int
+    length: int  # KV positions written so far
+    max_length: int  # pages mapped for this row: prompt + max_new_tokens
+    prompt_length: int
+    namespace: CacheNamespace
+    adapter: LoraAdapter | None = None
+    last_hidden: torch.Tensor | None = None  # [dim] decoder output (pre post_ln) of the last step
+    image_regions: list[tuple[int, int]] = field(default_factory=list)
+    cache_tokens: list = field(default_factory=list)
+    cache_lock_node: TreeNode | None = None
+    cache_owned_page_count: int = 0
+    reused_page_count: int = 0
+    vision_encoded: bool = False
+    released: bool = False
+
+    @property
+    def remaining(self) -> int:
+        """Tokens that can still be fed before the row's pages run out."""
+        return self.max_length - self.length
+
+
+def validate_image_regions(regions: Sequence[tuple[int, int]], config: MoondreamConfig) -> None:
+    """Single-image mode: regions are ``[]`` or exactly ``[(1, prefix_len)]``."""
+    if not regions:
+        return
+    expected = (1, config.prefix_len)
+    if len(regions) != 1 or tuple(regions[0]) != expected:
+        raise SequenceError(
+            f"image_regions must be [] or [{expected}] (one image per prompt), got {list(regions)}"
+        )
+
+
+def build_cache_tokens(tokens: Sequence[PromptToken], image_hash: int | None, image_tokens: int):
+    """``[BOS, ImageToken(hash, image_tokens), text...]`` (no ImageToken for text-only)."""
+    out: list = [tokens[0]]
+    if image_hash is not None:
+        out.append(ImageToken(image_hash, image_tokens))
+    out.extend(tokens[1:])
+    return out
+
+
+def _canonical(tok: object, coord_bins: int, size_bins: int) -> bool:
+    """Whether a token's embedding is fully determined by its cache key.
+
+    Coordinates and sizes are keyed by their bins, but embedded from their float values. A token
+    is only safe to share when its float is the one its bin decodes to (``bin / coord_bins`` for
+    coordinates, the log-scale value for sizes); user-given spatial references in prompts are
+    usually off-grid, and two of them in the same bin must not share KV.
+    """
+    if isinstance(tok, CoordToken):
+        return tok.pos == tok.bin / coord_bins
+    if isinstance(tok, SizeToken):
+        def value(b: int) -> float:
+            return 2.0 ** (b / (size_bins - 1) * 10 - 10)
+
+        return tok.width == value(tok.width_bin) and tok.height == value(tok.height_bin)
+    return True
+
+
+def cacheable_prefix(cache_tokens: Sequence, coord_bins: int, size_bins: int) -> int:
+    """Number of leading cache tokens that may be matched and inserted: everything up to the
+    first coordinate/size token whose float is off its bin's grid."""
+    for i, tok in enumerate(cache_tokens):
+        if not _canonical(tok, coord_bins, size_bins):
+            return i
+    return len(cache_tokens)

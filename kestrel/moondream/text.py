@@ -1,0 +1,142 @@
+"""Moondream 2 text decoder (Phi-1.5 style) over the paged KV cache.
+
+Per block (parallel attention + MLP, one LayerNorm):
+    h = LN(x);  x = x + proj(Attn(rope(qkv(h)))) + fc2(GELU_tanh(fc1(h)))
+Attention goes through ``kestrel_kernels``: new K/V are written to their pages first, then every
+query row attends over its page table. The same function serves full prefill, append prefill and
+batched decode; the kernel's right-aligned causal rule plus the optional bidirectional region
+(BOS + image) provide the mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import kestrel_kernels
+from kestrel.moondream.config import TextConfig
+from kestrel.moondream.lora import LoraAdapter, LoraPair
+from kestrel.moondream.model import LayerNorm, Linear, TextWeights
+from kestrel.moondream.rope import apply_rope, rope_cos_sin
+
+__all__ = ["embed_text", "layer_norm", "linear", "lm_head", "text_forward"]
+
+LN_EPS = 1e-5
+
+
+class PagedKV(Protocol):
+    """What text_forward needs of the cache: per-layer [n_pages, n_kv_heads, head_dim] tensors."""
+
+    k: Sequence[Tensor]
+    v: Sequence[Tensor]
+
+
+def linear(x: Tensor, w: Linear) -> Tensor:
+    return F.linear(x, w.weight, w.bias)
+
+
+def layer_norm(x: Tensor, w: LayerNorm) -> Tensor:
+    return F.layer_norm(x, (x.shape[-1],), w.weight, w.bias, LN_EPS)
+
+
+def embed_text(ids: Tensor, w: TextWeights) -> Tensor:
+    """Raw wte lookup (no scaling, no position embedding): ids [...] -> [..., dim]."""
+    return F.embedding(ids, w.wte)
+
+
+def lm_head(hidden_BC: Tensor, w: TextWeights) -> Tensor:
+    """post_ln then the vocabulary projection: [B, dim] (pre-post_ln hidden) -> logits [B, V]."""
+    return linear(layer_norm(hidden_BC, w.post_ln), w.lm_head)
+
+
+# A LoRA plan: one (adapter, rows) entry per distinct adapter; rows None = every row.
+_LoraPlan = list[tuple[LoraAdapter, Tensor | None]]
+
+
+def _lora_plan(lora: Sequence[LoraAdapter | None] | None, batch: int, device) -> _LoraPlan:
+    if lora is None:
+        return []
+    if len(lora) != batch:
+        raise ValueError(f"lora has {len(lora)} entries for a batch of {batch} rows")
+    groups: dict[int, tuple[LoraAdapter, list[int]]] = {}
+    for row, adapter in enumerate(lora):
+        if adapter is not None:
+            groups.setdefault(id(adapter), (adapter, []))[1].append(row)
+    plan: _LoraPlan = []
+    for adapter, rows in groups.values():
+        idx = None if len(rows) == batch else torch.tensor(rows, device=device)
+        plan.append((adapter, idx))
+    return plan
+
+
+def _add_lora(out: Tensor, x: Tensor, plan: _LoraPlan, layer: int, module: str) -> Tensor:
+    """out += (x @ A.T) @ B.T for each adapter's rows (x, out: [B, T, *])."""
+    for adapter, rows in plan:
+        pair: LoraPair = getattr(adapter.layers[layer], module)
+        if rows is None:
+            out = out + F.linear(F.linear(x, pair.A), pair.B)
+        else:
+            delta = F.linear(F.linear(x.index_select(0, rows), pair.A), pair.B)
+            out = out.index_add(0, rows, delta)
+    return out
+
+
+def text_forward(
+    x_BTC: Tensor,
+    w: TextWeights,
+    cfg: TextConfig,
+    *,
+    positions_BT: Tensor,
+    kv: PagedKV,
+    slot_mapping: Tensor,
+    page_table: Tensor,
+    seqused_k: Tensor,
+    seqused_q: Tensor | None = None,
+    bidir_regions: Tensor | None = None,
+    lora: Sequence[LoraAdapter | None] | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Run the decoder over T new positions per row; return hidden states BEFORE post_ln.
+
+    x_BTC: input embeddings [B, T, dim]. positions_BT: int64 absolute positions (RoPE).
+    slot_mapping: int64 [B*T], the physical page of each (b, t) in row-major order (padding
+    entries point at scratch page 0). page_table: int32 [B, max_pages]; seqused_k: int32 [B],
+    the row's KV length after this call; seqused_q: int32 [B] valid queries per row or None;
+    bidir_regions: int32 [B, 2] (start, end) bidirectional KV range per row or None.
+    lora: None or one ``LoraAdapter | None`` per row. K/V of every layer are written to ``kv``.
+    """
+    B, T, C = x_BTC.shape
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    cos_BTR, sin_BTR = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta)
+    plan = _lora_plan(lora, B, x_BTC.device)
+    x = x_BTC
+    for i, blk in enumerate(w.blocks):
+        h = layer_norm(x, blk.ln)
+        qkv = _add_lora(linear(h, blk.qkv), h, plan, i, "qkv")  # [B, T, (H + 2Hkv) D]
+        q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+        q = apply_rope(q.view(B, T, H, D), cos_BTR, sin_BTR)  # [B, T, H, D]
+        k = apply_rope(k.view(B, T, Hkv, D), cos_BTR, sin_BTR)  # [B, T, Hkv, D]
+        kestrel_kernels.write_kv(
+            kv.k[i], kv.v[i], slot_mapping, k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D)
+        )
+        attn = kestrel_kernels.paged_attention(
+            q,
+            kv.k[i],
+            kv.v[i],
+            page_table,
+            seqused_k,
+            seqused_q=seqused_q,
+            causal=True,
+            bidir_regions=bidir_regions,
+            backend=backend,
+        )  # [B, T, H, D]
+        # proj LoRA reads the LN output h, not the attention output (reference quirk).
+        attn_out = _add_lora(linear(attn.reshape(B, T, C), blk.proj), h, plan, i, "proj")
+        ff = F.gelu(_add_lora(linear(h, blk.fc1), h, plan, i, "fc1"), approximate="tanh")
+        mlp_out = _add_lora(linear(ff, blk.fc2), ff, plan, i, "fc2")
+        x = x + attn_out + mlp_out
+    return x

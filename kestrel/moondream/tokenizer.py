@@ -1,0 +1,145 @@
+"""The Moondream 2 tokenizer ("starmie", byte-level BPE) and incremental detokenization.
+
+The reference prepends BOS and the prompt templates itself and uses ``encode(text).ids``
+verbatim, so :meth:`MoondreamTokenizer.encode` must never add special tokens: it encodes with
+``add_special_tokens=False``, which is identical to ``.encode(text).ids`` for starmie (its
+post-processor adds nothing) and still correct for a tokenizer whose post-processor would add
+BOS/EOS. Decoding skips special tokens by default, as the reference does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from .hub import CheckpointError, download_snapshot, looks_like_repo_id
+
+__all__ = ["DEFAULT_TOKENIZER_REPO", "MoondreamTokenizer", "StreamDecoder", "TokenizerError"]
+
+# The hub repo the reference always loads the MD2 tokenizer from.
+DEFAULT_TOKENIZER_REPO = "moondream/starmie-v1"
+TOKENIZER_FILE = "tokenizer.json"
+
+# Replacement character: what a decode ending in an incomplete UTF-8 sequence ends with.
+_REPLACEMENT = "\ufffd"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be loaded, or ids outside its vocabulary."""
+
+
+class MoondreamTokenizer:
+    """A thin wrapper over ``tokenizers.Tokenizer`` with the reference's encode/decode rules."""
+
+    __slots__ = ("_tok", "vocab_size")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> MoondreamTokenizer:
+        """Load a ``tokenizer.json`` file."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise TokenizerError(f"no tokenizer file at {path} (expected a tokenizer.json)")
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as exc:  # the Rust loader raises a plain Exception subclass
+            raise TokenizerError(f"cannot load tokenizer {path}: {exc}") from exc
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> MoondreamTokenizer:
+        """Load ``tokenizer.json`` from a model directory."""
+        return cls.from_file(Path(directory).expanduser() / TOKENIZER_FILE)
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | Path = DEFAULT_TOKENIZER_REPO, revision: str | None = None
+    ) -> MoondreamTokenizer:
+        """A local directory or tokenizer.json, else a hub repo (default ``moondream/starmie-v1``).
+
+        Hub downloads need huggingface_hub; offline or without it a CheckpointError explains how
+        to pass a local tokenizer.json instead.
+        """
+        path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            return cls.from_dir(path)
+        if path.is_file():
+            return cls.from_file(path)
+        if isinstance(name_or_path, Path) or not looks_like_repo_id(str(name_or_path)):
+            raise TokenizerError(f"no tokenizer at {path} (a directory or a tokenizer.json)")
+        snapshot = download_snapshot(
+            str(name_or_path),
+            revision=revision,
+            allow_patterns=[TOKENIZER_FILE],
+            what=TOKENIZER_FILE,
+        )
+        if not (snapshot / TOKENIZER_FILE).is_file():
+            raise CheckpointError(f"hub repo {name_or_path!r} has no {TOKENIZER_FILE}")
+        return cls.from_dir(snapshot)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without any special token added."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects str, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; incomplete UTF-8 byte sequences decode to U+FFFD."""
+        ids = list(ids)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise TokenizerError(
+                f"token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def stream_decoder(self, *, skip_special_tokens: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDecoder:
+    """Incremental detokenization for streaming: ``push`` ids one at a time, get new text.
+
+    Contract: ``"".join(push(i) for i in ids) + flush() == tokenizer.decode(ids)``, and no
+    returned piece ends in half a multi-byte character: while the decoded tail ends in U+FFFD
+    (an incomplete UTF-8 sequence, e.g. an emoji split over byte tokens) the text is held back
+    until a later token completes it, or until :meth:`flush`. Each push decodes only the ids
+    since the last emitted piece (plus that piece, as context for the decoder), so a stream of n
+    tokens costs O(n) decode work when text flows.
+    """
+
+    __slots__ = ("_ids", "_prefix", "_read", "_skip", "_tok")
+
+    def __init__(self, tokenizer: MoondreamTokenizer, *, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the already-emitted context window
+        self._read = 0  # ids before this are emitted
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        """Append one id; return the text that became final (may be empty)."""
+        self._ids.append(int(token_id))
+        seen = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(seen) or text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(seen) :]
+
+    def flush(self) -> str:
+        """Return everything held back (possibly ending in U+FFFD) and mark it emitted."""
+        seen = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(seen) :]

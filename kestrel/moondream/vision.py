@@ -1,0 +1,136 @@
+"""Moondream 2 vision tower: SigLIP-style encoder, local-feature stitching, pooling, projection.
+
+Input: normalized crops [N, 3, crop, crop] (index 0 = global crop, then the local tiles in
+row-major order) and the tiling (rows, cols). Output: ``n_patches`` image embeddings of the text
+width, which follow BOS in the prompt.
+
+Steps (moondream-architecture.md section 3):
+1. patchify: row-major patches, each flattened channel-major (c, py, px);
+2. encoder: patch_emb + pos_emb, pre-LN blocks with bidirectional attention, post_ln;
+3. stitch the local tiles' features, dropping ``overlap_margin`` patches on interior edges,
+   adaptive-average-pool the stitched grid to grid_side x grid_side;
+4. projection MLP (tanh-GELU) over [global features | pooled local features].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kestrel.moondream.config import VisionConfig
+from kestrel.moondream.model import VisionBlock, VisionWeights
+from kestrel.moondream.text import layer_norm, linear
+
+__all__ = [
+    "VisionOutputs",
+    "encode_image",
+    "encode_image_with_intermediates",
+    "patchify",
+    "pooled_local_features",
+    "vision_encoder",
+    "vision_projection",
+]
+
+
+class VisionInputError(ValueError):
+    """Crops whose count or shape does not match the tiling / config."""
+
+
+@dataclass(frozen=True, slots=True)
+class VisionOutputs:
+    features: Tensor  # [N, n_patches, enc_dim], encoder output after post_ln
+    proj_input: Tensor  # [n_patches, 2 * enc_dim], [global | pooled local]
+    img_emb: Tensor  # [n_patches, proj_out_dim]
+
+
+def patchify(pixels_NCHW: Tensor, patch: int) -> Tensor:
+    """[N, C, S, S] -> [N, (S/p)^2, C*p*p]; patch n = gy * (S/p) + gx, vector index c*p*p+py*p+px."""
+    N, C, S, _ = pixels_NCHW.shape
+    g = S // patch
+    x = pixels_NCHW.reshape(N, C, g, patch, g, patch)  # [N, C, gy, py, gx, px]
+    x = x.permute(0, 2, 4, 1, 3, 5)  # [N, gy, gx, C, py, px]
+    return x.reshape(N, g * g, C * patch * patch)
+
+
+def _attention(x_NPC: Tensor, blk: VisionBlock, n_heads: int) -> Tensor:
+    N, P, C = x_NPC.shape
+    D = C // n_heads
+    qkv = linear(x_NPC, blk.qkv)  # [N, P, 3C]
+    qkv = qkv.view(N, P, 3, n_heads, D).permute(2, 0, 3, 1, 4)  # [3, N, H, P, D]
+    out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [N, H, P, D]
+    out = out.transpose(1, 2).reshape(N, P, C)
+    return linear(out, blk.proj)
+
+
+def vision_encoder(pixels_NCHW: Tensor, w: VisionWeights, cfg: VisionConfig) -> Tensor:
+    """Encoder features after post_ln: [N, n_patches, enc_dim]. Crops are independent."""
+    x = linear(patchify(pixels_NCHW, cfg.enc_patch_size), w.patch_emb) + w.pos_emb
+    for blk in w.blocks:
+        x = x + _attention(layer_norm(x, blk.ln1), blk, cfg.enc_n_heads)
+        x = x + linear(F.gelu(linear(layer_norm(x, blk.ln2), blk.fc1), approximate="tanh"), blk.fc2)
+    return layer_norm(x, w.post_ln)
+
+
+def _keep_range(i: int, n: int, g: int, m: int) -> tuple[int, int]:
+    """Rows (or cols) of tile i of n kept when stitching: the margin is dropped on interior edges."""
+    return (0 if i == 0 else m), (g if i == n - 1 else g - m)
+
+
+def pooled_local_features(local_TPC: Tensor, tiling: tuple[int, int], cfg: VisionConfig) -> Tensor:
+    """Stitch the local tiles' features and pool them to the patch grid: -> [n_patches, C].
+
+    Output grid before pooling: (window * rows + 2m) x (window * cols + 2m) patches with
+    window = grid_side - 2m; every output cell comes from exactly one tile.
+    """
+    rows, cols = tiling
+    g, m = cfg.grid_side, cfg.overlap_margin
+    win = g - 2 * m
+    C = local_TPC.shape[-1]
+    tiles = local_TPC.view(rows, cols, g, g, C)
+    stitched = local_TPC.new_empty(win * rows + 2 * m, win * cols + 2 * m, C)
+    for i in range(rows):
+        ys, ye = _keep_range(i, rows, g, m)
+        for j in range(cols):
+            xs, xe = _keep_range(j, cols, g, m)
+            stitched[win * i + ys : win * i + ye, win * j + xs : win * j + xe] = tiles[
+                i, j, ys:ye, xs:xe
+            ]
+    pooled = F.adaptive_avg_pool2d(stitched.permute(2, 0, 1), (g, g))  # [C, g, g]
+    return pooled.permute(1, 2, 0).reshape(g * g, C)
+
+
+def vision_projection(z_PC: Tensor, w: VisionWeights) -> Tensor:
+    """Projection MLP: [n_patches, 2 * enc_dim] -> [n_patches, proj_out_dim]."""
+    return linear(F.gelu(linear(z_PC, w.proj_fc1), approximate="tanh"), w.proj_fc2)
+
+
+def _check_crops(pixels_NCHW: Tensor, tiling: tuple[int, int], cfg: VisionConfig) -> None:
+    rows, cols = tiling
+    want = (1 + rows * cols, cfg.in_channels, cfg.crop_size, cfg.crop_size)
+    if rows < 1 or cols < 1 or tuple(pixels_NCHW.shape) != want:
+        raise VisionInputError(
+            f"crops of shape {list(pixels_NCHW.shape)} do not match tiling {tuple(tiling)}: "
+            f"expected {list(want)} (1 global crop + rows*cols local crops)"
+        )
+
+
+def encode_image_with_intermediates(
+    pixels_NCHW: Tensor, tiling: tuple[int, int], w: VisionWeights, cfg: VisionConfig
+) -> VisionOutputs:
+    """Like encode_image, also returning encoder features and the projection input."""
+    _check_crops(pixels_NCHW, tiling, cfg)
+    pixels_NCHW = pixels_NCHW.to(device=w.pos_emb.device, dtype=w.pos_emb.dtype)
+    features = vision_encoder(pixels_NCHW, w, cfg)
+    local = pooled_local_features(features[1:], tiling, cfg)
+    proj_input = torch.cat([features[0], local], dim=-1)  # global first, then pooled local
+    return VisionOutputs(features, proj_input, vision_projection(proj_input, w))
+
+
+def encode_image(
+    pixels_NCHW: Tensor, tiling: tuple[int, int], w: VisionWeights, cfg: VisionConfig
+) -> Tensor:
+    """Normalized crops + tiling -> image embeddings [n_patches, proj_out_dim]."""
+    return encode_image_with_intermediates(pixels_NCHW, tiling, w, cfg).img_emb

@@ -1,0 +1,346 @@
+"""Moondream 2 checkpoint loading: a flat ``{native name: tensor}`` dict checked against the config.
+
+Native names are the module paths of the reference model without the Hugging Face wrapper's
+``model.`` prefix (``vision.blocks.0.attn.qkv.weight``, ``text.wte``, ``region.coord_features``);
+:func:`expected_shapes` lists all of them. Two on-disk layouts are read (architecture doc 7.1 and
+7.2): the native HF layout of ``vikhyatk/moondream2`` and the older training layout
+(``vision_encoder.…``, ``text_model.…``, ``region_model.…``), whose Fourier feature matrices are
+stored transposed. ``._orig_mod`` (torch.compile wrappers) is dropped from every name.
+
+Loading is memory-mapped: tensors are read one at a time, cast and moved once, so the peak host
+memory is the result plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .config import MoondreamConfig
+from .hub import CHECKPOINT_FILES, CheckpointError, download_snapshot, looks_like_repo_id
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointWarning",
+    "checkpoint_dtype",
+    "expected_shapes",
+    "load_config",
+    "load_state_dict",
+    "resolve_checkpoint",
+]
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+# Tensors the legacy layout stores transposed relative to the native one.
+_TRANSPOSED_IN_LEGACY = frozenset({"region.coord_features", "region.size_features"})
+_INT4_SUFFIXES = (".weight.packed", ".weight.scale", ".weight.zero_point")
+_NATIVE_ROOTS = ("vision.", "text.", "region.")
+_LEGACY_ROOTS = ("vision_encoder.", "text_model.", "region_model.")
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint that loads but holds tensors Kestrel does not use."""
+
+
+def _linear(prefix: str, out_f: int, in_f: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.weight": (out_f, in_f), f"{prefix}.bias": (out_f,)}
+
+
+def _norm(prefix: str, dim: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.weight": (dim,), f"{prefix}.bias": (dim,)}
+
+
+def expected_shapes(config: MoondreamConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the native layout (no ``model.`` prefix) and its shape, in load order."""
+    v, t, r = config.vision, config.text, config.region
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes.update(_linear("vision.patch_emb", v.enc_dim, v.patch_dim))
+    shapes["vision.pos_emb"] = (1, v.n_patches, v.enc_dim)
+    for i in range(v.enc_n_layers):
+        b = f"vision.blocks.{i}"
+        shapes.update(_norm(f"{b}.ln1", v.enc_dim))
+        shapes.update(_linear(f"{b}.attn.qkv", 3 * v.enc_dim, v.enc_dim))
+        shapes.update(_linear(f"{b}.attn.proj", v.enc_dim, v.enc_dim))
+        shapes.update(_norm(f"{b}.ln2", v.enc_dim))
+        shapes.update(_linear(f"{b}.mlp.fc1", v.enc_ff_dim, v.enc_dim))
+        shapes.update(_linear(f"{b}.mlp.fc2", v.enc_dim, v.enc_ff_dim))
+    shapes.update(_norm("vision.post_ln", v.enc_dim))
+    # The projection reads [global features, pooled local features]: twice the encoder width.
+    shapes.update(_linear("vision.proj_mlp.fc1", v.proj_inner_dim, 2 * v.enc_dim))
+    shapes.update(_linear("vision.proj_mlp.fc2", v.proj_out_dim, v.proj_inner_dim))
+
+    shapes["text.wte"] = (t.vocab_size, t.dim)
+    for i in range(t.n_layers):
+        b = f"text.blocks.{i}"
+        shapes.update(_norm(f"{b}.ln", t.dim))
+        shapes.update(_linear(f"{b}.attn.qkv", t.qkv_dim, t.dim))
+        shapes.update(_linear(f"{b}.attn.proj", t.dim, t.dim))
+        shapes.update(_linear(f"{b}.mlp.fc1", t.ff_dim, t.dim))
+        shapes.update(_linear(f"{b}.mlp.fc2", t.dim, t.ff_dim))
+    shapes.update(_norm("text.post_ln", t.dim))
+    shapes.update(_linear("text.lm_head", t.vocab_size, t.dim))
+
+    # Fourier features: cos and sin halves are concatenated, so the matrices are half-width.
+    shapes["region.coord_features"] = (1, r.coord_feat_dim // 2)
+    shapes.update(_linear("region.coord_encoder", r.dim, r.coord_feat_dim))
+    shapes.update(_linear("region.coord_decoder.fc1", r.inner_dim, r.dim))
+    shapes.update(_linear("region.coord_decoder.fc2", r.coord_out_dim, r.inner_dim))
+    shapes["region.size_features"] = (2, r.size_feat_dim // 2)
+    shapes.update(_linear("region.size_encoder", r.dim, r.size_feat_dim))
+    shapes.update(_linear("region.size_decoder.fc1", r.inner_dim, r.dim))
+    shapes.update(_linear("region.size_decoder.fc2", r.size_out_dim, r.inner_dim))
+    return shapes
+
+
+# Native name -> legacy name, applied in order (first match wins; \1 keeps block indices).
+_LEGACY_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), repl)
+    for pattern, repl in (
+        (r"^vision\.patch_emb\.", "vision_encoder.encoder.model.visual.patch_embed.linear."),
+        (r"^vision\.pos_emb$", "vision_encoder.encoder.model.visual.pos_embed"),
+        (r"^vision\.post_ln\.", "vision_encoder.encoder.model.visual.norm."),
+        (r"^vision\.blocks\.(\d+)\.ln1\.", r"vision_encoder.encoder.model.visual.blocks.\1.norm1."),
+        (r"^vision\.blocks\.(\d+)\.ln2\.", r"vision_encoder.encoder.model.visual.blocks.\1.norm2."),
+        (r"^vision\.blocks\.", "vision_encoder.encoder.model.visual.blocks."),
+        (r"^vision\.proj_mlp\.", "vision_encoder.projection.mlp."),
+        (r"^text\.wte$", "text_model.transformer.embd.wte.weight"),
+        (r"^text\.blocks\.(\d+)\.attn\.qkv\.", r"text_model.transformer.h.\1.mixer.Wqkv."),
+        (r"^text\.blocks\.(\d+)\.attn\.proj\.", r"text_model.transformer.h.\1.mixer.out_proj."),
+        (r"^text\.blocks\.", "text_model.transformer.h."),
+        (r"^text\.post_ln\.", "text_model.lm_head.ln."),
+        (r"^text\.lm_head\.", "text_model.lm_head.linear."),
+        (r"^region\.coord_features$", "region_model.coordinate_features.weight"),
+        (r"^region\.size_features$", "region_model.size_features.weight"),
+        (r"^region\.coord_", "region_model.coordinate_"),
+        (r"^region\.", "region_model."),
+    )
+)
+
+
+def _legacy_name(native: str) -> str:
+    for pattern, repl in _LEGACY_RULES:
+        if pattern.search(native):
+            return pattern.sub(repl, native, count=1)
+    raise AssertionError(f"no legacy name rule for {native}")  # expected_shapes is closed
+
+
+def _native_key(key: str) -> str:
+    key = key.replace("._orig_mod", "")
+    return key.removeprefix("model.")
+
+
+def _weights_file(path: str | Path) -> Path:
+    path = Path(path).expanduser()
+    file = path / WEIGHTS_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise CheckpointError(
+            f"no checkpoint at {file}: expected a {WEIGHTS_FILE} file or a directory holding "
+            f"one (with its {CONFIG_FILE})"
+        )
+    return file
+
+
+def _check_not_int4(config: MoondreamConfig, keys: list[str] | None = None) -> None:
+    quantized = config.text.group_size is not None or config.region.group_size is not None
+    packed = [k for k in keys or () if k.endswith(_INT4_SUFFIXES)]
+    if quantized or packed:
+        found = f" (found {packed[0]!r} and {len(packed) - 1} more)" if packed else ""
+        raise CheckpointError(
+            "int4 group_size checkpoints are not supported yet"
+            f"{found}; use the unquantized 16-bit model.safetensors of the same release"
+        )
+
+
+def _source_map(keys: list[str], file: Path) -> tuple[dict[str, str], bool]:
+    """Detect the layout and map (renamed) names to file keys: (name -> key, legacy?)."""
+    stripped = {k: k.replace("._orig_mod", "") for k in keys}
+    if any(_native_key(k).startswith(_NATIVE_ROOTS) for k in keys):
+        legacy, rename = False, {k: _native_key(k) for k in keys}
+    elif any(s.startswith(_LEGACY_ROOTS) for s in stripped.values()):
+        legacy, rename = True, stripped
+    else:
+        raise CheckpointError(
+            f"{file} is not a Moondream 2 checkpoint: no key starts with {_NATIVE_ROOTS} "
+            f"(native layout) or {_LEGACY_ROOTS} (legacy layout); first keys: {sorted(keys)[:3]}"
+        )
+    out: dict[str, str] = {}
+    for key, name in rename.items():
+        if name in out:
+            raise CheckpointError(f"{file} holds {name!r} twice (as {out[name]!r} and {key!r})")
+        out[name] = key
+    return out, legacy
+
+
+def _resolve_sources(
+    keys: list[str], config: MoondreamConfig, file: Path
+) -> tuple[dict[str, str], bool, list[str]]:
+    """native name -> file key for every expected tensor, the layout, and the unused keys."""
+    by_name, legacy = _source_map(keys, file)
+    expected = expected_shapes(config)
+    on_disk = {n: (_legacy_name(n) if legacy else n) for n in expected}
+    sources = {n: by_name[d] for n, d in on_disk.items() if d in by_name}
+    wanted = set(on_disk.values())
+    extra = sorted(key for name, key in by_name.items() if name not in wanted)
+    missing = [n for n in expected if n not in sources]
+    if missing:
+        shown = ", ".join(repr(_legacy_name(n) if legacy else n) for n in missing[:5])
+        raise CheckpointError(
+            f"{file} lacks {len(missing)} of the {len(expected)} tensors the config expects "
+            f"({'legacy' if legacy else 'native'} layout), e.g. {shown}; is config.json the one "
+            "that belongs to this checkpoint?"
+        )
+    return sources, legacy, extra
+
+
+def _report_extra(extra: list[str], file: Path, strict: bool) -> None:
+    if not extra:
+        return
+    msg = f"{file} holds {len(extra)} tensor(s) Kestrel does not use, e.g. {extra[:5]}"
+    if strict:
+        raise CheckpointError(msg + " (strict=True)")
+    warnings.warn(msg + "; they are ignored", CheckpointWarning, stacklevel=3)
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"cannot read {file} as safetensors ({exc}); the file is corrupt or incomplete "
+            "(re-download it)"
+        ) from exc
+
+
+def load_state_dict(
+    path: str | Path,
+    config: MoondreamConfig,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    strict: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of :func:`expected_shapes` from ``path`` (a file or its directory).
+
+    ``dtype=None`` keeps the checkpoint's dtype. Unknown extra tensors are ignored with a
+    :class:`CheckpointWarning` (``strict=True`` raises instead). Raises CheckpointError for a
+    missing or unreadable file, an unrecognized layout, missing tensors, a shape mismatch, or an
+    int4 quantized checkpoint. Shapes are checked from the header before any tensor is read.
+    """
+    file = _weights_file(path)
+    _check_not_int4(config)
+    expected = expected_shapes(config)
+    with _open(file) as f:
+        keys = list(f.keys())
+        _check_not_int4(config, keys)
+        sources, legacy, extra = _resolve_sources(keys, config, file)
+        for name, key in sources.items():
+            shape = tuple(f.get_slice(key).get_shape())
+            if legacy and name in _TRANSPOSED_IN_LEGACY:
+                shape = shape[::-1]
+            if shape != expected[name]:
+                raise CheckpointError(
+                    f"{file}: tensor {key!r} has shape {list(shape)} but the config expects "
+                    f"{list(expected[name])} for {name!r}; is config.json the one that belongs "
+                    "to this checkpoint?"
+                )
+        _report_extra(extra, file, strict)
+        out: dict[str, torch.Tensor] = {}
+        for name, key in sources.items():
+            try:
+                tensor = f.get_tensor(key)
+            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                raise CheckpointError(f"cannot read tensor {key!r} from {file}: {exc}") from exc
+            if not tensor.is_floating_point():
+                raise CheckpointError(f"{file}: tensor {key!r} has non-float dtype {tensor.dtype}")
+            if legacy and name in _TRANSPOSED_IN_LEGACY:
+                tensor = tensor.T
+            out[name] = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()
+    return out
+
+
+def checkpoint_dtype(path: str | Path) -> torch.dtype:
+    """The floating dtype of the checkpoint's tensors, read from the safetensors header only.
+
+    With mixed float dtypes the one holding the most elements wins.
+    """
+    file = _weights_file(path)
+    try:
+        with file.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 100_000_000:
+                raise ValueError(f"implausible header length {n}")
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, struct.error) as exc:
+        raise CheckpointError(f"cannot read the safetensors header of {file}: {exc}") from exc
+    counts: dict[torch.dtype, int] = {}
+    for name, info in header.items():
+        if name == "__metadata__" or not isinstance(info, dict):
+            continue
+        dt = _SAFETENSORS_DTYPES.get(str(info.get("dtype")))
+        if dt is not None:
+            numel = 1
+            for d in info.get("shape", ()):
+                numel *= int(d)
+            counts[dt] = counts.get(dt, 0) + numel
+    if not counts:
+        raise CheckpointError(f"{file} holds no floating point tensors")
+    return max(counts, key=counts.__getitem__)
+
+
+def load_config(path: str | Path) -> MoondreamConfig:
+    """The model config for a checkpoint: its directory's ``config.json`` ``"config"`` entry.
+
+    ``path`` is a checkpoint directory, its ``model.safetensors`` or the ``config.json`` itself.
+    When the directory has no config.json the production defaults are returned: the official
+    ``vikhyatk/moondream2`` config.json carries ``"config": {}``, so the defaults are exactly what
+    it describes. A small or custom checkpoint without its config.json then fails in
+    :func:`load_state_dict` with a shape mismatch that names the tensor.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        cfg = path / CONFIG_FILE
+    elif path.suffix == ".json":
+        cfg = path
+    else:
+        cfg = path.parent / CONFIG_FILE
+    if not cfg.is_file():
+        if path.suffix == ".json" or not path.exists():
+            raise CheckpointError(f"no config at {cfg}")
+        return MoondreamConfig()
+    return MoondreamConfig.from_json_file(cfg)
+
+
+def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) -> Path:
+    """A local checkpoint path (directory or file) for a path or a Hugging Face repo id.
+
+    Existing local paths are returned as given. Other ``owner/name`` strings are downloaded
+    (only model.safetensors, config.json and tokenizer.json) with huggingface_hub, or taken from
+    its cache when ``HF_HUB_OFFLINE=1``. Raises CheckpointError with instructions otherwise.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    if isinstance(name_or_path, Path) or not looks_like_repo_id(str(name_or_path)):
+        raise CheckpointError(
+            f"no such checkpoint path: {path} (expected a directory holding {WEIGHTS_FILE} and "
+            f"{CONFIG_FILE}, a {WEIGHTS_FILE} file, or a hub repo id like 'vikhyatk/moondream2')"
+        )
+    return download_snapshot(
+        str(name_or_path),
+        revision=revision,
+        allow_patterns=CHECKPOINT_FILES,
+        what=f"{WEIGHTS_FILE} and {CONFIG_FILE}",
+    )

@@ -1,0 +1,152 @@
+"""The prefix cache contract, stated once.
+
+Every implementation (today only :class:`~kestrel.prefix_cache.radix_cache.RadixPrefixCache`)
+follows the rules below; the implementation docstrings stay terse and refer here.
+
+Threading
+    All calls come from one thread (the scheduler's). Nothing here takes a mutex.
+
+Page ownership (page_size is 1, so a page is one KV position)
+    Every physical page except the padding page 0 is in exactly one state:
+
+    * free: in the page table's free pool;
+    * cache-owned: held by exactly one tree node; any number of batch rows may map it;
+    * batch-private: mapped by exactly one batch row and owned by nobody else.
+
+    ``insert`` moves batch-private pages to cache-owned (without touching the page table);
+    ``evict`` moves cache-owned pages back to the free pool through
+    ``page_table.free_pages_to_pool``; ``PageTable.erase(row, cached_page_count)`` frees only
+    the row's pages after its leading ``cached_page_count`` (which are cache-owned). A row's
+    cache-owned pages therefore always form a prefix of the row.
+
+Locks
+    ``lock(node)`` adds one reference to ``node`` and every ancestor up to its namespace root;
+    ``unlock`` removes it. A node with ``lock_ref > 0`` is never evicted, and since a parent's
+    count is at least each child's, a locked node's whole path stays too. Locks protect pages
+    but never own them. ``unlock`` below zero raises ``CacheLockError`` and changes nothing.
+
+The runtime protocol (one request; design.md 3.4, seed ``start_sequence``)
+    1. ``m = match_prefix(cache_tokens, ns)`` (may split a node; never creates a namespace).
+    2. ``skip = min(m.matched_kv_length, prompt_len - 1)``: on a full-prompt hit the last
+       position is recomputed into a private page to get logits.
+    3. Allocate a batch row, ``map_pages(row, 0, m.matched_pages[:skip])``.
+    4. Temporary lock: ``lock(m.last_node)`` (a no-op on a miss, where it is ``None``).
+    5. ``allocate_pages(target_len - skip)`` (may evict unlocked leaves), map them, prefill.
+    6. Unless the whole prompt was already cached: ``r = insert(cache_tokens,
+       get_pages(row, 0, prompt_len), ns, from_node=m.last_node,
+       from_token_idx=m.matched_token_count, from_page_idx=skip)``.
+    7. Lock transfer, keeping exactly one lock: on a miss ``lock(r.node)``; if ``r.node is
+       m.last_node`` keep the temporary lock (identity case); else ``lock(r.node)`` then
+       ``unlock(m.last_node)``.
+    8. ``cache_owned_page_count = skip + r.inserted_pages`` (``skip`` on a full-prompt hit).
+    9. Release: one ``unlock(lock_node)`` then ``erase(row, cache_owned_page_count)``.
+
+    Any failure between 1 and 8 unlocks what it locked and erases the row with the
+    cache-owned count reached so far: nothing leaks.
+
+    Admission: a request that will lock its matched path and back off one position can need
+    one page more than ``target_len`` counted against free + reclaimable pages; admit with
+    ``can_reserve_with_eviction(target_len + 1)`` or re-check after the temporary lock.
+
+Insert semantics
+    ``insert`` walks the existing path from ``from_node`` and claims only pages for tokens
+    that have no node yet. While walking it checks page identity: if the caller's pages for
+    an existing node's span are not exactly that node's pages (a duplicate prefill), it stops,
+    claims nothing more, and returns the deepest node whose pages the caller shares, with
+    ``inserted_pages == 0``. The caller's duplicate pages stay batch-private and are freed at
+    release; its lock never moves onto the other request's node.
+
+Counters (all O(1), maintained incrementally)
+    ``total_cached_pages``: pages in all nodes. ``evictable_page_count()``: pages in unlocked
+    leaves (freeable right now). ``reclaimable_page_count()``: pages in every unlocked node
+    (freeable by cascading leaf eviction). Admission uses free + reclaimable.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from .namespace import CacheNamespace
+    from .radix_cache import InsertResult, MatchResult, TreeNode
+    from .tokens import CacheToken
+
+__all__ = ["BasePrefixCache", "CacheIntegrityError", "CacheLockError", "InsertError"]
+
+
+class CacheLockError(RuntimeError):
+    """A lock or unlock that would break the lock discipline (underflow, evicted node)."""
+
+
+class InsertError(ValueError):
+    """``insert`` was called with tokens, pages or a start point that do not agree."""
+
+
+class CacheIntegrityError(AssertionError):
+    """``check_integrity`` found a violated invariant (design.md section 4)."""
+
+
+class BasePrefixCache(ABC):
+    """Abstract prefix cache; see the module docstring for the full contract."""
+
+    @abstractmethod
+    def match_prefix(
+        self, tokens: Sequence[CacheToken], namespace: CacheNamespace | None = None
+    ) -> MatchResult:
+        """Longest cached prefix of ``tokens`` in ``namespace`` (default: base model, no image).
+
+        Mutates: may split one node so the match ends on a node boundary; refreshes the access
+        time of the matched path. Never creates a namespace root. Locks nothing.
+        """
+
+    @abstractmethod
+    def insert(
+        self,
+        tokens: Sequence[CacheToken],
+        pages: Sequence[int],
+        namespace: CacheNamespace | None = None,
+        from_node: TreeNode | None = None,
+        from_token_idx: int = 0,
+        from_page_idx: int = 0,
+    ) -> InsertResult:
+        """Cache ``tokens`` whose KV lives in ``pages`` (one page per KV position).
+
+        ``from_node`` / ``from_token_idx`` / ``from_page_idx`` resume from a match (pass the
+        match's last node, token count and ``skip``). Creates the namespace root if needed.
+        Returns the node ending at the deepest position the caller's pages are cached for and
+        how many of the caller's pages the cache claimed; the caller adds that to ``skip`` for
+        its ``cache_owned_page_count``. New nodes start unlocked.
+        """
+
+    @abstractmethod
+    def lock(self, node: TreeNode | None) -> None:
+        """Add a reference to ``node`` and its ancestors; ``None`` is a no-op."""
+
+    @abstractmethod
+    def unlock(self, node: TreeNode | None) -> None:
+        """Drop a reference taken by ``lock``; ``None`` is a no-op; underflow raises."""
+
+    @abstractmethod
+    def evict(self, needed_pages: int) -> int:
+        """Evict unlocked leaves (LRU first, cascading upward) until ``needed_pages`` are freed
+        or nothing evictable is left; returns the pages actually freed (may exceed the need)."""
+
+    @abstractmethod
+    def evictable_page_count(self) -> int:
+        """Pages in unlocked leaves. O(1)."""
+
+    @abstractmethod
+    def reclaimable_page_count(self) -> int:
+        """Pages in all unlocked nodes (reachable by cascading eviction). O(1)."""
+
+    @property
+    @abstractmethod
+    def total_cached_pages(self) -> int:
+        """Pages owned by the cache. O(1)."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Walk everything and raise ``CacheIntegrityError`` on any violated invariant."""

@@ -1,0 +1,161 @@
+"""Executable invariants of the prefix cache and the page table (design.md section 4).
+
+``check_cache_integrity(cache)`` walks every tree, recomputes every counter, and then hands the
+set of cache-owned pages to ``page_table.check_integrity`` for the page-state partition. It is
+O(pages + nodes): tests call it after every step, the engine when idle (debug flag).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from .base import CacheIntegrityError
+
+if TYPE_CHECKING:
+    from .radix_cache import RadixPrefixCache, TreeNode
+
+__all__ = ["check_cache_integrity", "check_page_table"]
+
+
+def _fail(msg: str) -> None:
+    raise CacheIntegrityError(msg)
+
+
+def _check_root(ns, root: TreeNode) -> None:
+    if root.namespace != ns or root.parent is not None or root.detached:
+        _fail(f"root of {ns} is malformed: {root!r} (namespace={root.namespace})")
+    if root.tokens or root.physical_pages:
+        _fail(f"root of {ns} holds tokens or pages")
+    if not root.children and root.lock_ref == 0:
+        _fail(f"empty unlocked root of {ns} was not pruned")
+
+
+def _check_node(node: TreeNode, parent: TreeNode) -> None:
+    from .radix_cache import _keys, _kv_length
+
+    if node.detached or node.namespace is not None:
+        _fail(f"{node!r} in the tree is detached or carries a namespace")
+    if node.parent is not parent:
+        _fail(f"{node!r} has a wrong parent pointer")
+    if not node.tokens:
+        _fail(f"{node!r} has no tokens")
+    if node.keys != _keys(node.tokens):
+        _fail(f"{node!r}: cached keys differ from its tokens' keys")
+    if len(node.physical_pages) != _kv_length(node.tokens):
+        _fail(
+            f"{node!r}: {len(node.physical_pages)} pages for "
+            f"{_kv_length(node.tokens)} KV positions"
+        )
+    if node.lock_ref < 0:
+        _fail(f"{node!r} has a negative lock_ref")
+
+
+def _walk(cache: RadixPrefixCache) -> tuple[dict[int, TreeNode], list[int]]:
+    """Check structure; return the page -> owner map and [total, evictable, reclaimable, nodes]."""
+    owner: dict[int, TreeNode] = {}
+    counts = [0, 0, 0, 0]
+    live = cache._policy.live_nodes()
+    n_pages = len(cache._owned)
+    for ns, root in cache._trees.items():
+        _check_root(ns, root)
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            child_locks = 0
+            for key, child in node.children.items():
+                _check_node(child, node)
+                if child.keys[0] != key:
+                    _fail(f"{child!r} is stored under key {key}, its first key is {child.keys[0]}")
+                child_locks += child.lock_ref
+                stack.append(child)
+            if node.lock_ref < child_locks:
+                _fail(f"{node!r}: lock_ref {node.lock_ref} < its children's total {child_locks}")
+            if node is root:
+                continue
+            for p in node.physical_pages:
+                if not 1 <= p < n_pages:
+                    _fail(f"{node!r} holds page {p} outside 1..{n_pages - 1}")
+                if p in owner:
+                    _fail(f"page {p} is held by two nodes: {owner[p]!r} and {node!r}")
+                if not cache._owned[p]:
+                    _fail(f"page {p} of {node!r} is not flagged as cache-owned")
+                owner[p] = node
+            k = len(node.physical_pages)
+            counts[0] += k
+            counts[3] += 1
+            if node.lock_ref == 0:
+                counts[2] += k
+                if not node.children:
+                    counts[1] += k
+                    if id(node) not in live:
+                        _fail(f"evictable leaf {node!r} has no live eviction-heap entry")
+    return owner, counts
+
+
+def check_cache_integrity(cache: RadixPrefixCache) -> None:
+    owner, (total, evictable, reclaimable, nodes) = _walk(cache)
+    got = (
+        cache.total_cached_pages,
+        cache.evictable_page_count(),
+        cache.reclaimable_page_count(),
+        cache.node_count,
+    )
+    want = (total, evictable, reclaimable, nodes)
+    names = ("total_cached_pages", "evictable", "reclaimable", "node_count")
+    for name, g, w in zip(names, got, want, strict=True):
+        if g != w:
+            _fail(f"counter {name} is {g} but a full walk finds {w}")
+    flagged = sum(cache._owned)
+    if flagged != len(owner):
+        _fail(f"{flagged} pages flagged cache-owned but the trees hold {len(owner)}")
+    cache.page_table.check_integrity(cache_owned=owner)
+
+
+def check_page_table(pt, cache_owned: Mapping[int, object]) -> None:
+    """Every page but 0 is exactly one of free / cache-owned / private to one row; rows are
+    mirrored in the device tensor; a row's cache-owned pages come first."""
+    n = pt.n_pages
+    is_free = pt._is_free
+    free = pt._free
+    free_set = set(free)
+    if len(free_set) != len(free):
+        _fail("the free pool lists a page twice")
+    if is_free[0] or 0 in free_set:
+        _fail("padding page 0 is in the free pool")
+    if sum(is_free) != len(free) or any(not is_free[p] for p in free):
+        _fail("free-page flags disagree with the free pool")
+    both = next((p for p in cache_owned if is_free[p]), None)
+    if both is not None:
+        _fail(f"page {both} is both free and cache-owned")
+    private: dict[int, int] = {}
+    host = pt.page_table.cpu().tolist()
+    for b, row in enumerate(pt.page_table_cpu):
+        if b == 0 or not pt._active[b]:
+            if row or any(host[b]):
+                _fail(f"inactive batch row {b} still maps pages")
+            continue
+        if host[b][: len(row)] != row or any(host[b][len(row) :]):
+            _fail(f"device page_table row {b} is out of sync with page_table_cpu")
+        seen_private = False
+        for pos, p in enumerate(row):
+            if not 1 <= p < n or is_free[p]:
+                _fail(f"row {b} position {pos} maps page {p}, which is padding, invalid or free")
+            if p in cache_owned:
+                if seen_private:
+                    _fail(f"row {b}: cache-owned page {p} after a private page (erase would free it)")
+            else:
+                seen_private = True
+                if p in private:
+                    _fail(f"private page {p} is mapped twice (rows {private[p]} and {b})")
+                private[p] = b
+    inactive = {b for b in range(1, pt.max_batch_size + 1) if not pt._active[b]}
+    if set(pt._free_rows) != inactive or len(pt._free_rows) != len(inactive):
+        _fail("free batch rows disagree with the active flags")
+    total = len(free) + len(cache_owned) + len(private)
+    if total != n - 1:
+        leaked = sorted(set(range(1, n)) - free_set - set(cache_owned) - set(private))
+        _fail(
+            f"free {len(free)} + cache-owned {len(cache_owned)} + private {len(private)} = "
+            f"{total} != {n - 1} usable pages; leaked pages: {leaked[:20]}"
+        )

@@ -1,0 +1,145 @@
+"""Attention / KV-write kernels behind one contract (see ``kestrel_kernels.contract``).
+
+Backends: ``"torch"`` (the reference: page-table gather, explicit mask, SDPA; CPU and GPU) and
+``"fa"`` (FlashAttention on Hopper sm90; alias ``"fa3"``). ``"auto"`` picks ``"fa"`` for
+float16/bfloat16 inputs on an sm90 GPU whose FlashAttention package imports, else ``"torch"``.
+FlashAttention is imported lazily by the ``fa`` backend, so importing this package on a CPU
+machine never touches it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kestrel_kernels import fa_backend, torch_backend
+from kestrel_kernels.contract import (
+    BackendUnavailableError,
+    KernelInputError,
+    default_scale,
+    validate_attention_inputs,
+    validate_write_kv_inputs,
+)
+
+__all__ = [
+    "BackendUnavailableError",
+    "KernelInputError",
+    "available_backends",
+    "get_default_backend",
+    "paged_attention",
+    "resolve_backend",
+    "set_default_backend",
+    "write_kv",
+]
+
+_BACKENDS = ("torch", "fa")
+_ALIASES = {"fa3": "fa", "auto": "auto", "torch": "torch", "fa": "fa"}
+_default_backend = "auto"
+
+
+def _canonical(name: str) -> str:
+    if not isinstance(name, str) or name.lower() not in _ALIASES:
+        raise KernelInputError(
+            f"unknown attention backend {name!r}; choose one of 'auto', 'torch', 'fa'"
+        )
+    return _ALIASES[name.lower()]
+
+
+def set_default_backend(name: str) -> None:
+    """Set what ``backend="auto"`` means in this process: "auto" (default), "torch" or "fa"."""
+    global _default_backend
+    _default_backend = _canonical(name)
+
+
+def get_default_backend() -> str:
+    return _default_backend
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backends that can run on ``device`` (default: the current CUDA device if any, else CPU)."""
+    found = fa_backend.probe(device) if device is not None or torch.cuda.is_available() else None
+    return ["torch", "fa"] if found is not None and found.ok else ["torch"]
+
+
+def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> str:
+    """Turn a backend name into the concrete backend used on ``device``.
+
+    ``"auto"`` gives ``"fa"`` when FlashAttention can run on ``device`` (CUDA sm90, package
+    importable), else ``"torch"``. ``"fa"`` where it cannot run raises ``BackendUnavailableError``
+    with the reason. ``device=None`` means the current CUDA device if any, else CPU.
+    """
+    name = _canonical(name)
+    if name == "auto":
+        name = _default_backend
+    if name == "torch":
+        return "torch"
+    if device is None and not torch.cuda.is_available():
+        device = "cpu"
+    found = fa_backend.probe(device)
+    if found.ok:
+        return "fa"
+    if name == "fa":
+        raise BackendUnavailableError(f"attention backend 'fa' cannot run: {found.reason}")
+    return "torch"
+
+
+def _backend_for(backend: str, q: Tensor) -> str:
+    name = _canonical(backend)
+    explicit = name != "auto" or _default_backend != "auto"
+    resolved = resolve_backend(name, q.device)
+    if resolved == "fa" and not explicit and q.dtype not in (torch.float16, torch.bfloat16):
+        return "torch"  # auto never sends float32 to a kernel that cannot take it
+    return resolved
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    seqused_k: Tensor,
+    *,
+    seqused_q: Tensor | None = None,
+    causal: bool = True,
+    bidir_regions: Tensor | None = None,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Attention of ``q`` over one layer's paged K/V; returns ``[B, Lq, Hq, D]``.
+
+    Shapes: ``q`` ``[B, Lq, Hq, D]``; ``k_cache``/``v_cache`` ``[n_pages, Hkv, D]``;
+    ``page_table`` int32 ``[B, max_pages]``; ``seqused_k`` int32 ``[B]`` (keys per row, this
+    call's new keys included, already written with ``write_kv``); ``seqused_q`` int32 ``[B]``
+    (real queries per row, None = all ``Lq``); ``bidir_regions`` int32 ``[B, 2]`` of
+    ``(start, end)`` (``start >= end`` = none). Masking: query ``i`` of a row sits at
+    ``p = seqused_k - seqused_q + i`` and sees keys ``j <= p``, plus all of ``[start, end)`` when
+    ``start <= p < end``; ``causal=False`` sees every valid key. Padding query rows are zeros.
+    ``softmax_scale`` defaults to ``1/sqrt(D)``. Bad inputs raise ``KernelInputError``.
+    """
+    shape = validate_attention_inputs(
+        q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions
+    )
+    scale = default_scale(shape.head_dim, softmax_scale)
+    kwargs = dict(
+        seqused_q=seqused_q, causal=causal, bidir_regions=bidir_regions, softmax_scale=scale
+    )
+    if _backend_for(backend, q) == "fa":
+        if q.numel() == 0:
+            return torch.zeros_like(q)
+        return fa_backend.paged_attention_fa(
+            q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs
+        )
+    return torch_backend.paged_attention_torch(
+        q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs
+    )
+
+
+def write_kv(k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
+    """Write new keys/values in place: ``k_cache[slot_mapping[n]] = k[n]`` (same for v).
+
+    ``slot_mapping``: int32/int64 ``[N]`` physical page per new position; ``k``, ``v``:
+    ``[N, Hkv, D]`` in the caches' dtype. Slots < 0 are padding and are skipped: no page changes
+    because of them (page 0, the reserved padding page, included). Shared by every backend.
+    """
+    validate_write_kv_inputs(k_cache, v_cache, slot_mapping, k, v)
+    torch_backend.write_kv_indexed(k_cache, v_cache, slot_mapping, k, v)

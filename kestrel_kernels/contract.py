@@ -1,0 +1,324 @@
+"""The attention / KV-write contract shared by every backend.
+
+``paged_attention(q, k_cache, v_cache, page_table, seqused_k, *, seqused_q, causal, bidir_regions,
+softmax_scale)`` with
+
+- ``q_BLHD``: ``[B, Lq, Hq, D]``; row ``b`` holds ``seqused_q[b]`` real queries (all ``Lq`` when
+  ``seqused_q`` is None), the rest is padding and comes back as zeros.
+- ``k_cache`` / ``v_cache``: ``[n_pages, Hkv, D]``, one layer's paged storage; page_size is 1, so a
+  physical page is one position. ``Hq`` is a multiple of ``Hkv``: KV head ``h`` serves query heads
+  ``[h*g, (h+1)*g)`` with ``g = Hq // Hkv``.
+- ``page_table``: int32 ``[B, max_pages]``, logical position -> physical page (padding = page 0).
+- ``seqused_k``: int32 ``[B]``, valid keys per row, this call's new keys included.
+
+Masking rule (right-aligned causal). Query ``i`` of row ``b`` (``Lb = seqused_q[b]``,
+``K = seqused_k[b]``) sits at absolute position ``p = K - Lb + i`` and sees keys ``j <= p``. With
+``bidir_regions[b] = (s, e)`` (``s >= e`` means none), a query with ``s <= p < e`` additionally sees
+every key ``j`` with ``s <= j < min(e, K)``. With ``causal=False`` every real query sees ``0..K-1``.
+The one rule serves full prefill (``Lq = K``), append prefill (cached prefix + new suffix in one
+call), decode (``Lq = 1``) and varlen batches.
+
+Segment decomposition (how a kernel without mask functions serves the rule): for one region
+``(s, e)`` the queries of a row split into at most three runs -- before ``s`` (causal), inside
+``[s, e)`` (they see exactly keys ``[0, min(e, K))``, non-causally) and from ``e`` on (causal). Each
+run is a varlen "sequence" whose right-aligned causal mask, with the right key length, is the rule
+above. ``build_segment_plan`` computes the runs on the device (no host syncs) and ``run_segmented``
+drives any varlen paged kernel over them: one causal call and, only with regions, one non-causal
+call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AttentionShape",
+    "BackendUnavailableError",
+    "KernelInputError",
+    "SegmentPlan",
+    "VarlenPagedKernel",
+    "build_segment_plan",
+    "run_segmented",
+    "validate_attention_inputs",
+    "validate_write_kv_inputs",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+class KernelInputError(ValueError):
+    """An attention / KV-write input has the wrong shape, dtype, device or value."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here (no CUDA, wrong GPU, package missing, dtype)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """Dimensions of one validated ``paged_attention`` call."""
+
+    batch: int
+    q_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    n_pages: int
+    max_pages: int
+
+    @property
+    def group(self) -> int:
+        return self.q_heads // self.kv_heads
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise KernelInputError(msg)
+
+
+def _check_int_vector(t: Tensor | None, name: str, shape: tuple[int, ...], device) -> None:
+    if t is None:
+        return
+    _need(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _need(
+        t.dtype == torch.int32,
+        f"{name} must be int32 (the FlashAttention kernels need it), got {t.dtype}",
+    )
+    _need(tuple(t.shape) == shape, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    _need(t.device == device, f"{name} is on {t.device} but q is on {device}")
+
+
+def validate_attention_inputs(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    seqused_k: Tensor,
+    seqused_q: Tensor | None,
+    bidir_regions: Tensor | None,
+) -> AttentionShape:
+    """Check shapes, dtypes and devices (always) and lengths / page ids (CPU tensors only).
+
+    Value checks need the numbers on the host; on CUDA that would be a sync per layer, so there
+    they are left to the kernels. Raises ``KernelInputError`` saying what is wrong.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _need(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _need(t.dtype in _FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+    _need(q.dim() == 4, f"q must be [B, Lq, Hq, D], got shape {list(q.shape)}")
+    _need(k_cache.dim() == 3, f"k_cache must be [n_pages, Hkv, D], got {list(k_cache.shape)}")
+    _need(
+        v_cache.shape == k_cache.shape,
+        f"v_cache shape {list(v_cache.shape)} != k_cache shape {list(k_cache.shape)}",
+    )
+    _need(
+        q.dtype == k_cache.dtype == v_cache.dtype,
+        f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
+    )
+    _need(
+        q.device == k_cache.device == v_cache.device,
+        f"q, k_cache, v_cache devices differ: {q.device}, {k_cache.device}, {v_cache.device}",
+    )
+    batch, q_len, q_heads, head_dim = q.shape
+    n_pages, kv_heads, kv_dim = k_cache.shape
+    _need(kv_dim == head_dim, f"head_dim differs: q has {head_dim}, k_cache has {kv_dim}")
+    _need(
+        kv_heads > 0 and q_heads % kv_heads == 0,
+        f"Hq ({q_heads}) must be a multiple of Hkv ({kv_heads})",
+    )
+    _need(isinstance(page_table, Tensor), "page_table must be a torch.Tensor")
+    _need(
+        page_table.dim() == 2 and page_table.shape[0] == batch,
+        f"page_table must be [B={batch}, max_pages], got {list(page_table.shape)}",
+    )
+    _check_int_vector(page_table.reshape(-1), "page_table", (page_table.numel(),), q.device)
+    _check_int_vector(seqused_k, "seqused_k", (batch,), q.device)
+    _check_int_vector(seqused_q, "seqused_q", (batch,), q.device)
+    _check_int_vector(bidir_regions, "bidir_regions", (batch, 2), q.device)
+    shape = AttentionShape(
+        batch, q_len, q_heads, kv_heads, head_dim, n_pages, int(page_table.shape[1])
+    )
+    if q.device.type == "cpu":
+        _check_values(shape, page_table, seqused_k, seqused_q)
+    return shape
+
+
+def _check_values(
+    shape: AttentionShape, page_table: Tensor, seqused_k: Tensor, seqused_q: Tensor | None
+) -> None:
+    if shape.batch == 0:
+        return
+    k_lens = seqused_k.tolist()
+    q_lens = seqused_q.tolist() if seqused_q is not None else [shape.q_len] * shape.batch
+    for b, (k_len, q_len) in enumerate(zip(k_lens, q_lens, strict=True)):
+        _need(
+            0 <= k_len <= shape.max_pages,
+            f"seqused_k[{b}] = {k_len} is outside [0, max_pages={shape.max_pages}]",
+        )
+        _need(0 <= q_len <= shape.q_len, f"seqused_q[{b}] = {q_len} is outside [0, Lq]")
+        _need(
+            q_len <= k_len,
+            f"row {b} has {q_len} queries but only {k_len} keys; seqused_k must count this "
+            "call's new keys too (write them with write_kv first)",
+        )
+    used = page_table[:, : max(k_lens)]
+    if used.numel():
+        lo, hi = int(used.min()), int(used.max())
+        _need(
+            lo >= 0 and hi < shape.n_pages,
+            f"page_table holds page ids in [{lo}, {hi}] but the cache has {shape.n_pages} pages",
+        )
+
+
+def validate_write_kv_inputs(
+    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor
+) -> None:
+    """Check ``write_kv`` inputs; slot range is checked on CPU only (a sync on CUDA)."""
+    _need(k_cache.dim() == 3, f"k_cache must be [n_pages, Hkv, D], got {list(k_cache.shape)}")
+    _need(v_cache.shape == k_cache.shape, "v_cache and k_cache shapes differ")
+    _need(
+        slot_mapping.dim() == 1 and slot_mapping.dtype in _SLOT_DTYPES,
+        "slot_mapping must be int32/int64 [N], got "
+        f"{slot_mapping.dtype} {list(slot_mapping.shape)}",
+    )
+    n = slot_mapping.shape[0]
+    want = (n, *k_cache.shape[1:])
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        _need(tuple(t.shape) == want, f"{name} must be {list(want)}, got {list(t.shape)}")
+        _need(t.dtype == cache.dtype, f"{name} is {t.dtype} but its cache is {cache.dtype}")
+        _need(t.device == cache.device, f"{name} is on {t.device} but its cache on {cache.device}")
+    _need(slot_mapping.device == k_cache.device, "slot_mapping must be on the cache's device")
+    if slot_mapping.device.type == "cpu" and n:
+        hi = int(slot_mapping.max())
+        _need(hi < k_cache.shape[0], f"slot {hi} is beyond the cache's {k_cache.shape[0]} pages")
+
+
+def default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+# --- segment decomposition ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentPlan:
+    """Varlen sequences covering the ``B * Lq`` query rows, ``segs_per_row`` per batch row.
+
+    Sequence ``s`` belongs to batch row ``s // segs_per_row`` and spans packed query rows
+    ``[cu_seqlens_q[s], cu_seqlens_q[s + 1])``. ``causal_k`` / ``noncausal_k`` give each sequence's
+    key count for the causal / non-causal call (None = that call is not needed; 0 = the sequence's
+    rows are taken from the other call or are padding). ``inside_BL`` marks rows whose output comes
+    from the non-causal call; ``valid_BL`` marks real (non-padding) rows (None = all real).
+    """
+
+    segs_per_row: int
+    cu_seqlens_q: Tensor
+    causal_k: Tensor | None
+    noncausal_k: Tensor | None
+    inside_BL: Tensor | None
+    valid_BL: Tensor | None
+
+
+def _cu_seqlens(bounds_BS: Tensor) -> Tensor:
+    lens = (bounds_BS[:, 1:] - bounds_BS[:, :-1]).reshape(-1)
+    zero = torch.zeros(1, dtype=torch.int32, device=lens.device)
+    return torch.cat([zero, torch.cumsum(lens, 0, dtype=torch.int32)])
+
+
+def build_segment_plan(
+    q_len: int,
+    seqused_k: Tensor,
+    seqused_q: Tensor | None,
+    bidir_regions: Tensor | None,
+    causal: bool,
+) -> SegmentPlan:
+    """Split every row's queries into varlen sequences that realise the masking rule."""
+    k_len, device = seqused_k, seqused_k.device
+    full = torch.full_like(k_len, q_len)
+    q_used = full if seqused_q is None else seqused_q
+    rows = torch.arange(q_len, device=device, dtype=torch.int32)[None, :]
+    valid = None if seqused_q is None else rows < q_used[:, None]
+    zeros = torch.zeros_like(k_len)
+    if not causal or bidir_regions is None:
+        # One real run per row (+ a padding run when rows are padded).
+        cols = [zeros, full] if seqused_q is None else [zeros, q_used, full]
+        keys = [k_len] if seqused_q is None else [k_len, zeros]
+        cu = _cu_seqlens(torch.stack(cols, 1))
+        k_S = torch.stack(keys, 1).reshape(-1)
+        causal_k, noncausal_k = (k_S, None) if causal else (None, k_S)
+        return SegmentPlan(len(keys), cu, causal_k, noncausal_k, None, valid)
+    start, end = bidir_regions[:, 0], bidir_regions[:, 1]
+    offset = k_len - q_used  # absolute position of query 0
+    has = start < end
+    a = torch.where(has, (start - offset).clamp(min=0).minimum(q_used), q_used)
+    c = torch.where(has, (end - offset).maximum(a).minimum(q_used), q_used)
+    cu = _cu_seqlens(torch.stack([zeros, a, c, q_used, full], 1))
+    # before: causal with keys up to its last query; inside: all of [0, min(e, K)); after: causal.
+    causal_k = torch.stack([offset + a, zeros, k_len, zeros], 1).reshape(-1)
+    noncausal_k = torch.stack([zeros, end.minimum(k_len), zeros, zeros], 1).reshape(-1)
+    inside = (rows >= a[:, None]) & (rows < c[:, None])
+    return SegmentPlan(4, cu, causal_k, noncausal_k, inside, valid)
+
+
+class VarlenPagedKernel(Protocol):
+    """A varlen attention over paged K/V (the shape of FA3's ``flash_attn_with_kvcache``).
+
+    ``q_THD`` packs the sequences; sequence ``s`` (rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``,
+    ``n`` of them) reads keys ``0 .. seqlens_k[s] - 1`` through page-table row
+    ``page_table_BP[s // segs_per_row]``; with ``causal`` its row ``i`` sees keys
+    ``j <= seqlens_k[s] - n + i`` (right-aligned). Rows that see no key may hold anything:
+    callers discard them.
+    """
+
+    def __call__(
+        self,
+        q_THD: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        page_table_BP: Tensor,
+        segs_per_row: int,
+        seqlens_k: Tensor,
+        cu_seqlens_q: Tensor,
+        max_seqlen_q: int,
+        causal: bool,
+        softmax_scale: float,
+    ) -> Tensor: ...
+
+
+def run_segmented(
+    q_BLHD: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    plan: SegmentPlan,
+    kernel: VarlenPagedKernel,
+    softmax_scale: float,
+) -> Tensor:
+    """Run ``kernel`` over ``plan`` (at most two calls) and assemble ``[B, Lq, Hq, D]``."""
+    batch, q_len, q_heads, head_dim = q_BLHD.shape
+    q_THD = q_BLHD.reshape(batch * q_len, q_heads, head_dim).contiguous()
+
+    def call(k_S: Tensor, causal: bool) -> Tensor:
+        out_THD = kernel(
+            q_THD, k_cache, v_cache, page_table, plan.segs_per_row, k_S, plan.cu_seqlens_q,
+            q_len, causal, softmax_scale,
+        )  # fmt: skip
+        return out_THD.reshape(batch, q_len, q_heads, head_dim)
+
+    out_c = None if plan.causal_k is None else call(plan.causal_k, True)
+    out_n = None if plan.noncausal_k is None else call(plan.noncausal_k, False)
+    if out_c is not None and out_n is not None:
+        assert plan.inside_BL is not None
+        out = torch.where(plan.inside_BL[:, :, None, None], out_n, out_c)
+    else:
+        out = out_c if out_c is not None else out_n
+    assert out is not None
+    if plan.valid_BL is not None:
+        out = torch.where(plan.valid_BL[:, :, None, None], out, out.new_zeros(()))
+    return out

@@ -1,0 +1,206 @@
+"""The torch reference backend: gather through the page table, explicit mask, SDPA.
+
+This is the numerics reference (float32 SDPA, used for golden conformance) and what CI runs. It
+also holds ``varlen_paged_attention_torch``, a torch stand-in for FlashAttention's varlen paged
+kernel, so that ``paged_attention_segmented`` runs the exact orchestration of the ``fa`` backend
+(``contract.run_segmented``) on a CPU and tests can prove it equals the masked reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kestrel_kernels.contract import (
+    AttentionShape,
+    SegmentPlan,
+    build_segment_plan,
+    run_segmented,
+)
+
+__all__ = [
+    "build_attention_mask",
+    "paged_attention_segmented",
+    "paged_attention_torch",
+    "varlen_paged_attention_torch",
+    "write_kv_indexed",
+]
+
+
+def build_attention_mask(
+    q_len: int,
+    k_max: int,
+    seqused_k: Tensor,
+    seqused_q: Tensor | None,
+    bidir_regions: Tensor | None,
+    causal: bool,
+) -> tuple[Tensor, Tensor]:
+    """The masking rule as tensors: (visible ``[B, Lq, Kmax]`` bool, real-query ``[B, Lq]`` bool).
+
+    Padding query rows are given key 0 so that SDPA never sees an all-masked row (which yields
+    NaN); their output is zeroed afterwards.
+    """
+    device = seqused_k.device
+    k_len = seqused_k.long()[:, None, None]  # [B, 1, 1]
+    q_used = k_len.new_full(k_len.shape, q_len) if seqused_q is None else seqused_q.long()
+    q_used = q_used.reshape(-1, 1, 1)
+    i = torch.arange(q_len, device=device)[None, :, None]  # [1, Lq, 1]
+    j = torch.arange(k_max, device=device)[None, None, :]  # [1, 1, Kmax]
+    pos = k_len - q_used + i  # absolute position of each query, [B, Lq, 1]
+    key_ok = j < k_len
+    visible = key_ok & (j <= pos) if causal else key_ok
+    if causal and bidir_regions is not None:
+        start = bidir_regions[:, 0].long()[:, None, None]
+        end = bidir_regions[:, 1].long()[:, None, None]
+        in_region_q = (pos >= start) & (pos < end)
+        in_region_k = (j >= start) & (j < end)
+        visible = visible | (in_region_q & in_region_k & key_ok)
+    real = (i < q_used).squeeze(-1)  # [B, Lq]
+    visible = torch.where(real[:, :, None], visible, j == 0)
+    return visible, real
+
+
+def _grouped_sdpa(
+    q_BLHD: Tensor, k_BKHD: Tensor, v_BKHD: Tensor, mask_BLK: Tensor, group: int, scale: float
+) -> Tensor:
+    """SDPA with GQA by folding the ``g`` query heads of a KV head into the query length.
+
+    Each query row's softmax is independent, so this is the same arithmetic as expanding K/V,
+    without copying K/V ``g`` times.
+    """
+    batch, q_len, q_heads, head_dim = q_BLHD.shape
+    kv_heads, k_max = k_BKHD.shape[2], k_BKHD.shape[1]
+    # [B, Lq, Hkv, g, D] -> [B, Hkv, g, Lq, D] -> [B, Hkv, g*Lq, D]
+    q_BHMD = q_BLHD.view(batch, q_len, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q_BHMD = q_BHMD.reshape(batch, kv_heads, group * q_len, head_dim)
+    mask_B1MK = mask_BLK[:, None, None].expand(batch, 1, group, q_len, k_max)
+    mask_B1MK = mask_B1MK.reshape(batch, 1, group * q_len, k_max)
+    out_BHMD = F.scaled_dot_product_attention(
+        q_BHMD, k_BKHD.transpose(1, 2), v_BKHD.transpose(1, 2), attn_mask=mask_B1MK, scale=scale
+    )
+    # [B, Hkv, g*Lq, D] -> [B, Hkv, g, Lq, D] -> [B, Lq, Hkv, g, D] -> [B, Lq, Hq, D]
+    out = out_BHMD.view(batch, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch, q_len, q_heads, head_dim)
+
+
+def _gather_pages(k_cache: Tensor, v_cache: Tensor, pages_BK: Tensor) -> tuple[Tensor, Tensor]:
+    """K/V of each row's positions, ``[B, K, Hkv, D]`` (index_select beats 2-D fancy indexing)."""
+    flat = pages_BK.reshape(-1).long()
+    shape = (*pages_BK.shape, *k_cache.shape[1:])
+    return k_cache.index_select(0, flat).view(shape), v_cache.index_select(0, flat).view(shape)
+
+
+def paged_attention_torch(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    seqused_k: Tensor,
+    shape: AttentionShape,
+    *,
+    seqused_q: Tensor | None,
+    causal: bool,
+    bidir_regions: Tensor | None,
+    softmax_scale: float,
+) -> Tensor:
+    """Reference ``paged_attention`` (inputs already validated; see ``contract``)."""
+    # Gather only the columns some row uses: one host read of max(seqused_k).
+    k_max = int(seqused_k.max()) if shape.batch else 0
+    if k_max == 0 or shape.q_len == 0:
+        return torch.zeros_like(q)
+    k_BKHD, v_BKHD = _gather_pages(k_cache, v_cache, page_table[:, :k_max])
+    mask_BLK, real_BL = build_attention_mask(
+        shape.q_len, k_max, seqused_k, seqused_q, bidir_regions, causal
+    )
+    out = _grouped_sdpa(q, k_BKHD, v_BKHD, mask_BLK, shape.group, softmax_scale)
+    if seqused_q is not None:
+        out = torch.where(real_BL[:, :, None, None], out, out.new_zeros(()))
+    return out
+
+
+def varlen_paged_attention_torch(
+    q_THD: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table_BP: Tensor,
+    segs_per_row: int,
+    seqlens_k: Tensor,
+    cu_seqlens_q: Tensor,
+    max_seqlen_q: int,
+    causal: bool,
+    softmax_scale: float,
+) -> Tensor:
+    """Torch model of FlashAttention's varlen paged call (``contract.VarlenPagedKernel``).
+
+    Each packed query row is treated as its own batch entry of length 1, with the right-aligned
+    causal limit of its sequence; rows that see no key return zeros (as FlashAttention does).
+    """
+    del max_seqlen_q  # only a launch hint for the real kernels
+    total, q_heads, head_dim = q_THD.shape
+    kv_heads = k_cache.shape[1]
+    t = torch.arange(total, device=q_THD.device)
+    seq = torch.searchsorted(cu_seqlens_q[1:].long(), t, right=True)  # sequence of each row
+    n = (cu_seqlens_q[seq + 1] - cu_seqlens_q[seq]).long()
+    i = t - cu_seqlens_q[seq].long()
+    k_len = seqlens_k.long()[seq]
+    k_max = max(int(seqlens_k.max()), 1) if seqlens_k.numel() else 1
+    pages_TK = page_table_BP[seq // segs_per_row, :k_max]
+    j = torch.arange(k_max, device=q_THD.device)[None, :]
+    visible_TK = j < k_len[:, None]
+    if causal:
+        visible_TK &= j <= (k_len - n + i)[:, None]
+    seen = visible_TK.any(-1)
+    visible_TK = torch.where(seen[:, None], visible_TK, j == 0)
+    out = _grouped_sdpa(
+        q_THD.view(total, 1, q_heads, head_dim),  # each row a batch entry of length 1
+        *_gather_pages(k_cache, v_cache, pages_TK),
+        visible_TK[:, None, :],
+        q_heads // kv_heads,
+        softmax_scale,
+    )  # [T, 1, Hq, D]
+    return torch.where(seen[:, None, None], out[:, 0], out.new_zeros(()))
+
+
+def paged_attention_segmented(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    seqused_k: Tensor,
+    *,
+    seqused_q: Tensor | None,
+    causal: bool,
+    bidir_regions: Tensor | None,
+    softmax_scale: float,
+) -> Tensor:
+    """``paged_attention`` via the ``fa`` backend's segment decomposition, on torch kernels.
+
+    Not a user-facing backend: it exists so CPU tests can check the decomposition the FlashAttention
+    path relies on against the explicit mask.
+    """
+    plan: SegmentPlan = build_segment_plan(q.shape[1], seqused_k, seqused_q, bidir_regions, causal)
+    return run_segmented(
+        q, k_cache, v_cache, page_table, plan, varlen_paged_attention_torch, softmax_scale
+    )
+
+
+def write_kv_indexed(
+    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor
+) -> None:
+    """In-place ``cache[slot] = new`` for every slot >= 0; slots < 0 change nothing.
+
+    Sync-free (no boolean indexing, so it is CUDA-graph friendly): a negative slot is routed to
+    page 0 (the reserved padding page) carrying page 0's current contents, so the write is a
+    no-op. Only if the same call also writes page 0 through a real slot is page 0's result
+    unspecified -- page 0 holds no real position, so nothing reads it as a key.
+    """
+    if slot_mapping.numel() == 0:
+        return
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    idx = torch.where(keep, slots, torch.zeros_like(slots))
+    keep_N11 = keep[:, None, None]
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        src = torch.where(keep_N11, new, cache.index_select(0, idx))
+        cache.index_copy_(0, idx, src)

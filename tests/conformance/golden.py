@@ -1,0 +1,89 @@
+"""Reading a golden fixture directory (format: the fixture's README) and comparing against it.
+
+Generic over fixtures: everything (cases, images, tolerances) comes from golden.json, nothing
+from a particular fixture's ids. ``record`` keeps the largest error seen per (check, group) so
+the session can print a table of observed errors against the tolerances.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+# (what, group, atol) -> (max abs error, atol, rtol, worst ratio |err| / (atol + rtol |golden|))
+OBSERVED: dict[tuple[str, str, float], tuple[float, float, float, float]] = {}
+
+
+@dataclass(frozen=True)
+class Golden:
+    dir: Path
+    meta: dict
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+
+    def tol(self, group: str, case: dict | None = None) -> tuple[float, float]:
+        t = (case or {}).get("tolerance", {}).get(group) or self.meta["tolerances"][group]
+        return float(t["atol"]), float(t["rtol"])
+
+    def image(self, name: str) -> dict:
+        return next(im for im in self.meta["images"] if im["name"] == name)
+
+    def crops_u8(self, name: str) -> np.ndarray:
+        """The reference's uint8 crops [N, crop, crop, 3] read from the PNGs."""
+        paths = self.image(name)["crops"]
+        return np.stack([np.asarray(Image.open(self.dir / p).convert("RGB")) for p in paths])
+
+    def pixels(self, name: str) -> torch.Tensor:
+        """The reference crops mapped through pixel_lut: [N, 3, crop, crop] float32."""
+        lut = self.tensors[self.meta["pixel_lut"]["tensor"]]
+        crops = torch.from_numpy(self.crops_u8(name)).long()
+        return lut[crops].permute(0, 3, 1, 2).contiguous()
+
+
+@functools.lru_cache(maxsize=4)
+def load_golden(directory: Path) -> Golden:
+    meta = json.loads((directory / "golden.json").read_text())
+    tensors = load_file(str(directory / meta["files"]["tensors"]))
+    return Golden(directory, meta, tensors)
+
+
+def assert_close(
+    actual: torch.Tensor, golden: torch.Tensor, atol: float, rtol: float, what: str, group: str
+) -> None:
+    """|actual - golden| <= atol + rtol |golden| elementwise (torch.allclose), with a message
+    naming the worst element; records the observed error."""
+    actual = actual.detach().float().cpu()
+    golden = golden.float()
+    assert actual.shape == golden.shape, (
+        f"{what}: shape {list(actual.shape)} != {list(golden.shape)}"
+    )
+    err = (actual - golden).abs()
+    bound = atol + rtol * golden.abs()
+    ratio = float((err / bound).max()) if err.numel() else 0.0
+    key = (what.split("[")[0], group, atol)
+    prev = OBSERVED.get(key)
+    if prev is None or float(err.max()) > prev[0]:
+        OBSERVED[key] = (float(err.max()), atol, rtol, max(ratio, prev[3] if prev else 0.0))
+    if not bool((err <= bound).all()):
+        i = int(torch.argmax(err / bound))
+        raise AssertionError(
+            f"{what}: max |err| {float(err.max()):.3g} exceeds atol {atol} + rtol {rtol}*|golden| "
+            f"(worst flat index {i}: actual {float(actual.flatten()[i]):.6g}, "
+            f"golden {float(golden.flatten()[i]):.6g})"
+        )
+
+
+def agreeing_prefix(mine: list[int], ref: list[int]) -> int:
+    """Length of the common prefix of two decision sequences."""
+    n = 0
+    for a, b in zip(mine, ref, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n

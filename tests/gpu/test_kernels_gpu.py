@@ -1,0 +1,108 @@
+"""kestrel_kernels on CUDA: fa vs torch (bf16) and torch-on-CUDA vs torch-on-CPU (float32).
+
+Tolerances: fa vs torch in bfloat16 at atol 2e-2 (both round the output to bf16, about one bf16
+ulp at magnitude ~1, and accumulate in different orders); torch on CUDA vs CPU in float32 at
+atol 1e-4. Run with ``pytest -m gpu tests/gpu``; without CUDA every test skips with a reason, and
+the fa tests also skip (with the probe's reason) without an sm90 GPU or a FlashAttention package.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kestrel_kernels as kk
+from kestrel_kernels import fa_backend
+
+pytestmark = pytest.mark.gpu
+
+I32 = torch.int32
+
+# (k_lens, q_lens, q_len, regions): prefill, append, decode, varlen and bidirectional shapes,
+# with the Moondream-like prefix region (0, 730) scaled down and a region crossing the chunk.
+CASES = {
+    "full_prefill": ([200], None, 200, None),
+    "prefix_region": ([260], None, 260, [(0, 131)]),
+    "append": ([300, 180], [40, 25], 40, [(0, 131), (0, 131)]),
+    "region_crosses_chunk": ([160, 150], [48, 30], 48, [(120, 170), (100, 140)]),
+    "decode": ([131, 400, 7, 1000], None, 1, [(0, 131)] * 4),
+    "varlen": ([90, 333, 12, 64], [17, 1, 12, 0], 17, None),
+}
+
+
+def make_case(name: str, hq: int, hkv: int, dtype: torch.dtype, device: str, d: int = 64):
+    k_lens, q_lens, q_len, regions = CASES[name]
+    g = torch.Generator().manual_seed(len(name) * 31 + hq + hkv)
+    batch, max_pages = len(k_lens), max(k_lens) + 5
+    n_pages = sum(k_lens) + 16
+    page_table = torch.zeros(batch, max_pages, dtype=I32)
+    perm = (torch.randperm(n_pages - 1, generator=g) + 1).to(I32)
+    used = 0
+    for b, k in enumerate(k_lens):
+        page_table[b, :k] = perm[used : used + k]
+        used += k
+    args = dict(
+        q=torch.randn(batch, q_len, hq, d, generator=g),
+        k_cache=torch.randn(n_pages, hkv, d, generator=g),
+        v_cache=torch.randn(n_pages, hkv, d, generator=g),
+        page_table=page_table,
+        seqused_k=torch.tensor(k_lens, dtype=I32),
+        seqused_q=None if q_lens is None else torch.tensor(q_lens, dtype=I32),
+        bidir_regions=None if regions is None else torch.tensor(regions, dtype=I32),
+    )
+    out = {}
+    for key, t in args.items():
+        if t is None:
+            out[key] = None
+            continue
+        t = t.to(device)
+        out[key] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+@pytest.fixture(scope="module")
+def fa_ready() -> None:
+    found = fa_backend.probe("cuda")
+    if not found.ok:
+        pytest.skip(f"fa backend unavailable: {found.reason}")
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (4, 1), (4, 2)])
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("causal", [True, False])
+def test_fa_matches_torch_on_cuda(fa_ready, name: str, hq: int, hkv: int, causal: bool) -> None:
+    args = make_case(name, hq, hkv, torch.bfloat16, "cuda")
+    ref = kk.paged_attention(**args, causal=causal, backend="torch")
+    out = kk.paged_attention(**args, causal=causal, backend="fa")
+    torch.cuda.synchronize()
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= 2e-2, f"fa vs torch max abs error {err:.3g}"
+
+
+def test_auto_picks_fa_on_hopper(fa_ready) -> None:
+    assert kk.resolve_backend("auto", "cuda") == "fa"
+    assert "fa" in kk.available_backends("cuda")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_torch_backend_cuda_matches_cpu(name: str) -> None:
+    cpu = make_case(name, 4, 2, torch.float32, "cpu")
+    gpu = make_case(name, 4, 2, torch.float32, "cuda")
+    ref = kk.paged_attention(**cpu, backend="torch")
+    out = kk.paged_attention(**gpu, backend="torch").cpu()
+    err = (out - ref).abs().max().item()
+    assert err <= 1e-4, f"torch CUDA vs CPU max abs error {err:.3g}"
+
+
+def test_write_kv_on_cuda_skips_padding() -> None:
+    k_cache = torch.randn(16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    before_k = k_cache.clone()
+    slots = torch.tensor([3, -1, 9, -1], dtype=I32, device="cuda")
+    k = torch.randn(4, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    kk.write_kv(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache[3], k[0]) and torch.equal(v_cache[9], v[2])
+    rest = [p for p in range(16) if p not in (3, 9)]
+    assert torch.equal(k_cache[rest], before_k[rest])

@@ -1,0 +1,217 @@
+"""The cached runtime on the md2-tiny-a fixture model (float32, CPU): parity, sharing, ownership.
+
+Seed test-plan items 8, 9, 12, 14, 15 with the real runtime, plus namespaces and concurrency.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.moondream.runtime import MoondreamRuntime
+from kestrel.prefix_cache.tokens import TextToken
+from tests.integration.conftest import text_tokens
+
+ATOL = 1e-4  # float32; cached and uncached paths differ only in reduction order
+
+
+def query_prompt(cfg, q_ids) -> list[TextToken]:
+    t = cfg.tokenizer
+    prefix = t.templates["query"]["prefix"]
+    return text_tokens([t.bos_id, *prefix, *q_ids, t.answer_id, t.answer_id])
+
+
+def greedy(rt: MoondreamRuntime, state, logits: torch.Tensor, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        tok = int(logits.argmax())
+        out.append(tok)
+        if len(out) == n:
+            break
+        logits = rt.decode_step([state], [TextToken(tok)])[0]
+    return out
+
+
+def conserved(rt: MoondreamRuntime) -> None:
+    pt = rt.page_table
+    private = sum(
+        len(pt.page_table_cpu[s.batch_idx]) - s.cache_owned_page_count
+        for s in rt.active_sequences
+    )
+    assert pt.pages_available + rt.prefix_cache.total_cached_pages + private == pt.n_pages - 1
+    rt.check_integrity()
+
+
+def test_full_prompt_match_computes_last_token_privately(make_runtime, model):
+    """Seed item 8/10: skip = prompt_len - 1, logits valid, no write into shared pages."""
+    rt = make_runtime()
+    tokens = query_prompt(model.config, [300, 301, 302])
+    s1, logits1 = rt.start_sequence(tokens, max_new_tokens=4)
+    rt.release_sequence(s1)
+    match = rt.prefix_cache.match_prefix(tokens)
+    shared = list(match.matched_pages)
+    k_before = [rt.kv.k[layer][shared].clone() for layer in range(len(rt.kv.k))]
+
+    s2, logits2 = rt.start_sequence(tokens, max_new_tokens=4)
+    assert s2.reused_page_count == len(tokens) - 1
+    assert s2.cache_owned_page_count == len(tokens) - 1
+    last = rt.page_table.get_pages(s2.batch_idx, len(tokens) - 1, len(tokens))[0]
+    assert last not in shared
+    assert logits2.shape == (model.config.text.vocab_size,)
+    torch.testing.assert_close(logits2, logits1, atol=ATOL, rtol=0)
+    greedy(rt, s2, logits2, 4)
+    for layer in range(len(rt.kv.k)):
+        assert torch.equal(rt.kv.k[layer][shared], k_before[layer]), "shared page written"
+    free_before = rt.page_table.pages_available
+    rt.release_sequence(s2)
+    assert rt.page_table.pages_available == free_before + (s2.max_length - s2.reused_page_count)
+    conserved(rt)
+
+
+def test_logit_parity_miss_partial_full(make_runtime, model, images):
+    """Seed item 12: cache off vs miss vs partial hit vs full hit, atol 1e-4, same greedy ids."""
+    cfg = model.config
+    img = images["shapes_378"]
+    a = query_prompt(cfg, [302, 333, 272, 271, 349, 40])
+    b = query_prompt(cfg, [302, 333, 272, 500, 501])  # shares the image + 3 question tokens
+    off = make_runtime(enable_prefix_cache=False)
+    ref = {}
+    for name, toks in (("a", a), ("b", b)):
+        s, lg = off.start_sequence(toks, img, max_new_tokens=6)
+        ref[name] = (lg, greedy(off, s, lg, 6))
+        off.release_sequence(s)
+    assert off.prefix_cache.total_cached_pages == 0
+
+    rt = make_runtime()
+    s, lg = rt.start_sequence(a, img, max_new_tokens=6)  # miss
+    assert s.reused_page_count == 0 and s.vision_encoded
+    torch.testing.assert_close(lg, ref["a"][0], atol=ATOL, rtol=0)
+    assert greedy(rt, s, lg, 6) == ref["a"][1]
+    rt.release_sequence(s)
+
+    s, lg = rt.start_sequence(b, img, max_new_tokens=6)  # partial hit: image + shared text
+    assert s.reused_page_count == cfg.prefix_len + 3 + 3  # template prefix + 3 shared
+    assert not s.vision_encoded
+    torch.testing.assert_close(lg, ref["b"][0], atol=ATOL, rtol=0)
+    assert greedy(rt, s, lg, 6) == ref["b"][1]
+    rt.release_sequence(s)
+
+    s, lg = rt.start_sequence(a, img, max_new_tokens=6)  # full-prompt hit
+    assert s.reused_page_count == s.prompt_length - 1
+    torch.testing.assert_close(lg, ref["a"][0], atol=ATOL, rtol=0)
+    assert greedy(rt, s, lg, 6) == ref["a"][1]
+    rt.release_sequence(s)
+    assert rt.counters.vision_encodes == 1
+    conserved(rt)
+
+
+def test_shared_prefix_concurrent_decode(make_runtime, model, images):
+    """Seed item 9: two rows map the same cached pages and decode into disjoint private pages,
+    producing exactly what each produces alone."""
+    cfg = model.config
+    img = images["scene_800x600"]
+    p1 = query_prompt(cfg, [443, 450, 624])
+    p2 = query_prompt(cfg, [443, 450, 700, 701])
+    alone = make_runtime(enable_prefix_cache=False)
+    expected = []
+    for p in (p1, p2):
+        s, lg = alone.start_sequence(p, img, max_new_tokens=10)
+        expected.append(greedy(alone, s, lg, 10))
+        alone.release_sequence(s)
+
+    rt = make_runtime()
+    s1, l1 = rt.start_sequence(p1, img, max_new_tokens=10)
+    s2, l2 = rt.start_sequence(p2, img, max_new_tokens=10)
+    assert s2.reused_page_count >= cfg.prefix_len
+    pt = rt.page_table
+    assert pt.get_pages(s1.batch_idx, 0, cfg.prefix_len) == pt.get_pages(
+        s2.batch_idx, 0, cfg.prefix_len
+    )
+    toks = [[int(l1.argmax())], [int(l2.argmax())]]
+    for _ in range(9):
+        logits = rt.decode_step([s1, s2], [TextToken(toks[0][-1]), TextToken(toks[1][-1])])
+        for i in range(2):
+            toks[i].append(int(logits[i].argmax()))
+        conserved(rt)
+    assert toks == expected
+    d1 = pt.get_pages(s1.batch_idx, s1.prompt_length, s1.length)
+    d2 = pt.get_pages(s2.batch_idx, s2.prompt_length, s2.length)
+    assert len(d1) == len(d2) == 9 and set(d1).isdisjoint(d2)
+    rt.release_sequence(s2)
+    rt.release_sequence(s1)
+    conserved(rt)
+
+
+def test_text_only_system_prompt_sharing(make_runtime, model):
+    cfg = model.config
+    system = [400 + i for i in range(40)]
+    rt = make_runtime()
+    s, _ = rt.start_sequence(text_tokens([cfg.tokenizer.bos_id, *system, 10, 11]))
+    rt.release_sequence(s)
+    s, _ = rt.start_sequence(text_tokens([cfg.tokenizer.bos_id, *system, 12, 13, 14]))
+    assert s.reused_page_count == 1 + len(system)
+    assert s.cache_owned_page_count == s.prompt_length
+    rt.release_sequence(s)
+    conserved(rt)
+
+
+def test_namespaces_never_share(make_runtime, model, images):
+    cfg = model.config
+    rt = make_runtime()
+    tokens = query_prompt(cfg, [302, 333])
+    s, _ = rt.start_sequence(tokens, images["shapes_378"], max_new_tokens=2)
+    rt.release_sequence(s)
+    # Another image, same text: separate tree, no reuse (BOS depends on the image).
+    s, _ = rt.start_sequence(tokens, images["rgba_500x500"], max_new_tokens=2)
+    assert s.reused_page_count == 0 and s.vision_encoded
+    rt.release_sequence(s)
+    # Text-only prompt with the same tokens: its own namespace.
+    s, _ = rt.start_sequence(tokens, max_new_tokens=2)
+    assert s.reused_page_count == 0
+    rt.release_sequence(s)
+    assert rt.prefix_cache.namespace_count == 3
+    conserved(rt)
+
+
+def test_page_conservation_many_sequences(make_runtime, model):
+    """Seed items 14/15: after many hits/misses/full matches everything is accounted for."""
+    rt = make_runtime(kv_cache_pages=400, max_batch_size=4)
+    bos = model.config.tokenizer.bos_id
+    total = rt.page_table.n_pages - 1
+    for i in range(60):
+        prompt = text_tokens([bos] + [20 + j for j in range(i % 10 + 1)])
+        s, _ = rt.start_sequence(prompt, max_new_tokens=3)
+        rt.release_sequence(s)
+        assert rt.page_table.pages_available + rt.prefix_cache.total_cached_pages == total
+    rt.check_integrity()
+    rt.prefix_cache.evict(total)
+    assert rt.page_table.pages_available == total
+
+
+def test_errors_are_clear(make_runtime, model, images):
+    from kestrel.moondream.sequence import SequenceError
+
+    cfg = model.config
+    rt = make_runtime()
+    with pytest.raises(SequenceError, match="BOS"):
+        rt.start_sequence(text_tokens([5, 6]))
+    with pytest.raises(SequenceError, match="without an image"):
+        rt.start_sequence(text_tokens([cfg.tokenizer.bos_id, 6]), image_hash=b"x" * 32)
+    with pytest.raises(SequenceError, match="context"):
+        rt.start_sequence(text_tokens([cfg.tokenizer.bos_id, 6]), max_new_tokens=5000)
+    with pytest.raises(SequenceError, match="at least one token after BOS"):
+        rt.start_sequence(text_tokens([cfg.tokenizer.bos_id]), images["shapes_378"])
+    s, _ = rt.start_sequence(text_tokens([cfg.tokenizer.bos_id, 6]), max_new_tokens=1)
+    with pytest.raises(SequenceError, match="twice"):
+        rt.decode_step([s, s], [TextToken(1), TextToken(1)])
+    with pytest.raises(SequenceError, match="one token per sequence"):
+        rt.decode_step([s], [])
+    rt.decode_step([s], [TextToken(1)])
+    with pytest.raises(SequenceError, match="max_new_tokens"):
+        rt.decode_step([s], [TextToken(1)])
+    rt.release_sequence(s)
+    with pytest.raises(SequenceError, match="already released"):
+        rt.release_sequence(s)
+    with pytest.raises(SequenceError, match="not running"):
+        rt.decode_step([s], [TextToken(1)])
+    conserved(rt)
