@@ -68,8 +68,7 @@ class PageTable:
             raise PageTableError(f"n_pages must be >= 2 (page 0 is padding), got {n_pages}")
         if max_batch_size < 1 or max_seq_len < 1:
             raise PageTableError(
-                f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, "
-                f"{max_seq_len}"
+                f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}"
             )
         self.n_pages = n_pages
         self.page_size = page_size
@@ -268,13 +267,20 @@ class PageTable:
         return len(self._free) + reclaimable >= need
 
     def reserve(self, batch_idx: int, seq_len: int) -> None:
-        """Grow a row to ``seq_len`` positions with fresh private pages (evicting on demand)."""
+        """Grow a row to ``seq_len`` positions with fresh private pages (evicting on demand).
+        All or nothing: prefer it to ``allocate_pages`` + ``map_pages``, whose pages leak if
+        the caller fails between the two calls."""
         have = self.capacity(batch_idx)
         if seq_len > self.max_seq_len:
             raise PageTableError(f"seq_len {seq_len} > max_seq_len {self.max_seq_len}")
         if seq_len <= have:
             return
-        self.map_pages(batch_idx, have, self.allocate_pages(seq_len - have))
+        pages = self.allocate_pages(seq_len - have)
+        try:
+            self.map_pages(batch_idx, have, pages)
+        except BaseException:
+            self.free_pages_to_pool(pages)  # allocate + map is all or nothing
+            raise
 
     def build_slot_mapping(
         self, batch_idx: int, positions: torch.Tensor | Sequence[int]
@@ -291,9 +297,12 @@ class PageTable:
                         f"positions {lo}..{hi} outside row {batch_idx}'s {len(row)} positions"
                     )
             pos = pos.to(self.device)
-            return self.page_table[batch_idx].index_select(0, pos.reshape(-1)).reshape(
-                pos.shape
-            ).to(torch.int64)
+            return (
+                self.page_table[batch_idx]
+                .index_select(0, pos.reshape(-1))
+                .reshape(pos.shape)
+                .to(torch.int64)
+            )
         positions = list(positions)
         if positions and (min(positions) < 0 or max(positions) >= len(row)):
             raise PageTableError(

@@ -221,7 +221,9 @@ def _print_tables(s: dict, plot: Path | None) -> None:
                        ("TTFT all (cache off)", "off")):  # fmt: skip
         print(f"{label:28}{s[f'ttft_{key}_p50_ms']:10.1f}{s[f'ttft_{key}_p99_ms']:10.1f}")
     print(f"{'':28}{'cache on':>10}{'cache off':>10}")
-    print(f"{'prefill tokens computed':28}{s['prefill_tokens_on']:10d}{s['prefill_tokens_off']:10d}")
+    print(
+        f"{'prefill tokens computed':28}{s['prefill_tokens_on']:10d}{s['prefill_tokens_off']:10d}"
+    )
     print(f"{'vision encoder calls':28}{s['vision_encodes_on']:10d}{s['vision_encodes_off']:10d}")
     print(f"{'requests/s':28}{s['rps_on']:10.2f}{s['rps_off']:10.2f}")
     if plot:

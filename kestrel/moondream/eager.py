@@ -94,7 +94,9 @@ class EagerMoondream:
             device=model.device,
         )
         dev = model.device
-        self._page_table = torch.arange(1, self.max_context + 1, dtype=torch.int32, device=dev)[None]
+        self._page_table = torch.arange(1, self.max_context + 1, dtype=torch.int32, device=dev)[
+            None
+        ]
 
     # ---------------------------------------------------------------- forward plumbing
     def _forward(self, seq: _Seq, emb_TC: Tensor) -> Tensor:
@@ -157,7 +159,9 @@ class EagerMoondream:
             self._forward(seq, emb)
             k = tuple(layer[1 : n + 1].clone() for layer in self.kv.k)
             v = tuple(layer[1 : n + 1].clone() for layer in self.kv.v)
-        return EncodedImage(img_emb, tuple(tiling), k, v, None if adapter is None else adapter.lora_id)
+        return EncodedImage(
+            img_emb, tuple(tiling), k, v, None if adapter is None else adapter.lora_id
+        )
 
     def encode_image(self, image, *, adapter: LoraAdapter | None = None) -> EncodedImage:
         """Any image ``kestrel.moondream.image_input.load_image`` accepts -> EncodedImage."""
@@ -274,7 +278,12 @@ class EagerMoondream:
         prompt = prompts.query_prompt(
             cfg.tokenizer, self.tokenizer.encode, question, spatial=spatial, reasoning=reasoning
         )
-        kw = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "record": record}
+        kw = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "record": record,
+        }
         with torch.inference_mode():
             seq, has_image = self._start(image, adapter)
             logits, hidden, prompt_ids = self._prefill(seq, prompt, has_image)
@@ -304,7 +313,9 @@ class EagerMoondream:
             **kw,
         )
         text, grounding = self._grounding(phase.token_ids, dict(coords))
-        return ReasoningResult(text=text, token_ids=phase.token_ids, grounding=grounding, phase=phase)
+        return ReasoningResult(
+            text=text, token_ids=phase.token_ids, grounding=grounding, phase=phase
+        )
 
     def _grounding(
         self, ids: Sequence[int], coords: dict[int, float]

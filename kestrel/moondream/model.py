@@ -124,7 +124,9 @@ class _Reader:
         return t
 
     def linear(self, prefix: str, n_out: int, n_in: int) -> Linear:
-        return Linear(self.get(f"{prefix}.weight", (n_out, n_in)), self.get(f"{prefix}.bias", (n_out,)))
+        return Linear(
+            self.get(f"{prefix}.weight", (n_out, n_in)), self.get(f"{prefix}.bias", (n_out,))
+        )
 
     def ln(self, prefix: str, dim: int) -> LayerNorm:
         return LayerNorm(self.get(f"{prefix}.weight", (dim,)), self.get(f"{prefix}.bias", (dim,)))

@@ -79,7 +79,12 @@ def _object_prompt(tok: TokenizerConfig, skill: str, encode: Encode, obj: str) -
     t = _template(tok, skill)
     if not obj.strip():
         raise PromptError(f"{skill} needs a non-empty object name")
-    return [TextToken(tok.bos_id), *_text(t["prefix"]), *_text(encode(" " + obj)), *_text(t["suffix"])]
+    return [
+        TextToken(tok.bos_id),
+        *_text(t["prefix"]),
+        *_text(encode(" " + obj)),
+        *_text(t["suffix"]),
+    ]
 
 
 def point_prompt(tok: TokenizerConfig, encode: Encode, obj: str) -> list[PromptToken]:

@@ -147,7 +147,10 @@ def spatial_ref_tokens(
     for ref in refs:
         v = _check_unit(ref)
         if len(v) == 2:
-            out += [CoordToken(v[0], coord_to_bin(v[0], cfg)), CoordToken(v[1], coord_to_bin(v[1], cfg))]
+            out += [
+                CoordToken(v[0], coord_to_bin(v[0], cfg)),
+                CoordToken(v[1], coord_to_bin(v[1], cfg)),
+            ]
             continue
         cx, cy, sw, sh = (v[0] + v[2]) / 2, (v[1] + v[3]) / 2, v[2] - v[0], v[3] - v[1]
         out += [
@@ -158,7 +161,9 @@ def spatial_ref_tokens(
     return out
 
 
-def embed_tokens(tokens: Sequence[TextToken | CoordToken | SizeToken], model: MoondreamModel) -> Tensor:
+def embed_tokens(
+    tokens: Sequence[TextToken | CoordToken | SizeToken], model: MoondreamModel
+) -> Tensor:
     """Input embeddings [T, dim] of prompt / feedback tokens: text via wte, coordinates via
     encode_coordinate(pos), sizes via encode_size((width, height)). One batched call per kind.
     """

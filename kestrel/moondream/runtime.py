@@ -158,9 +158,7 @@ class MoondreamRuntime:
         namespace = CacheNamespace(adapter.lora_id if adapter else None, hash_int)
         cache_tokens = build_cache_tokens(tokens, hash_int, image_kv)
         prompt_len = len(tokens) + image_kv
-        n_cacheable = cacheable_prefix(
-            cache_tokens, cfg.region.coord_bins, cfg.region.size_bins
-        )
+        n_cacheable = cacheable_prefix(cache_tokens, cfg.region.coord_bins, cfg.region.size_bins)
         cacheable = cache_tokens[:n_cacheable]
 
         if self.enable_prefix_cache:
@@ -253,8 +251,8 @@ class MoondreamRuntime:
                 raise SequenceError(f"sequence in batch row {s.batch_idx} is not running")
             if s.length >= s.max_length:
                 raise SequenceError(
-                    f"sequence in batch row {s.batch_idx} has used all {s.max_length - s.prompt_length}"
-                    " new-token pages (max_new_tokens reached)"
+                    f"sequence in batch row {s.batch_idx} has used all "
+                    f"{s.max_length - s.prompt_length} new-token pages (max_new_tokens reached)"
                 )
             if not isinstance(t, _PROMPT_TYPES):
                 raise SequenceError(f"decode_step tokens must be cache tokens, got {t!r}")
@@ -372,7 +370,9 @@ class MoondreamRuntime:
             raise RuntimeError(f"prefill covers {skip}+{n} != prompt {state.prompt_length}")
         dev = self.device
         positions = torch.arange(skip, state.prompt_length, device=dev)
-        row = self.page_table.page_table[state.batch_idx : state.batch_idx + 1, : state.prompt_length]
+        row = self.page_table.page_table[
+            state.batch_idx : state.batch_idx + 1, : state.prompt_length
+        ]
         slots = row[0, skip:].to(torch.long)
         bidir = None
         if has_image:

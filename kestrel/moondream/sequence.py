@@ -98,6 +98,7 @@ def _canonical(tok: object, coord_bins: int, size_bins: int) -> bool:
     if isinstance(tok, CoordToken):
         return tok.pos == tok.bin / coord_bins
     if isinstance(tok, SizeToken):
+
         def value(b: int) -> float:
             return 2.0 ** (b / (size_bins - 1) * 10 - 10)
 

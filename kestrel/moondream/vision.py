@@ -47,7 +47,9 @@ class VisionOutputs:
 
 
 def patchify(pixels_NCHW: Tensor, patch: int) -> Tensor:
-    """[N, C, S, S] -> [N, (S/p)^2, C*p*p]; patch n = gy * (S/p) + gx, vector index c*p*p+py*p+px."""
+    """[N, C, S, S] -> [N, (S/p)^2, C*p*p].
+
+    Patch n = gy * (S/p) + gx; vector index c*p*p + py*p + px (channel-major)."""
     N, C, S, _ = pixels_NCHW.shape
     g = S // patch
     x = pixels_NCHW.reshape(N, C, g, patch, g, patch)  # [N, C, gy, py, gx, px]
@@ -75,7 +77,7 @@ def vision_encoder(pixels_NCHW: Tensor, w: VisionWeights, cfg: VisionConfig) -> 
 
 
 def _keep_range(i: int, n: int, g: int, m: int) -> tuple[int, int]:
-    """Rows (or cols) of tile i of n kept when stitching: the margin is dropped on interior edges."""
+    """Rows (or cols) of tile i of n kept when stitching: margins drop on interior edges."""
     return (0 if i == 0 else m), (g if i == n - 1 else g - m)
 
 

@@ -74,9 +74,7 @@ class LRUEvictionPolicy:
     def _compact(self) -> None:
         # Drop stale entries so the heap stays proportional to the live candidates; the
         # threshold doubles with the survivors, so the cost is amortised O(1) per push.
-        self._heap = [
-            e for e in self._heap if e[3] == e[2].heap_version and is_candidate(e[2])
-        ]
+        self._heap = [e for e in self._heap if e[3] == e[2].heap_version and is_candidate(e[2])]
         heapq.heapify(self._heap)
         self._compact_at = max(_MIN_COMPACT, 2 * len(self._heap))
 

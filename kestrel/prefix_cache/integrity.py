@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from .base import CacheIntegrityError
+from .base import CacheIntegrityError, InsertError
 
 if TYPE_CHECKING:
     from .radix_cache import RadixPrefixCache, TreeNode
 
-__all__ = ["check_cache_integrity", "check_page_table"]
+__all__ = ["check_cache_integrity", "check_insert_start", "check_page_table"]
 
 
 def _fail(msg: str) -> None:
@@ -32,7 +32,7 @@ def _check_root(ns, root: TreeNode) -> None:
 
 
 def _check_node(node: TreeNode, parent: TreeNode) -> None:
-    from .radix_cache import _keys, _kv_length
+    from .node import token_keys, token_kv_length
 
     if node.detached or node.namespace is not None:
         _fail(f"{node!r} in the tree is detached or carries a namespace")
@@ -40,12 +40,12 @@ def _check_node(node: TreeNode, parent: TreeNode) -> None:
         _fail(f"{node!r} has a wrong parent pointer")
     if not node.tokens:
         _fail(f"{node!r} has no tokens")
-    if node.keys != _keys(node.tokens):
+    if node.keys != token_keys(node.tokens):
         _fail(f"{node!r}: cached keys differ from its tokens' keys")
-    if len(node.physical_pages) != _kv_length(node.tokens):
+    if len(node.physical_pages) != token_kv_length(node.tokens):
         _fail(
             f"{node!r}: {len(node.physical_pages)} pages for "
-            f"{_kv_length(node.tokens)} KV positions"
+            f"{token_kv_length(node.tokens)} KV positions"
         )
     if node.lock_ref < 0:
         _fail(f"{node!r} has a negative lock_ref")
@@ -56,7 +56,7 @@ def _walk(cache: RadixPrefixCache) -> tuple[dict[int, TreeNode], list[int]]:
     owner: dict[int, TreeNode] = {}
     counts = [0, 0, 0, 0]
     live = cache._policy.live_nodes()
-    n_pages = len(cache._owned)
+    n_pages = cache.page_table.n_pages
     for ns, root in cache._trees.items():
         _check_root(ns, root)
         stack = [root]
@@ -78,7 +78,7 @@ def _walk(cache: RadixPrefixCache) -> tuple[dict[int, TreeNode], list[int]]:
                     _fail(f"{node!r} holds page {p} outside 1..{n_pages - 1}")
                 if p in owner:
                     _fail(f"page {p} is held by two nodes: {owner[p]!r} and {node!r}")
-                if not cache._owned[p]:
+                if p not in cache._owned:
                     _fail(f"page {p} of {node!r} is not flagged as cache-owned")
                 owner[p] = node
             k = len(node.physical_pages)
@@ -106,7 +106,7 @@ def check_cache_integrity(cache: RadixPrefixCache) -> None:
     for name, g, w in zip(names, got, want, strict=True):
         if g != w:
             _fail(f"counter {name} is {g} but a full walk finds {w}")
-    flagged = sum(cache._owned)
+    flagged = len(cache._owned)
     if flagged != len(owner):
         _fail(f"{flagged} pages flagged cache-owned but the trees hold {len(owner)}")
     cache.page_table.check_integrity(cache_owned=owner)
@@ -143,7 +143,9 @@ def check_page_table(pt, cache_owned: Mapping[int, object]) -> None:
                 _fail(f"row {b} position {pos} maps page {p}, which is padding, invalid or free")
             if p in cache_owned:
                 if seen_private:
-                    _fail(f"row {b}: cache-owned page {p} after a private page (erase would free it)")
+                    _fail(
+                        f"row {b}: cache-owned page {p} after a private page (erase would free it)"
+                    )
             else:
                 seen_private = True
                 if p in private:
@@ -159,3 +161,51 @@ def check_page_table(pt, cache_owned: Mapping[int, object]) -> None:
             f"free {len(free)} + cache-owned {len(cache_owned)} + private {len(private)} = "
             f"{total} != {n - 1} usable pages; leaked pages: {leaked[:20]}"
         )
+
+
+def check_insert_start(
+    cache: RadixPrefixCache,
+    node: TreeNode,
+    ns,
+    pages: tuple[int, ...],
+    token_idx: int,
+    page_idx: int,
+) -> None:
+    """``insert``'s ``from_node`` must be attached in ``ns``'s tree, sit at depth
+    (token_idx, page_idx), and its path's pages must be the caller's leading pages.
+    O(depth) dict lookups plus C-level slice compares; raises InsertError."""
+    path = []
+    depth_tokens = depth_pages = 0
+    cur = node
+    if node.detached:
+        raise InsertError(
+            "from_node was evicted from the cache; lock the matched node between "
+            "match_prefix and insert"
+        )
+    while cur.parent is not None:
+        if cur.detached or cur.parent.children.get(cur.keys[0]) is not cur:
+            raise InsertError(
+                "from_node is no longer in the cache (evicted); lock the matched node "
+                "between match_prefix and insert"
+            )
+        path.append(cur)
+        depth_tokens += len(cur.tokens)
+        depth_pages += len(cur.physical_pages)
+        cur = cur.parent
+    if cur.detached or cache._trees.get(ns) is not cur:
+        raise InsertError(f"from_node does not belong to the tree of namespace {ns}")
+    if token_idx != depth_tokens or page_idx != depth_pages:
+        raise InsertError(
+            f"from_token_idx={token_idx}, from_page_idx={page_idx} do not match from_node's "
+            f"depth ({depth_tokens} tokens, {depth_pages} KV positions); pass the match's "
+            "matched_token_count and matched_kv_length"
+        )
+    end = depth_pages
+    for p in path:  # deepest first
+        start = end - len(p.physical_pages)
+        if pages[start:end] != p.physical_pages:
+            raise InsertError(
+                f"pages[{start}:{end}] are not the cached pages of from_node's path; "
+                "map the matched pages into the row and pass the row's pages"
+            )
+        end = start

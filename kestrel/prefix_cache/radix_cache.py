@@ -14,13 +14,23 @@ implementation:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from operator import attrgetter, methodcaller
 from typing import TYPE_CHECKING
 
 from .base import BasePrefixCache, CacheLockError, InsertError
 from .eviction import LRUEvictionPolicy
+from .integrity import check_cache_integrity, check_insert_start
 from .namespace import CacheNamespace
+from .node import (
+    BAD_TOKENS,
+    CacheStats,
+    InsertResult,
+    MatchResult,
+    TreeNode,
+    common_prefix_len,
+    key_of,
+    token_keys,
+    token_kv_length,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -28,117 +38,6 @@ if TYPE_CHECKING:
     from .tokens import CacheToken
 
 __all__ = ["CacheStats", "InsertResult", "MatchResult", "RadixPrefixCache", "TreeNode"]
-
-_key = attrgetter("key")
-_kv = methodcaller("kv_length")
-
-
-def _keys(tokens: Sequence[CacheToken]) -> tuple[tuple, ...]:
-    try:
-        return tuple(map(_key, tokens))
-    except AttributeError:
-        raise TypeError(_BAD_TOKENS.format(tokens)) from None
-
-
-def _kv_length(tokens: Sequence[CacheToken]) -> int:
-    try:
-        return sum(map(_kv, tokens))
-    except AttributeError:
-        raise TypeError(_BAD_TOKENS.format(tokens)) from None
-
-
-_BAD_TOKENS = "tokens must be cache tokens (TextToken, CoordToken, SizeToken, ImageToken): {!r:.200}"
-
-
-def _common_prefix_len(a: tuple, b: tuple) -> int:
-    """Length of the common prefix of two key tuples whose first elements are known equal.
-
-    Binary search over C-level slice comparisons: O(n log n) element compares in C instead of
-    a Python loop over every token.
-    """
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 1, n - 1  # invariant: a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@dataclass(slots=True, eq=False)
-class TreeNode:
-    """A cached run of tokens and the pages holding their KV.
-
-    Invariants: ``len(physical_pages) == sum(t.kv_length() for t in tokens)``; ``keys`` are the
-    tokens' keys; the parent holds this node under ``keys[0]``. Roots have no tokens or pages
-    and carry their ``namespace``. ``detached`` marks nodes that were evicted or pruned.
-    Identity semantics (``eq=False``): nodes are hashed and compared by object.
-    """
-
-    children: dict[tuple, TreeNode] = field(default_factory=dict)
-    parent: TreeNode | None = None
-    tokens: tuple[CacheToken, ...] = ()
-    keys: tuple[tuple, ...] = ()
-    physical_pages: tuple[int, ...] = ()
-    lock_ref: int = 0
-    last_access_time: int = 0
-    heap_version: int = 0
-    namespace: CacheNamespace | None = None
-    detached: bool = False
-
-    @property
-    def total_kv_length(self) -> int:
-        return len(self.physical_pages)
-
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def is_root(self) -> bool:
-        return self.parent is None and self.namespace is not None
-
-    def __repr__(self) -> str:
-        kind = "root" if self.is_root() else "node"
-        return (
-            f"TreeNode({kind}, tokens={len(self.tokens)}, pages={len(self.physical_pages)}, "
-            f"children={len(self.children)}, lock_ref={self.lock_ref}, "
-            f"detached={self.detached})"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    """``matched_pages`` hold the KV of the first ``matched_token_count`` tokens
-    (``matched_kv_length`` positions); ``last_node`` is the node the match ends on (lock it),
-    ``None`` on a miss."""
-
-    matched_pages: list[int]
-    matched_kv_length: int
-    matched_token_count: int
-    last_node: TreeNode | None
-    unmatched_tokens: list
-
-
-@dataclass(frozen=True, slots=True)
-class InsertResult:
-    """``node`` ends at the deepest position the caller's pages are cached for;
-    ``inserted_pages`` is how many of the caller's pages the cache claimed (0 if none)."""
-
-    node: TreeNode
-    inserted_pages: int
-
-
-@dataclass(frozen=True, slots=True)
-class CacheStats:
-    namespaces: int
-    nodes: int
-    cached_pages: int
-    evictable_pages: int
-    reclaimable_pages: int
-    locked_pages: int
 
 
 class RadixPrefixCache(BasePrefixCache):
@@ -159,8 +58,8 @@ class RadixPrefixCache(BasePrefixCache):
         self._evictable = 0
         self._reclaimable = 0
         self._node_count = 0
-        # _owned[p] == 1 iff page p is held by a node: O(1) claim and free checks.
-        self._owned = bytearray(page_table.n_pages)
+        # Pages held by some node. A set keeps claim / free checks in C (isdisjoint, update).
+        self._owned: set[int] = set()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -183,16 +82,20 @@ class RadixPrefixCache(BasePrefixCache):
         return self._reclaimable
 
     def owns_page(self, page: int) -> bool:
-        return bool(self._owned[page])
+        return page in self._owned
 
     def first_owned(self, pages: Sequence[int]) -> int | None:
         """The first page of ``pages`` the cache owns, or None (used by PageTable.erase)."""
         owned = self._owned
-        return next((p for p in pages if owned[p]), None)
+        if owned.isdisjoint(pages):
+            return None
+        return next(p for p in pages if p in owned)
 
     def first_not_owned(self, pages: Sequence[int]) -> int | None:
         owned = self._owned
-        return next((p for p in pages if not owned[p]), None)
+        if owned.issuperset(pages):
+            return None
+        return next(p for p in pages if p not in owned)
 
     def stats(self) -> CacheStats:
         return CacheStats(
@@ -205,8 +108,6 @@ class RadixPrefixCache(BasePrefixCache):
         )
 
     def check_integrity(self) -> None:
-        from .integrity import check_cache_integrity
-
         check_cache_integrity(self)
 
     # ------------------------------------------------------------------ match
@@ -227,9 +128,9 @@ class RadixPrefixCache(BasePrefixCache):
                 m = len(ck)
                 j = m
                 if m > 1:
-                    seg = tuple(map(_key, tokens[i : i + m]))
+                    seg = tuple(map(key_of, tokens[i : i + m]))
                     if seg != ck:
-                        j = _common_prefix_len(seg, ck)
+                        j = common_prefix_len(seg, ck)
                 if j < m:
                     child = self._split(child, j)
                 pages += child.physical_pages
@@ -238,7 +139,7 @@ class RadixPrefixCache(BasePrefixCache):
                 if j < m:
                     break
         except AttributeError:
-            raise TypeError(_BAD_TOKENS.format(tokens)) from None
+            raise TypeError(BAD_TOKENS.format(tokens)) from None
         if node is root:
             return MatchResult([], 0, 0, None, list(tokens))
         self._touch_path(node)
@@ -258,6 +159,8 @@ class RadixPrefixCache(BasePrefixCache):
         n = len(tokens)
         if n == 0:
             raise InsertError("insert needs at least one token (a prompt starts with BOS)")
+        if not 0 <= from_token_idx <= n:
+            raise InsertError(f"from_token_idx={from_token_idx} outside 0..{n}")
         pages_t = tuple(pages)
         if from_node is None:
             if from_token_idx != 0 or from_page_idx != 0:
@@ -266,8 +169,8 @@ class RadixPrefixCache(BasePrefixCache):
                     "without from_node; pass the match's last_node (or 0 / 0 on a miss)"
                 )
         else:
-            self._check_start(from_node, ns, pages_t, from_token_idx, from_page_idx, n)
-        expected = from_page_idx + _kv_length(tokens[from_token_idx:])
+            check_insert_start(self, from_node, ns, pages_t, from_token_idx, from_page_idx)
+        expected = from_page_idx + token_kv_length(tokens[from_token_idx:])
         if len(pages_t) != expected:
             raise InsertError(
                 f"insert got {len(pages_t)} pages for tokens spanning {expected} KV positions "
@@ -294,9 +197,9 @@ class RadixPrefixCache(BasePrefixCache):
             m = len(ck)
             j = m
             if m > 1:
-                seg = tuple(map(_key, tokens[i : i + m]))
+                seg = tuple(map(key_of, tokens[i : i + m]))
                 if seg != ck:
-                    j = _common_prefix_len(seg, ck)
+                    j = common_prefix_len(seg, ck)
             cp = child.physical_pages
             pj = len(cp) if j == m else self._page_offset(child, j)
             if pages[pi : pi + pj] != cp[:pj]:
@@ -315,47 +218,6 @@ class RadixPrefixCache(BasePrefixCache):
         leaf = self._add_leaf(node, tokens[i:], pages[pi:], self._clock)
         return InsertResult(leaf, len(leaf.physical_pages))
 
-    def _check_start(
-        self,
-        node: TreeNode,
-        ns: CacheNamespace,
-        pages: tuple[int, ...],
-        token_idx: int,
-        page_idx: int,
-        n_tokens: int,
-    ) -> None:
-        """``from_node`` must be attached in ``ns``'s tree, sit at depth (token_idx, page_idx),
-        and its path's pages must be the caller's leading pages."""
-        path = []
-        cur = node
-        while cur.parent is not None:
-            if cur.detached or cur.parent.children.get(cur.keys[0]) is not cur:
-                raise InsertError(
-                    "from_node is no longer in the cache (evicted); lock the matched node "
-                    "between match_prefix and insert"
-                )
-            path.append(cur)
-            cur = cur.parent
-        if cur.detached or self._trees.get(ns) is not cur:
-            raise InsertError(f"from_node does not belong to the tree of namespace {ns}")
-        depth_tokens = sum(len(p.tokens) for p in path)
-        depth_pages = sum(len(p.physical_pages) for p in path)
-        if (token_idx, page_idx) != (depth_tokens, depth_pages) or token_idx > n_tokens:
-            raise InsertError(
-                f"from_token_idx={token_idx}, from_page_idx={page_idx} do not match from_node's "
-                f"depth ({depth_tokens} tokens, {depth_pages} KV positions); pass the match's "
-                "matched_token_count and matched_kv_length"
-            )
-        off = 0
-        for p in reversed(path):
-            k = len(p.physical_pages)
-            if pages[off : off + k] != p.physical_pages:
-                raise InsertError(
-                    f"pages[{off}:{off + k}] are not the cached pages of from_node's path; "
-                    "map the matched pages into the row and pass the row's pages"
-                )
-            off += k
-
     def _add_leaf(
         self,
         parent: TreeNode,
@@ -364,7 +226,7 @@ class RadixPrefixCache(BasePrefixCache):
         tick: int,
         new_root: CacheNamespace | None = None,
     ) -> TreeNode:
-        keys = _keys(tokens)
+        keys = token_keys(tokens)
         self._claim(pages)
         leaf = TreeNode(
             parent=parent,
@@ -387,24 +249,25 @@ class RadixPrefixCache(BasePrefixCache):
         return leaf
 
     def _claim(self, pages: tuple[int, ...]) -> None:
+        if not pages:
+            return
+        if min(pages) < 1:  # the upper bound was checked when the pages were mapped
+            raise InsertError(f"page {min(pages)} cannot be cached (page 0 is padding)")
         owned = self._owned
-        if pages and (min(pages) < 1 or max(pages) >= len(owned)):
-            raise InsertError(
-                f"pages must lie in 1..{len(owned) - 1} (page 0 is padding), got "
-                f"{min(pages)}..{max(pages)}"
-            )
-        for idx, p in enumerate(pages):
-            if owned[p]:
-                for q in pages[:idx]:
-                    owned[q] = 0
-                raise InsertError(f"page {p} is already owned by the cache; pages are claimed once")
-            owned[p] = 1
+        if not owned.isdisjoint(pages):
+            dup = next(p for p in pages if p in owned)
+            raise InsertError(f"page {dup} is already owned by the cache; pages are claimed once")
+        before = len(owned)
+        owned.update(pages)
+        if len(owned) != before + len(pages):  # a page listed twice
+            owned.difference_update(pages)
+            raise InsertError("the pages to insert list a page twice")
 
     # ------------------------------------------------------------------ split
     def _page_offset(self, node: TreeNode, j: int) -> int:
         if len(node.physical_pages) == len(node.tokens):
             return j  # every token spans one page
-        return _kv_length(node.tokens[:j])
+        return token_kv_length(node.tokens[:j])
 
     def _split(self, node: TreeNode, j: int) -> TreeNode:
         """Put a new node holding ``node``'s first ``j`` tokens above it; return the new node.
@@ -430,7 +293,7 @@ class RadixPrefixCache(BasePrefixCache):
         node.parent = prefix
         self._node_count += 1
         if node.lock_ref == 0 and not node.children:
-            pass  # the prefix's pages now sit in an internal node
+            self._evictable -= pj  # the prefix's pages now sit in an internal node
         return prefix
 
     # ------------------------------------------------------------------ locks
@@ -490,9 +353,7 @@ class RadixPrefixCache(BasePrefixCache):
     def _evict_leaf(self, leaf: TreeNode) -> int:
         pages = leaf.physical_pages
         self.page_table.free_pages_to_pool(pages)
-        owned = self._owned
-        for p in pages:
-            owned[p] = 0
+        self._owned.difference_update(pages)
         parent = leaf.parent
         del parent.children[leaf.keys[0]]
         leaf.parent = None

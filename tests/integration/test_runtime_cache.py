@@ -35,8 +35,7 @@ def greedy(rt: MoondreamRuntime, state, logits: torch.Tensor, n: int) -> list[in
 def conserved(rt: MoondreamRuntime) -> None:
     pt = rt.page_table
     private = sum(
-        len(pt.page_table_cpu[s.batch_idx]) - s.cache_owned_page_count
-        for s in rt.active_sequences
+        len(pt.page_table_cpu[s.batch_idx]) - s.cache_owned_page_count for s in rt.active_sequences
     )
     assert pt.pages_available + rt.prefix_cache.total_cached_pages + private == pt.n_pages - 1
     rt.check_integrity()

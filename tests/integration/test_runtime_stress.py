@@ -48,7 +48,7 @@ def test_randomized_run_conserves_pages(make_runtime, model, images):
             rt.release_sequence(running.pop(rng.randrange(len(running))))
             done += 1
             continue
-        s, logits = rt.start_sequence(prompt, image, max_new_tokens=max_new)
+        s, _ = rt.start_sequence(prompt, image, max_new_tokens=max_new)
         hits += s.reused_page_count > 0
         running.append(s)
         steps = rng.randint(0, max_new)

@@ -235,3 +235,14 @@ def check_all(rt: FakeRuntime) -> None:
         assert [rt.kv.get(p) for p in row[: seq.prompt.length]] == seq.prompt.contents()
     for node in all_nodes(cache):
         assert node.lock_ref == expected.get(id(node), 0), f"lock_ref of {node!r}"
+
+
+def make_cache(n_pages: int = 200, max_batch_size: int = 4) -> tuple[PageTable, RadixPrefixCache]:
+    pt = PageTable(n_pages, max_batch_size=max_batch_size, max_seq_len=1024)
+    cache = RadixPrefixCache(pt)
+    pt.set_prefix_cache(cache)
+    return pt, cache
+
+
+def text(*ids: int) -> list[TextToken]:
+    return [TextToken(i) for i in ids]

@@ -141,8 +141,8 @@ class CacheProtocolMachine(RuleBasedStateMachine):
 
 
 CacheProtocolMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=40,
+    max_examples=300,
+    stateful_step_count=50,
     deadline=None,
     derandomize=True,
     database=None,
