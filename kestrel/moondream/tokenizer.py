@@ -81,6 +81,19 @@ class MoondreamTokenizer:
             raise CheckpointError(f"hub repo {name_or_path!r} has no {TOKENIZER_FILE}")
         return cls.from_dir(snapshot)
 
+    @classmethod
+    def for_checkpoint(
+        cls, checkpoint: str | Path, fallback: str | Path = DEFAULT_TOKENIZER_REPO
+    ) -> MoondreamTokenizer:
+        """The tokenizer of a local checkpoint: its ``tokenizer.json`` when it ships one (test
+        checkpoints do), else ``fallback`` (the official checkpoint uses the starmie tokenizer,
+        which lives in its own hub repo)."""
+        path = Path(checkpoint).expanduser()
+        directory = path if path.is_dir() else path.parent
+        if (directory / TOKENIZER_FILE).is_file():
+            return cls.from_dir(directory)
+        return cls.from_pretrained(fallback)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``, without any special token added."""
         if not isinstance(text, str):
@@ -129,7 +142,12 @@ class StreamDecoder:
 
     def push(self, token_id: int) -> str:
         """Append one id; return the text that became final (may be empty)."""
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        if not 0 <= token_id < self._tok.vocab_size:
+            raise TokenizerError(
+                f"token id {token_id} outside the vocabulary [0, {self._tok.vocab_size})"
+            )
+        self._ids.append(token_id)
         seen = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
         if len(text) <= len(seen) or text.endswith(_REPLACEMENT):

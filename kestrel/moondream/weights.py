@@ -251,6 +251,12 @@ def load_state_dict(
             if legacy and name in _TRANSPOSED_IN_LEGACY:
                 shape = shape[::-1]
             if shape != expected[name]:
+                if legacy and name in _TRANSPOSED_IN_LEGACY:
+                    raise CheckpointError(
+                        f"{file}: legacy tensor {key!r} has shape {list(shape[::-1])} but the "
+                        f"legacy layout stores {name!r} as {list(expected[name][::-1])}, "
+                        "transposed"
+                    )
                 raise CheckpointError(
                     f"{file}: tensor {key!r} has shape {list(shape)} but the config expects "
                     f"{list(expected[name])} for {name!r}; is config.json the one that belongs "
