@@ -46,6 +46,7 @@ from kestrel.moondream.sequence import (
 from kestrel.moondream.text import lm_head, text_forward
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.vision import encode_image
+from kestrel.moondream.weights import resolve_checkpoint
 from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.prefix_cache.radix_cache import MatchResult, RadixPrefixCache
 from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken, kv_length
@@ -128,7 +129,7 @@ class MoondreamRuntime:
         model = MoondreamModel.from_pretrained(
             name_or_path, device=device, dtype=dtype, revision=revision
         )
-        tokenizer = MoondreamTokenizer.from_pretrained(name_or_path)
+        tokenizer = MoondreamTokenizer.for_checkpoint(resolve_checkpoint(name_or_path, revision))
         return cls(model, tokenizer, **kwargs)
 
     # ------------------------------------------------------------------ public API
