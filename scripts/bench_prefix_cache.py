@@ -226,8 +226,31 @@ def _print_tables(s: dict, plot: Path | None) -> None:
     )
     print(f"{'vision encoder calls':28}{s['vision_encodes_on']:10d}{s['vision_encodes_off']:10d}")
     print(f"{'requests/s':28}{s['rps_on']:10.2f}{s['rps_off']:10.2f}")
+    for line in _targets(s):
+        print(line)
     if plot:
         print(f"plot: {plot}")
+
+
+def _targets(s: dict) -> list[str]:
+    """The design targets of this workload, with the measured ratio and whether it is met."""
+    w, out = s["workload"], []
+
+    def check(what: str, value: float, ok: bool) -> None:
+        out.append(f"target {what}: {value:.3g} -> {'met' if ok else 'NOT met'}")
+
+    if w == "W1":
+        ratio = s["ttft_hit_p50_ms"] / s["ttft_miss_p50_ms"]
+        check("hit TTFT / miss TTFT <= 0.1", ratio, ratio <= 0.1)
+        check("req/s on / off >= 3", s["rps_on"] / s["rps_off"], s["rps_on"] >= 3 * s["rps_off"])
+    elif w == "W2":
+        on, off = s["ttft_req2plus_on_p50_ms"], s["ttft_req2plus_off_p50_ms"]
+        out.append(f"TTFT p50 of requests 2..48: {on:.1f} ms on, {off:.1f} ms off")
+        check("requests 2..48 TTFT off / on >= 5", off / on, off >= 5 * on)
+    else:
+        overhead = s["rps_off"] / s["rps_on"] - 1
+        check("cache-on overhead (req/s) <= 3%", overhead, overhead <= 0.03)
+    return out
 
 
 if __name__ == "__main__":

@@ -214,3 +214,15 @@ def test_errors_are_clear(make_runtime, model, images):
     with pytest.raises(SequenceError, match="not running"):
         rt.decode_step([s], [TextToken(1)])
     conserved(rt)
+
+
+def test_from_pretrained_checkpoint_dir():
+    from tests.conftest import fixture_dir
+
+    rt = MoondreamRuntime.from_pretrained(fixture_dir(), kv_cache_pages=1500, max_batch_size=2)
+    cfg = rt.config
+    ids = rt.tokenizer.encode("Tell me about a red car.")
+    s, logits = rt.start_sequence(query_prompt(cfg, ids), max_new_tokens=2)
+    assert logits.shape == (cfg.text.vocab_size,) and torch.isfinite(logits).all()
+    rt.release_sequence(s)
+    rt.check_integrity()
