@@ -66,7 +66,7 @@ def assert_close(
     err = (actual - golden).abs()
     bound = atol + rtol * golden.abs()
     ratio = float((err / bound).max()) if err.numel() else 0.0
-    key = (what.split("[")[0], group, atol)
+    key = (what, group, atol)  # one row per check and case
     prev = OBSERVED.get(key)
     if prev is None or float(err.max()) > prev[0]:
         OBSERVED[key] = (float(err.max()), atol, rtol, max(ratio, prev[3] if prev else 0.0))
