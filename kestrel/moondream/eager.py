@@ -29,7 +29,6 @@ from kestrel.moondream.eager_types import (
     Box,
     ContextOverflowError,
     EncodedImage,
-    GroundingChunk,
     Phase,
     Point,
     QueryResult,
@@ -37,6 +36,7 @@ from kestrel.moondream.eager_types import (
     RegionResult,
     RegionStep,
 )
+from kestrel.moondream.grounding import grounding_chunks
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import (
@@ -278,19 +278,21 @@ class EagerMoondream:
         prompt = prompts.query_prompt(
             cfg.tokenizer, self.tokenizer.encode, question, spatial=spatial, reasoning=reasoning
         )
-        kw = {
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "record": record,
-        }
+        gen = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
+        return self._text_answer(image, prompt, adapter, reasoning=reasoning, record=record, **gen)
+
+    def _text_answer(
+        self, image, prompt: list[_Token], adapter: LoraAdapter | None, *, reasoning: bool, **kw
+    ) -> QueryResult:
+        """Prefill ``prompt`` after the image, then (optionally) reason and answer."""
+        answer_id = self.model.config.tokenizer.answer_id
         with torch.inference_mode():
             seq, has_image = self._start(image, adapter)
             logits, hidden, prompt_ids = self._prefill(seq, prompt, has_image)
             thought = None
             if reasoning:
                 thought = self._reason(seq, logits, hidden, **kw)
-                logits, hidden = self._step(seq, self._embed_ids([cfg.tokenizer.answer_id]))
+                logits, hidden = self._step(seq, self._embed_ids([answer_id]))
             phase = self._answer(seq, logits, hidden, **kw)
         return QueryResult(
             answer=self.tokenizer.decode(list(phase.token_ids)),
@@ -312,52 +314,20 @@ class EagerMoondream:
             coord_id=tok.coord_id,
             **kw,
         )
-        text, grounding = self._grounding(phase.token_ids, dict(coords))
+        text, grounding = grounding_chunks(
+            phase.token_ids, dict(coords), tok, self.tokenizer.decode
+        )
         return ReasoningResult(
             text=text, token_ids=phase.token_ids, grounding=grounding, phase=phase
         )
-
-    def _grounding(
-        self, ids: Sequence[int], coords: dict[int, float]
-    ) -> tuple[str, tuple[GroundingChunk, ...]]:
-        """Split reasoning at start_ground_points / end_ground markers into text chunks; the
-        coordinates inside a chunk pair up as (x, y) points."""
-        tok = self.model.config.tokenizer
-        chunks: list[tuple[list[int], list[float]]] = [([], [])]
-        for i, t in enumerate(ids):
-            if t in (tok.start_ground_points_id, tok.end_ground_id):
-                chunks.append(([], []))
-            elif i in coords:
-                chunks[-1][1].append(coords[i])
-            else:
-                chunks[-1][0].append(t)
-        text, out = "", []
-        for chunk_ids, values in chunks:
-            piece = self.tokenizer.decode(chunk_ids) if chunk_ids else ""
-            if len(values) >= 2:
-                pts = tuple((values[j], values[j + 1]) for j in range(0, len(values) - 1, 2))
-                out.append(GroundingChunk(len(text), len(text) + len(piece), pts))
-            text += piece
-        return text, tuple(out)
 
     def caption(self, image, length: str = "normal", **kw) -> QueryResult:
         """Caption ``image``; same keywords as ``query`` minus reasoning / spatial_refs."""
         cfg = self.model.config
         prompt = prompts.caption_prompt(cfg.tokenizer, length)
         adapter, record = kw.pop("adapter", None), kw.pop("record", False)
-        gen = {"max_tokens": 768, "temperature": 0.0, "top_p": 1.0, **kw, "record": record}
-        with torch.inference_mode():
-            seq, has_image = self._start(image, adapter)
-            logits, hidden, prompt_ids = self._prefill(seq, prompt, has_image)
-            phase = self._answer(seq, logits, hidden, **gen)
-        return QueryResult(
-            answer=self.tokenizer.decode(list(phase.token_ids)),
-            token_ids=phase.token_ids,
-            finish_reason="eos" if phase.finish_reason == "stop" else phase.finish_reason,
-            prompt_ids=prompt_ids,
-            phase=phase,
-            reasoning=None,
-        )
+        gen = {"max_tokens": 768, "temperature": 0.0, "top_p": 1.0, **kw}
+        return self._text_answer(image, prompt, adapter, reasoning=False, record=record, **gen)
 
     # ---------------------------------------------------------------- point / detect
     def point(self, image, obj: str, max_objects: int = 50, **kw) -> RegionResult:

@@ -11,11 +11,17 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from .base import CacheIntegrityError, InsertError
+from .node import token_keys, token_kv_length
 
 if TYPE_CHECKING:
     from .radix_cache import RadixPrefixCache, TreeNode
 
-__all__ = ["check_cache_integrity", "check_insert_start", "check_page_table"]
+__all__ = [
+    "check_cache_integrity",
+    "check_insert_args",
+    "check_insert_start",
+    "check_page_table",
+]
 
 
 def _fail(msg: str) -> None:
@@ -32,8 +38,6 @@ def _check_root(ns, root: TreeNode) -> None:
 
 
 def _check_node(node: TreeNode, parent: TreeNode) -> None:
-    from .node import token_keys, token_kv_length
-
     if node.detached or node.namespace is not None:
         _fail(f"{node!r} in the tree is detached or carries a namespace")
     if node.parent is not parent:
@@ -160,6 +164,38 @@ def check_page_table(pt, cache_owned: Mapping[int, object]) -> None:
         _fail(
             f"free {len(free)} + cache-owned {len(cache_owned)} + private {len(private)} = "
             f"{total} != {n - 1} usable pages; leaked pages: {leaked[:20]}"
+        )
+
+
+def check_insert_args(
+    cache: RadixPrefixCache,
+    tokens,
+    pages: tuple[int, ...],
+    ns,
+    from_node: TreeNode | None,
+    from_token_idx: int,
+    from_page_idx: int,
+) -> None:
+    """Validate ``insert``'s arguments before anything changes; raises InsertError."""
+    n = len(tokens)
+    if n == 0:
+        raise InsertError("insert needs at least one token (a prompt starts with BOS)")
+    if not 0 <= from_token_idx <= n:
+        raise InsertError(f"from_token_idx={from_token_idx} outside 0..{n}")
+    if from_node is None:
+        if from_token_idx != 0 or from_page_idx != 0:
+            raise InsertError(
+                f"from_token_idx={from_token_idx} / from_page_idx={from_page_idx} given "
+                "without from_node; pass the match's last_node (or 0 / 0 on a miss)"
+            )
+    else:
+        check_insert_start(cache, from_node, ns, pages, from_token_idx, from_page_idx)
+    expected = from_page_idx + token_kv_length(tokens[from_token_idx:])
+    if len(pages) != expected:
+        raise InsertError(
+            f"insert got {len(pages)} pages for tokens spanning {expected} KV positions "
+            f"(one page per position; an ImageToken spans kv_length_ pages). Pass "
+            f"from_page_idx = the match's KV length, not its token count"
         )
 
 

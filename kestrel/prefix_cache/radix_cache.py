@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from .base import BasePrefixCache, CacheLockError, InsertError
 from .eviction import LRUEvictionPolicy
-from .integrity import check_cache_integrity, check_insert_start
+from .integrity import check_cache_integrity, check_insert_args
 from .namespace import CacheNamespace
 from .node import (
     BAD_TOKENS,
@@ -124,13 +124,7 @@ class RadixPrefixCache(BasePrefixCache):
                 child = node.children.get(tokens[i].key)
                 if child is None:
                     break
-                ck = child.keys
-                m = len(ck)
-                j = m
-                if m > 1:
-                    seg = tuple(map(key_of, tokens[i : i + m]))
-                    if seg != ck:
-                        j = common_prefix_len(seg, ck)
+                j, m = _overlap(child, tokens, i)
                 if j < m:
                     child = self._split(child, j)
                 pages += child.physical_pages
@@ -156,27 +150,8 @@ class RadixPrefixCache(BasePrefixCache):
         from_page_idx: int = 0,
     ) -> InsertResult:
         ns = self._resolve(namespace)
-        n = len(tokens)
-        if n == 0:
-            raise InsertError("insert needs at least one token (a prompt starts with BOS)")
-        if not 0 <= from_token_idx <= n:
-            raise InsertError(f"from_token_idx={from_token_idx} outside 0..{n}")
         pages_t = tuple(pages)
-        if from_node is None:
-            if from_token_idx != 0 or from_page_idx != 0:
-                raise InsertError(
-                    f"from_token_idx={from_token_idx} / from_page_idx={from_page_idx} given "
-                    "without from_node; pass the match's last_node (or 0 / 0 on a miss)"
-                )
-        else:
-            check_insert_start(self, from_node, ns, pages_t, from_token_idx, from_page_idx)
-        expected = from_page_idx + token_kv_length(tokens[from_token_idx:])
-        if len(pages_t) != expected:
-            raise InsertError(
-                f"insert got {len(pages_t)} pages for tokens spanning {expected} KV positions "
-                f"(one page per position; an ImageToken spans kv_length_ pages). Pass "
-                f"from_page_idx = the match's KV length, not its token count"
-            )
+        check_insert_args(self, tokens, pages_t, ns, from_node, from_token_idx, from_page_idx)
         root = from_node if from_node is not None else self._trees.get(ns)
         if root is None:
             # Fresh namespace: claim first (it validates), then create the root.
@@ -193,13 +168,7 @@ class RadixPrefixCache(BasePrefixCache):
             child = node.children.get(tokens[i].key)
             if child is None:
                 break
-            ck = child.keys
-            m = len(ck)
-            j = m
-            if m > 1:
-                seg = tuple(map(key_of, tokens[i : i + m]))
-                if seg != ck:
-                    j = common_prefix_len(seg, ck)
+            j, m = _overlap(child, tokens, i)
             cp = child.physical_pages
             pj = len(cp) if j == m else self._page_offset(child, j)
             if pages[pi : pi + pj] != cp[:pj]:
@@ -404,3 +373,17 @@ class RadixPrefixCache(BasePrefixCache):
         while node.parent is not None:
             node.last_access_time = now
             node = node.parent
+
+
+def _overlap(child: TreeNode, tokens: Sequence[CacheToken], i: int) -> tuple[int, int]:
+    """(tokens of ``child`` that ``tokens[i:]`` matches, ``child``'s token count).
+
+    The caller found ``child`` under ``tokens[i].key``, so at least one token matches. One C
+    slice compare in the common case; a binary search over slices only on divergence.
+    """
+    ck = child.keys
+    m = len(ck)
+    if m == 1:
+        return 1, 1
+    seg = tuple(map(key_of, tokens[i : i + m]))
+    return (m if seg == ck else common_prefix_len(seg, ck)), m
