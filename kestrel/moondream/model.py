@@ -268,12 +268,9 @@ class MoondreamModel:
         device = torch.device(device)
         ckpt = loader.resolve_checkpoint(name_or_path, revision=revision)
         config = loader.load_config(ckpt)
+        if dtype is None:  # decided from the header, so each tensor is cast once while loading
+            dtype = _default_dtype(device, loader.checkpoint_dtype(ckpt))
         sd = loader.load_state_dict(ckpt, config, device=device, dtype=dtype)
-        if dtype is None:
-            ckpt_dtype = next(iter(sd.values())).dtype
-            want = _default_dtype(device, ckpt_dtype)
-            if want != ckpt_dtype:
-                sd = {k: v.to(want) for k, v in sd.items()}
         return cls.from_state_dict(sd, config)
 
     def to(self, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None):

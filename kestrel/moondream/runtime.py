@@ -31,7 +31,7 @@ import torch
 from kestrel.kv_cache import PagedKVCache, PageTable
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
-from kestrel.moondream.image_input import image_digest, image_hash_int, load_image
+from kestrel.moondream.image_input import image_hash_int, load_image
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
@@ -41,6 +41,7 @@ from kestrel.moondream.sequence import (
     SequenceState,
     build_cache_tokens,
     cacheable_prefix,
+    check_request,
     validate_image_regions,
 )
 from kestrel.moondream.text import lm_head, text_forward
@@ -49,11 +50,9 @@ from kestrel.moondream.vision import encode_image
 from kestrel.moondream.weights import resolve_checkpoint
 from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.prefix_cache.radix_cache import MatchResult, RadixPrefixCache
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken, kv_length
+from kestrel.prefix_cache.tokens import kv_length
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
-
-_PROMPT_TYPES = (TextToken, CoordToken, SizeToken)
 
 
 @dataclass(slots=True)
@@ -126,10 +125,9 @@ class MoondreamRuntime:
         revision: str | None = None,
         **kwargs,
     ) -> MoondreamRuntime:
-        model = MoondreamModel.from_pretrained(
-            name_or_path, device=device, dtype=dtype, revision=revision
-        )
-        tokenizer = MoondreamTokenizer.for_checkpoint(resolve_checkpoint(name_or_path, revision))
+        ckpt = resolve_checkpoint(name_or_path, revision)  # once: a hub id downloads here
+        model = MoondreamModel.from_pretrained(ckpt, device=device, dtype=dtype)
+        tokenizer = MoondreamTokenizer.for_checkpoint(ckpt)
         return cls(model, tokenizer, **kwargs)
 
     # ------------------------------------------------------------------ public API
@@ -152,23 +150,22 @@ class MoondreamRuntime:
         placed right after BOS. ``image_hash`` is the image's SHA-256 digest (computed when
         omitted).
         """
-        image_hash = self._check_request(tokens, image, image_hash, max_new_tokens)
+        image_hash = check_request(self.config, tokens, image, image_hash, max_new_tokens)
         cfg = self.config
         image_kv = cfg.image_tokens if image is not None else 0
         hash_int = image_hash_int(image_hash) if image_hash is not None else None
         namespace = CacheNamespace(adapter.lora_id if adapter else None, hash_int)
         cache_tokens = build_cache_tokens(tokens, hash_int, image_kv)
-        prompt_len = len(tokens) + image_kv
-        n_cacheable = cacheable_prefix(cache_tokens, cfg.region.coord_bins, cfg.region.size_bins)
-        cacheable = cache_tokens[:n_cacheable]
-
+        cacheable = cache_tokens[
+            : cacheable_prefix(cache_tokens, cfg.region.coord_bins, cfg.region.size_bins)
+        ]
         if self.enable_prefix_cache:
             match = self.prefix_cache.match_prefix(cacheable, namespace)
         else:
             match = MatchResult([], 0, 0, None, list(cacheable))
-        batch_idx = self.page_table.allocate()
+        prompt_len = len(tokens) + image_kv
         state = SequenceState(
-            batch_idx=batch_idx,
+            batch_idx=self.page_table.allocate(),
             length=0,
             max_length=prompt_len + max_new_tokens,
             prompt_length=prompt_len,
@@ -177,60 +174,23 @@ class MoondreamRuntime:
             image_regions=[(1, 1 + image_kv)] if image is not None else [],
             cache_tokens=cache_tokens,
         )
-        validate_image_regions(state.image_regions, cfg)
-        temp_lock = None
         try:
-            skip = 0
-            if match.matched_kv_length > 0:
-                skip = min(match.matched_kv_length, prompt_len - 1)
-                if image is not None and skip < cfg.prefix_len:
-                    raise RuntimeError(
-                        f"prefix-cache invariant violated: a hit in an image namespace covers "
-                        f"{match.matched_kv_length} positions, less than BOS + image "
-                        f"({cfg.prefix_len})"
-                    )
-                self.page_table.map_pages(batch_idx, 0, match.matched_pages[:skip])
-                # The mapped pages are the cache's: erase() must never free them.
-                state.cache_owned_page_count = skip
-                self.prefix_cache.lock(match.last_node)
-                temp_lock = match.last_node  # only once the lock is really held
-            state.reused_page_count = skip
-            new_pages = self.page_table.allocate_pages(state.max_length - skip)
-            try:
-                self.page_table.map_pages(batch_idx, skip, new_pages)
-            except BaseException:
-                self.page_table.free_pages_to_pool(new_pages)  # not in the row: erase misses them
-                raise
-
+            validate_image_regions(state.image_regions, cfg)
+            skip = self._map_reused(state, match, image is not None)
+            self._map_private(state, skip)
             hidden_C = self._prefill(state, tokens, image, skip)
             logits_V = lm_head(hidden_C[None], self.model.text)[0]
-
-            full_prompt_cached = match.matched_kv_length >= prompt_len
-            lock_node = temp_lock
-            if self.enable_prefix_cache and not full_prompt_cached:
-                cacheable_kv = kv_length(cacheable)
-                result = self.prefix_cache.insert(
-                    cacheable,
-                    self.page_table.get_pages(batch_idx, 0, cacheable_kv),
-                    namespace,
-                    from_node=match.last_node,
-                    from_token_idx=match.matched_token_count,
-                    from_page_idx=skip,
-                )
-                state.cache_owned_page_count = skip + result.inserted_pages
-                if result.node is not temp_lock:
-                    self.prefix_cache.lock(result.node)
-                    self.prefix_cache.unlock(temp_lock)
-                lock_node = result.node
-            temp_lock = None  # from here on the lock belongs to the state
-            state.cache_lock_node = lock_node
+            if self.enable_prefix_cache and match.matched_kv_length < prompt_len:
+                self._insert_prompt(state, cacheable, match, skip)
+            # else: a full-prompt hit keeps its lock on the matched node; nothing to insert
         except BaseException:
-            self.prefix_cache.unlock(temp_lock)
-            self.page_table.erase(batch_idx, state.cache_owned_page_count)
+            self.prefix_cache.unlock(state.cache_lock_node)
+            state.cache_lock_node = None
+            self.page_table.erase(state.batch_idx, state.cache_owned_page_count)
             raise
         state.last_hidden = hidden_C
         state.length = prompt_len
-        self._active[batch_idx] = state
+        self._active[state.batch_idx] = state
         self._count(state)
         return state, logits_V
 
@@ -255,7 +215,7 @@ class MoondreamRuntime:
                     f"sequence in batch row {s.batch_idx} has used all "
                     f"{s.max_length - s.prompt_length} new-token pages (max_new_tokens reached)"
                 )
-            if not isinstance(t, _PROMPT_TYPES):
+            if not isinstance(t, PromptToken):
                 raise SequenceError(f"decode_step tokens must be cache tokens, got {t!r}")
         if len({s.batch_idx for s in states}) != len(states):
             raise SequenceError("a sequence appears twice in one decode_step")
@@ -309,40 +269,59 @@ class MoondreamRuntime:
                 raise AssertionError(f"row {s.batch_idx} maps {len(pages)} != {s.max_length}")
 
     # ------------------------------------------------------------------ internals
-    def _check_request(self, tokens, image, image_hash, max_new_tokens) -> bytes | None:
-        cfg = self.config
-        if not tokens or not isinstance(tokens[0], TextToken):
-            raise SequenceError("a prompt must start with TextToken(bos_id)")
-        if tokens[0].token_id != cfg.tokenizer.bos_id:
-            raise SequenceError(
-                f"a prompt must start with BOS ({cfg.tokenizer.bos_id}), got {tokens[0]!r}"
+    def _map_reused(self, state: SequenceState, match: MatchResult, has_image: bool) -> int:
+        """Map the reused cached pages into the row and lock them; returns ``skip``.
+
+        ``skip = min(matched, prompt_len - 1)``: a full-prompt hit still computes its last
+        position, into a private page. The lock is recorded on the state only once held.
+        """
+        if match.matched_kv_length == 0:
+            return 0
+        skip = min(match.matched_kv_length, state.prompt_length - 1)
+        prefix_len = self.config.prefix_len
+        if has_image and skip < prefix_len:
+            raise RuntimeError(
+                f"prefix-cache invariant violated: a hit in an image namespace covers "
+                f"{match.matched_kv_length} positions, less than BOS + image ({prefix_len})"
             )
-        for t in tokens:
-            if not isinstance(t, _PROMPT_TYPES):
-                raise SequenceError(f"prompt tokens must be Text/Coord/Size tokens, got {t!r}")
-            if isinstance(t, TextToken) and t.token_id >= cfg.text.vocab_size:
-                raise SequenceError(f"token id {t.token_id} >= vocab size {cfg.text.vocab_size}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise SequenceError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise SequenceError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if image is None:
-            if image_hash is not None:
-                raise SequenceError("image_hash was given without an image")
-        else:
-            if len(tokens) < 2:
-                raise SequenceError("an image prompt needs at least one token after BOS")
-            if image_hash is None:
-                image_hash = image_digest(image)
-            elif not isinstance(image_hash, bytes) or len(image_hash) < 16:
-                raise SequenceError("image_hash must be the image's SHA-256 digest (bytes)")
-        total = len(tokens) + (cfg.image_tokens if image is not None else 0) + max_new_tokens
-        if total > cfg.text.max_context:
-            raise SequenceError(
-                f"prompt ({total - max_new_tokens} positions) + max_new_tokens ({max_new_tokens})"
-                f" exceeds the model context of {cfg.text.max_context}"
-            )
-        return image_hash
+        self.page_table.map_pages(state.batch_idx, 0, match.matched_pages[:skip])
+        # The mapped pages are the cache's: erase() must never free them.
+        state.cache_owned_page_count = state.reused_page_count = skip
+        self.prefix_cache.lock(match.last_node)
+        state.cache_lock_node = match.last_node
+        return skip
+
+    def _map_private(self, state: SequenceState, skip: int) -> None:
+        """Fresh private pages for the suffix and the decode budget (evicting on demand)."""
+        new_pages = self.page_table.allocate_pages(state.max_length - skip)
+        try:
+            self.page_table.map_pages(state.batch_idx, skip, new_pages)
+        except BaseException:
+            self.page_table.free_pages_to_pool(new_pages)  # not in the row: erase misses them
+            raise
+
+    def _insert_prompt(
+        self, state: SequenceState, cacheable: list, match: MatchResult, skip: int
+    ) -> None:
+        """Insert the prompt's cacheable prefix and move the one lock to the inserted node.
+
+        When insert returns the node already locked (identity case) the lock stays as it is.
+        ``cache_owned_page_count = skip + inserted_pages``: a duplicate's pages stay private.
+        """
+        result = self.prefix_cache.insert(
+            cacheable,
+            self.page_table.get_pages(state.batch_idx, 0, kv_length(cacheable)),
+            state.namespace,
+            from_node=match.last_node,
+            from_token_idx=match.matched_token_count,
+            from_page_idx=skip,
+        )
+        state.cache_owned_page_count = skip + result.inserted_pages
+        held = state.cache_lock_node
+        if result.node is not held:
+            self.prefix_cache.lock(result.node)
+            state.cache_lock_node = result.node
+            self.prefix_cache.unlock(held)
 
     def _encode_image(self, image) -> torch.Tensor:
         """Vision encoder: image -> [image_tokens, dim]."""

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kestrel.moondream.image_input import image_digest
 from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.prefix_cache.tokens import CoordToken, ImageToken, SizeToken, TextToken
 
@@ -26,6 +27,7 @@ __all__ = [
     "SequenceState",
     "build_cache_tokens",
     "cacheable_prefix",
+    "check_request",
     "validate_image_regions",
 ]
 
@@ -113,3 +115,45 @@ def cacheable_prefix(cache_tokens: Sequence, coord_bins: int, size_bins: int) ->
         if not _canonical(tok, coord_bins, size_bins):
             return i
     return len(cache_tokens)
+
+
+def check_request(
+    config: MoondreamConfig,
+    tokens: Sequence[PromptToken],
+    image: object,
+    image_hash: bytes | None,
+    max_new_tokens: int,
+) -> bytes | None:
+    """Validate a ``start_sequence`` request; returns the image digest (computed if omitted)."""
+    if not tokens or not isinstance(tokens[0], TextToken):
+        raise SequenceError("a prompt must start with TextToken(bos_id)")
+    if tokens[0].token_id != config.tokenizer.bos_id:
+        raise SequenceError(
+            f"a prompt must start with BOS ({config.tokenizer.bos_id}), got {tokens[0]!r}"
+        )
+    for t in tokens:
+        if not isinstance(t, PromptToken):
+            raise SequenceError(f"prompt tokens must be Text/Coord/Size tokens, got {t!r}")
+        if isinstance(t, TextToken) and t.token_id >= config.text.vocab_size:
+            raise SequenceError(f"token id {t.token_id} >= vocab size {config.text.vocab_size}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise SequenceError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise SequenceError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if image is None:
+        if image_hash is not None:
+            raise SequenceError("image_hash was given without an image")
+    else:
+        if len(tokens) < 2:
+            raise SequenceError("an image prompt needs at least one token after BOS")
+        if image_hash is None:
+            image_hash = image_digest(image)
+        elif not isinstance(image_hash, bytes) or len(image_hash) < 16:
+            raise SequenceError("image_hash must be the image's SHA-256 digest (bytes)")
+    prompt = len(tokens) + (config.image_tokens if image is not None else 0)
+    if prompt + max_new_tokens > config.text.max_context:
+        raise SequenceError(
+            f"prompt ({prompt} positions) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model context of {config.text.max_context}"
+        )
+    return image_hash
