@@ -1,9 +1,10 @@
 """Eager, uncached generation: the project's own reference path.
 
-One request at a time, no prefix cache, no batching. It owns a PagedKVCache sized to
-``max_context`` with an identity page table (position i lives in page i + 1; page 0 stays the
-scratch page) and calls the same text_forward / region functions the runtime uses, so cached and
-uncached results can be compared token for token.
+One request at a time, no prefix cache, no batching. The token logic of every skill lives in
+``kestrel.skills`` (shared with the engine); this module only runs the model for it. It owns a
+PagedKVCache sized to ``max_context`` with an identity page table (position i lives in page
+i + 1; page 0 stays the scratch page) and calls the same text_forward / region functions the
+runtime uses, so cached and uncached results can be compared token for token.
 
 Reference behaviours reproduced (moondream-architecture.md section 6, design.md section 5):
 doubled answer marker in queries; the answer id masked from the first DECODE step only; eos and
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kestrel.moondream import prompts
 from kestrel.moondream.eager_types import (
     Box,
     ContextOverflowError,
@@ -36,27 +36,18 @@ from kestrel.moondream.eager_types import (
     RegionResult,
     RegionStep,
 )
-from kestrel.moondream.grounding import grounding_chunks
+from kestrel.moondream.heads import ModelHeads
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.region import (
-    coord_token,
-    decode_coordinate,
-    decode_size,
-    embed_tokens,
-    size_token,
-    spatial_ref_tokens,
-)
-from kestrel.moondream.sampling import (
-    answer_suppressed_ids,
-    greedy,
-    reasoning_suppressed_ids,
-    sample,
-    suppress,
-)
+from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import embed_text, lm_head, text_forward
 from kestrel.moondream.vision import encode_image as vision_encode
 from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+from kestrel.skills.base import Skill
+from kestrel.skills.prompts import token_ids
+from kestrel.skills.region import DetectSkill, PointSkill, RegionSkill
+from kestrel.skills.settings import Settings
+from kestrel.skills.text import CaptionSkill, QuerySkill, TextPhase
 
 __all__ = ["EagerMoondream", "EncodedImage", "QueryResult", "RegionResult"]
 
@@ -82,6 +73,7 @@ class EagerMoondream:
         self.model = model
         self.tokenizer = tokenizer
         self.backend = backend
+        self._ops = ModelHeads(model, tokenizer)
         cfg = model.config
         self.max_context = cfg.text.max_context
         t = cfg.text
@@ -195,69 +187,25 @@ class EagerMoondream:
         last position's logits and hidden state, and the id view of what was prefilled."""
         body = list(tokens[1:] if has_image else tokens)
         logits, hidden = self._step(seq, embed_tokens(body, self.model))
-        return logits, hidden, tuple(prompts.token_ids(body, self.model.config.tokenizer))
+        return logits, hidden, tuple(token_ids(body, self.model.config.tokenizer))
+
+    # ---------------------------------------------------------------- driving a skill
+    def _run(self, skill: Skill, image, adapter: LoraAdapter | None) -> tuple[int, ...]:
+        """Prefill the skill's prompt, then feed whatever it asks for until it finishes.
+
+        The budget is the context left, so a skill stops with "length" where the context ends.
+        Returns the id view of the prefilled prompt.
+        """
+        with torch.inference_mode():
+            seq, has_image = self._start(image, adapter)
+            logits, hidden, prompt_ids = self._prefill(seq, skill.prompt, has_image)
+            fed = skill.advance(logits, hidden, self.max_context - seq.pos)
+            while fed is not None:
+                logits, hidden = self._step(seq, embed_tokens([fed], self.model))
+                fed = skill.advance(logits, hidden, self.max_context - seq.pos)
+        return prompt_ids
 
     # ---------------------------------------------------------------- text generation
-    def _generate(
-        self,
-        seq: _Seq,
-        logits: Tensor,
-        hidden: Tensor,
-        *,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        stop_id: int,
-        banned: tuple[int, ...],
-        coord_id: int | None = None,
-        record: bool = False,
-    ) -> tuple[Phase, list[tuple[int, float]]]:
-        """Sample until ``stop_id`` (not fed) or max_tokens. ``banned`` applies from the first
-        decode step. If ``coord_id`` is set, that token feeds a decoded coordinate instead of
-        its embedding; the (token index, value) of each coordinate is returned."""
-        first_logits, first_hidden = logits, hidden
-        steps = [logits] if record else []
-        tokens: list[int] = []
-        coords: list[tuple[int, float]] = []
-        tok = int(sample(logits[None], temperature, top_p)[0])
-        reason = "max_tokens"
-        while True:
-            if tok == stop_id:
-                reason = "stop"
-                break
-            if len(tokens) >= max_tokens:
-                break
-            if seq.pos >= self.max_context:
-                reason = "length"
-                break
-            tokens.append(tok)
-            if coord_id is not None and tok == coord_id:
-                b = int(greedy(decode_coordinate(hidden, self.model.region)[None])[0])
-                fed = coord_token(b, self.model.config.region)
-                coords.append((len(tokens) - 1, fed.pos))
-                emb = embed_tokens([fed], self.model)
-            else:
-                emb = self._embed_ids([tok])
-            logits, hidden = self._step(seq, emb)
-            if record:
-                steps.append(logits)
-            tok = int(sample(suppress(logits[None], banned), temperature, top_p)[0])
-        phase = Phase(
-            token_ids=tuple(tokens),
-            finish_reason=reason,
-            prefill_logits=first_logits,
-            prefill_hidden=first_hidden,
-            step_logits=torch.stack(steps) if record else None,
-        )
-        return phase, coords
-
-    def _answer(self, seq: _Seq, logits: Tensor, hidden: Tensor, **kw) -> Phase:
-        tok = self.model.config.tokenizer
-        phase, _ = self._generate(
-            seq, logits, hidden, stop_id=tok.eos_id, banned=answer_suppressed_ids(tok), **kw
-        )
-        return phase
-
     def query(
         self,
         image,
@@ -273,29 +221,29 @@ class EagerMoondream:
     ) -> QueryResult:
         """Answer ``question`` about ``image`` (None = text-only). ``record`` keeps per-step
         logits (row 0 = prefill) in the phases."""
-        cfg = self.model.config
-        spatial = spatial_ref_tokens(spatial_refs or (), cfg.region)
-        prompt = prompts.query_prompt(
-            cfg.tokenizer, self.tokenizer.encode, question, spatial=spatial, reasoning=reasoning
-        )
-        gen = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p}
-        return self._text_answer(image, prompt, adapter, reasoning=reasoning, record=record, **gen)
+        settings = Settings(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        skill = QuerySkill(
+            self._ops, question, settings, reasoning=reasoning, spatial_refs=spatial_refs,
+            record=record,
+        )  # fmt: skip
+        return self._text_result(skill, self._run(skill, image, adapter))
 
-    def _text_answer(
-        self, image, prompt: list[_Token], adapter: LoraAdapter | None, *, reasoning: bool, **kw
-    ) -> QueryResult:
-        """Prefill ``prompt`` after the image, then (optionally) reason and answer."""
-        answer_id = self.model.config.tokenizer.answer_id
-        with torch.inference_mode():
-            seq, has_image = self._start(image, adapter)
-            logits, hidden, prompt_ids = self._prefill(seq, prompt, has_image)
-            thought = None
-            if reasoning:
-                thought = self._reason(seq, logits, hidden, **kw)
-                logits, hidden = self._step(seq, self._embed_ids([answer_id]))
-            phase = self._answer(seq, logits, hidden, **kw)
+    def caption(self, image, length: str = "normal", **kw) -> QueryResult:
+        """Caption ``image``; same keywords as ``query`` minus reasoning / spatial_refs."""
+        adapter, record = kw.pop("adapter", None), kw.pop("record", False)
+        settings = Settings(**{"max_tokens": 768, "temperature": 0.0, "top_p": 1.0, **kw})
+        skill = CaptionSkill(self._ops, length, settings, record=record)
+        return self._text_result(skill, self._run(skill, image, adapter))
+
+    def _text_result(self, skill: QuerySkill | CaptionSkill, prompt_ids) -> QueryResult:
+        phase = _phase(skill.answer)
+        thought = None
+        if isinstance(skill, QuerySkill) and skill.reasoning is not None:
+            text, grounding = skill.reasoning_output()
+            r = skill.reasoning
+            thought = ReasoningResult(text, tuple(r.tokens), grounding, _phase(r))
         return QueryResult(
-            answer=self.tokenizer.decode(list(phase.token_ids)),
+            answer=skill.answer_text(),
             token_ids=phase.token_ids,
             finish_reason="eos" if phase.finish_reason == "stop" else phase.finish_reason,
             prompt_ids=prompt_ids,
@@ -303,86 +251,47 @@ class EagerMoondream:
             reasoning=thought,
         )
 
-    def _reason(self, seq: _Seq, logits: Tensor, hidden: Tensor, **kw) -> ReasoningResult:
-        tok = self.model.config.tokenizer
-        phase, coords = self._generate(
-            seq,
-            logits,
-            hidden,
-            stop_id=tok.answer_id,
-            banned=reasoning_suppressed_ids(tok),
-            coord_id=tok.coord_id,
-            **kw,
-        )
-        text, grounding = grounding_chunks(
-            phase.token_ids, dict(coords), tok, self.tokenizer.decode
-        )
-        return ReasoningResult(
-            text=text, token_ids=phase.token_ids, grounding=grounding, phase=phase
-        )
-
-    def caption(self, image, length: str = "normal", **kw) -> QueryResult:
-        """Caption ``image``; same keywords as ``query`` minus reasoning / spatial_refs."""
-        cfg = self.model.config
-        prompt = prompts.caption_prompt(cfg.tokenizer, length)
-        adapter, record = kw.pop("adapter", None), kw.pop("record", False)
-        gen = {"max_tokens": 768, "temperature": 0.0, "top_p": 1.0, **kw}
-        return self._text_answer(image, prompt, adapter, reasoning=False, record=record, **gen)
-
     # ---------------------------------------------------------------- point / detect
     def point(self, image, obj: str, max_objects: int = 50, **kw) -> RegionResult:
-        prompt = prompts.point_prompt(self.model.config.tokenizer, self.tokenizer.encode, obj)
-        return self._regions(image, prompt, max_objects, with_size=False, **kw)
+        return self._regions(PointSkill(self._ops, obj, max_objects, record=_rec(kw)), image, kw)
 
     def detect(self, image, obj: str, max_objects: int = 50, **kw) -> RegionResult:
-        prompt = prompts.detect_prompt(self.model.config.tokenizer, self.tokenizer.encode, obj)
-        return self._regions(image, prompt, max_objects, with_size=True, **kw)
+        return self._regions(DetectSkill(self._ops, obj, max_objects, record=_rec(kw)), image, kw)
 
-    def _regions(
-        self,
-        image,
-        prompt: list[_Token],
-        max_objects: int,
-        *,
-        with_size: bool,
-        adapter: LoraAdapter | None = None,
-        record: bool = False,
-    ) -> RegionResult:
-        cfg = self.model.config
-        rw, rc = self.model.region, cfg.region
-        objects: list[Point | Box] = []
-        steps: list[RegionStep] = []
-        with torch.inference_mode():
-            seq, has_image = self._start(image, adapter)
-            logits, hidden, prompt_ids = self._prefill(seq, prompt, has_image)
-            first = (logits, hidden)
-            decisions = [int(greedy(logits[None])[0])]
-            while decisions[-1] != cfg.tokenizer.eos_id and len(objects) < max_objects:
-                if seq.pos + (3 if with_size else 2) > self.max_context:
-                    break
-                x_logits = decode_coordinate(hidden, rw)
-                xt = coord_token(int(greedy(x_logits[None])[0]), rc)
-                _, hidden = self._step(seq, embed_tokens([xt], self.model))
-                y_logits = decode_coordinate(hidden, rw)
-                yt = coord_token(int(greedy(y_logits[None])[0]), rc)
-                logits, hidden = self._step(seq, embed_tokens([yt], self.model))
-                size_logits = None
-                if with_size:
-                    size_logits = decode_size(hidden, rw)
-                    wb, hb = (int(b) for b in greedy(size_logits))
-                    st = size_token(wb, hb, rc)
-                    logits, hidden = self._step(seq, embed_tokens([st], self.model))
-                    objects.append(Box.from_center(xt, yt, st))
-                else:
-                    objects.append(Point.from_tokens(xt, yt))
-                if record:
-                    steps.append(RegionStep(x_logits, y_logits, size_logits, logits))
-                decisions.append(int(greedy(logits[None])[0]))
-        return RegionResult(
-            objects=tuple(objects),
-            decisions=tuple(decisions),
-            prompt_ids=prompt_ids,
-            prefill_logits=first[0],
-            prefill_hidden=first[1],
-            steps=tuple(steps) if record else None,
+    def _regions(self, skill: RegionSkill, image, kw: dict) -> RegionResult:
+        prompt_ids = self._run(skill, image, kw.pop("adapter", None))
+        if kw:
+            raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+        objects = tuple(
+            Point.from_tokens(x, y) if s is None else Box.from_center(x, y, s)
+            for x, y, s in skill.objects
         )
+        steps = None
+        if skill.record:
+            steps = tuple(
+                RegionStep(t.x_logits, t.y_logits, t.size_logits, t.next_logits)
+                for t in skill.traces
+            )
+        return RegionResult(
+            objects=objects,
+            decisions=tuple(skill.decisions),
+            prompt_ids=prompt_ids,
+            prefill_logits=skill.first_logits,
+            prefill_hidden=skill.first_hidden,
+            steps=steps,
+        )
+
+
+def _rec(kw: dict) -> bool:
+    return bool(kw.pop("record", False))
+
+
+def _phase(p: TextPhase) -> Phase:
+    """The eager result view of one text phase."""
+    return Phase(
+        token_ids=tuple(p.tokens),
+        finish_reason=p.finish_reason or "length",
+        prefill_logits=p.first_logits,
+        prefill_hidden=p.first_hidden,
+        step_logits=torch.stack(p.step_logits) if p.record and p.step_logits else None,
+    )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from kestrel.prefix_cache.tokens import CoordToken, SizeToken
+from kestrel.skills.grounding import GroundingChunk
 
 __all__ = [
     "Box",
@@ -51,13 +52,6 @@ class Phase:
     prefill_logits: Tensor  # [V]
     prefill_hidden: Tensor  # [dim], pre post_ln
     step_logits: Tensor | None  # [n_decisions, V]
-
-
-@dataclass(frozen=True, slots=True)
-class GroundingChunk:
-    start_idx: int  # char offsets of the chunk in the reasoning text
-    end_idx: int
-    points: tuple[tuple[float, float], ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,7 @@ softmax(logits / T) truncated by top-p as the reference does (sort descending, d
 the probability mass strictly before it already exceeds top_p, so the top token always
 survives), renormalized, then one multinomial draw.
 
-Masks used by the skills (design.md 5.5, applied from the first DECODE step, never to the token
-chosen from the prefill logits): the answer marker in answers, eos and size during reasoning.
+Which ids are suppressed when is skill logic and lives in ``kestrel.skills.text``.
 """
 
 from __future__ import annotations
@@ -16,14 +15,10 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from kestrel.moondream.config import TokenizerConfig
-
 __all__ = [
     "SamplingError",
-    "answer_suppressed_ids",
     "apply_top_p",
     "greedy",
-    "reasoning_suppressed_ids",
     "sample",
     "suppress",
 ]
@@ -93,13 +88,3 @@ def suppress(logits_BV: Tensor, ids: Iterable[int], rows: Tensor | None = None) 
         cols = out[:, ids]
         out[:, ids] = cols.masked_fill(rows.reshape(-1, 1), float("-inf"))
     return out
-
-
-def answer_suppressed_ids(tok: TokenizerConfig) -> tuple[int, ...]:
-    """Suppressed while decoding an answer / caption (the model was trained with [3, 3])."""
-    return (tok.answer_id,)
-
-
-def reasoning_suppressed_ids(tok: TokenizerConfig) -> tuple[int, ...]:
-    """Suppressed while reasoning: eos (reasoning ends on the answer id) and size."""
-    return (tok.eos_id, tok.size_id)

@@ -12,8 +12,8 @@ import torch
 
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops, select_tiling
 from kestrel.moondream.image_input import load_image
-from kestrel.moondream.prompts import token_ids
 from kestrel.moondream.region import encode_coordinate, encode_size, spatial_ref_tokens
+from kestrel.skills.prompts import token_ids
 from tests.conformance.cases import check_region_case, check_text_case, run_case
 from tests.conformance.golden import assert_close, load_golden
 from tests.conftest import fixture_dir

@@ -10,14 +10,6 @@ import torch
 from kestrel.moondream.config import MoondreamConfig, RegionConfig
 from kestrel.moondream.lora import LoraFormatError, load_adapter, normalize_lora_name
 from kestrel.moondream.model import MissingWeightError, MoondreamModel
-from kestrel.moondream.prompts import (
-    PromptError,
-    caption_prompt,
-    detect_prompt,
-    point_prompt,
-    query_prompt,
-    token_ids,
-)
 from kestrel.moondream.region import (
     SpatialRefError,
     coord_to_bin,
@@ -29,6 +21,14 @@ from kestrel.moondream.region import (
 from kestrel.moondream.rope import apply_rope, rope_cos_sin
 from kestrel.moondream.sampling import SamplingError, apply_top_p, sample, suppress
 from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+from kestrel.skills.prompts import (
+    PromptError,
+    caption_prompt,
+    detect_prompt,
+    point_prompt,
+    query_prompt,
+    token_ids,
+)
 from tests.conftest import fixture_dir
 
 FIX = fixture_dir()

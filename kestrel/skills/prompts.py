@@ -14,9 +14,13 @@ The question is tokenized as given (no leading space).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from kestrel.moondream.config import TokenizerConfig
+from kestrel.errors import InvalidInputError
 from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+
+if TYPE_CHECKING:
+    from kestrel.moondream.config import TokenizerConfig
 
 __all__ = [
     "PromptError",
@@ -31,7 +35,7 @@ Encode = Callable[[str], list[int]]
 PromptToken = TextToken | CoordToken | SizeToken
 
 
-class PromptError(ValueError):
+class PromptError(InvalidInputError):
     """A skill or option the model's templates do not support."""
 
 

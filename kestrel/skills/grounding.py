@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kestrel.moondream.config import TokenizerConfig
-from kestrel.moondream.eager_types import GroundingChunk
+if TYPE_CHECKING:
+    from kestrel.moondream.config import TokenizerConfig
 
-__all__ = ["grounding_chunks"]
+__all__ = ["GroundingChunk", "grounding_chunks"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroundingChunk:
+    start_idx: int  # char offsets of the chunk in the reasoning text
+    end_idx: int
+    points: tuple[tuple[float, float], ...]
 
 
 def grounding_chunks(

@@ -1,0 +1,110 @@
+"""Result values of the public API (frozen, slotted) and the engine's statistics.
+
+Coordinates are normalized to [0, 1] of the image's width and height. ``finish_reason`` is
+``"stop"`` (the model ended the answer, or point/detect ended its list) or ``"length"`` (the
+``max_tokens`` / ``max_objects`` budget or the model context ran out first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = [
+    "CaptionResult",
+    "DetectResult",
+    "EngineStats",
+    "PointResult",
+    "QueryResult",
+    "Reasoning",
+    "RequestMetrics",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """What one request cost. ``input_tokens`` counts KV positions of the prompt (the image
+    block included); ``cached_tokens`` of them were reused from the prefix cache."""
+
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    ttft_ms: float  # submit -> first generated token decided
+    prefill_ms: float  # the prefill's own compute
+    decode_ms: float  # first token -> finished
+    queue_ms: float  # submit -> admitted by the scheduler
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """Reasoning-mode thoughts: the text and, per grounded span of it, the points it cites
+    (``{"start_idx", "end_idx", "points": [{"x", "y"}, ...]}``, character offsets)."""
+
+    text: str
+    grounding: tuple[dict[str, Any], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "grounding": [dict(g) for g in self.grounding]}
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResult:
+    answer: str
+    reasoning: Reasoning | None
+    finish_reason: str
+    tokens: tuple[int, ...]  # generated ids of the answer
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class CaptionResult:
+    caption: str
+    finish_reason: str
+    tokens: tuple[int, ...]
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class PointResult:
+    points: tuple[dict[str, float], ...]  # {"x", "y"}
+    finish_reason: str
+    tokens: tuple[int, ...]  # the id view of what was generated (coord ids)
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class DetectResult:
+    objects: tuple[dict[str, float], ...]  # {"x_min", "y_min", "x_max", "y_max"}
+    finish_reason: str
+    tokens: tuple[int, ...]  # the id view of what was generated (coord / size ids)
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine. Pages: ``pages_total`` usable KV pages (page 0 is reserved) =
+    free + cached (owned by the prefix cache) + private (held by running requests only);
+    ``pages_locked`` of the cached ones are in use by running requests, ``pages_evictable``
+    can be freed right now. ``hit_rate`` is token-weighted: cached / input positions."""
+
+    requests_served: int
+    requests_failed: int
+    running: int
+    queue_depth: int
+    hit_rate: float
+    prefill_tokens_saved: int
+    vision_encodes_skipped: int
+    pages_total: int
+    pages_free: int
+    pages_cached: int
+    pages_private: int
+    pages_locked: int
+    pages_evictable: int
+    evictions: int  # pages evicted from the cache since start
+    namespaces: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

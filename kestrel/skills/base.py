@@ -1,0 +1,110 @@
+"""The skill contract: one request's generation as a step-wise state machine.
+
+A skill owns every token-level decision of one request and nothing else: its prompt, which
+token is fed next, which ids are suppressed when, when to stop, and how the generated tokens
+turn into a result. It never runs the model. A driver (the eager reference path, or the
+engine's scheduler for a whole batch) prefills ``skill.prompt``, then loops::
+
+    token = skill.advance(logits_V, hidden_C, budget)   # logits/hidden of the last position
+    if token is None: break                              # finished; skill.finish_reason set
+    logits_V, hidden_C = <feed token>                    # one decode step
+
+``budget`` is how many more tokens the driver can feed (pages mapped / context left); a skill
+that needs more finishes with ``"length"``. ``max_feeds`` is an upper bound on the tokens a
+skill will ever feed, so the driver can reserve KV pages for the whole request up front.
+
+Model-dependent operations (sampling, decoding a coordinate or size from a hidden state,
+detokenizing) come through :class:`SkillOps`, so this package never imports model code and the
+two drivers cannot drift.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+
+if TYPE_CHECKING:
+    from kestrel.moondream.config import TokenizerConfig
+
+__all__ = ["PromptToken", "Skill", "SkillOps", "TextSink"]
+
+PromptToken = TextToken | CoordToken | SizeToken
+
+
+class TextSink(Protocol):
+    """Incremental detokenizer: ``push`` ids, get the text that became final; ``flush`` the rest."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class SkillOps(Protocol):
+    """What a skill needs from the model it runs on (implemented by the model package)."""
+
+    @property
+    def tokens(self) -> TokenizerConfig: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def stream_decoder(self) -> TextSink: ...
+
+    def sample(
+        self, logits_V: Any, temperature: float, top_p: float, banned: Sequence[int], rng: Any
+    ) -> int:
+        """One token id; ``banned`` ids are masked first; temperature 0 is argmax."""
+        ...
+
+    def rng(self, seed: int | None) -> Any:
+        """A random generator seeded with ``seed`` (None: the process-wide one)."""
+        ...
+
+    def coord_token(self, hidden_C: Any) -> tuple[CoordToken, Any]:
+        """Greedy coordinate decoded from a hidden state, and the raw coordinate logits."""
+        ...
+
+    def size_token(self, hidden_C: Any) -> tuple[SizeToken, Any]:
+        """Greedy (width, height) decoded from a hidden state, and the raw size logits."""
+        ...
+
+    def spatial_tokens(self, refs: Sequence[Sequence[float]]) -> list[CoordToken | SizeToken]:
+        """Prompt tokens of spatial references (points / boxes in [0, 1])."""
+        ...
+
+
+class Skill(ABC):
+    """One request's generation. Subclasses set ``prompt`` and ``max_feeds`` in __init__."""
+
+    prompt: list[PromptToken]
+    max_feeds: int
+    finish_reason: str | None = None  # "stop" | "length" once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def streams_text(self) -> bool:
+        """Whether :meth:`take_text` yields the answer as it is generated."""
+        return False
+
+    @abstractmethod
+    def advance(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
+        """Decide from the last position's logits / hidden state: the next token to feed, or
+        None when the request is finished."""
+
+    def take_text(self) -> str:
+        """Answer text that became final since the last call ("" for non-text skills)."""
+        return ""
+
+    @abstractmethod
+    def output_tokens(self) -> tuple[int, ...]:
+        """The id view of what was generated (the answer's ids; coord/size ids for regions)."""
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason

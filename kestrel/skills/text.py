@@ -1,0 +1,209 @@
+"""Text skills: query (plain and reasoning) and caption.
+
+Token rules (the reference's, see docs/design.md "Numerics"): the id sampled from the prefill
+logits is never masked; from the first decode step on, the answer marker is suppressed while
+answering, eos and size while reasoning. Reasoning stops (without feeding) when it samples the
+answer marker; then one answer marker is fed and the answer phase starts from its logits,
+unmasked again. A coordinate token sampled while reasoning feeds the coordinate decoded from the
+same hidden state instead of its embedding (grounded reasoning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kestrel.prefix_cache.tokens import TextToken
+from kestrel.skills.base import PromptToken, Skill, SkillOps
+from kestrel.skills.grounding import GroundingChunk, grounding_chunks
+from kestrel.skills.prompts import caption_prompt, query_prompt
+from kestrel.skills.settings import Settings
+
+if TYPE_CHECKING:
+    from kestrel.moondream.config import TokenizerConfig
+
+__all__ = [
+    "CaptionSkill",
+    "QuerySkill",
+    "TextPhase",
+    "answer_suppressed_ids",
+    "reasoning_suppressed_ids",
+]
+
+
+def answer_suppressed_ids(tok: TokenizerConfig) -> tuple[int, ...]:
+    """Suppressed while answering / captioning (the model was trained with a doubled marker)."""
+    return (tok.answer_id,)
+
+
+def reasoning_suppressed_ids(tok: TokenizerConfig) -> tuple[int, ...]:
+    """Suppressed while reasoning: eos (reasoning ends on the answer marker) and size."""
+    return (tok.eos_id, tok.size_id)
+
+
+class TextPhase:
+    """Sample until ``stop_id`` (not fed), ``max_tokens`` tokens, or the budget runs out.
+
+    ``finish_reason``: "stop", "max_tokens" or "length" (no budget left to feed). With
+    ``record`` the raw logits of every decision are kept (row 0: the phase's first logits).
+    """
+
+    def __init__(
+        self,
+        ops: SkillOps,
+        settings: Settings,
+        rng: Any,
+        *,
+        stop_id: int,
+        banned: tuple[int, ...],
+        coord_id: int | None = None,
+        record: bool = False,
+    ) -> None:
+        self.ops, self.settings, self.rng = ops, settings, rng
+        self.stop_id, self.banned, self.coord_id, self.record = stop_id, banned, coord_id, record
+        self.tokens: list[int] = []
+        self.coords: list[tuple[int, float]] = []  # (index in tokens, decoded coordinate)
+        self.step_logits: list[Any] = []
+        self.first_logits: Any = None
+        self.first_hidden: Any = None
+        self.finish_reason: str | None = None
+
+    def decide(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
+        first = self.first_logits is None
+        if first:
+            self.first_logits, self.first_hidden = logits_V, hidden_C
+        if self.record:
+            self.step_logits.append(logits_V)
+        s = self.settings
+        banned = () if first else self.banned
+        tok = self.ops.sample(logits_V, s.temperature, s.top_p, banned, self.rng)
+        if tok == self.stop_id:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= s.max_tokens:
+            self.finish_reason = "max_tokens"
+        elif budget <= 0:
+            self.finish_reason = "length"
+        if self.finish_reason is not None:
+            return None
+        self.tokens.append(tok)
+        if self.coord_id is not None and tok == self.coord_id:
+            fed, _ = self.ops.coord_token(hidden_C)
+            self.coords.append((len(self.tokens) - 1, fed.pos))
+            return fed
+        return TextToken(tok)
+
+
+def _public_reason(reason: str | None) -> str:
+    return "stop" if reason == "stop" else "length"
+
+
+class _AnswerSkill(Skill):
+    """A skill whose result is text from one answer phase (optionally after reasoning)."""
+
+    def __init__(self, ops: SkillOps, settings: Settings, record: bool) -> None:
+        self.ops, self.settings, self.record = ops, settings, record
+        self.rng = ops.rng(settings.seed)
+        tok = ops.tokens
+        self.answer = TextPhase(
+            ops,
+            settings,
+            self.rng,
+            stop_id=tok.eos_id,
+            banned=answer_suppressed_ids(tok),
+            record=record,
+        )
+        self._sink = ops.stream_decoder()
+        self._pending: list[str] = []
+
+    @property
+    def streams_text(self) -> bool:
+        return True
+
+    def _answer_step(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
+        fed = self.answer.decide(logits_V, hidden_C, budget)
+        if fed is None:
+            self._pending.append(self._sink.flush())
+            self._finish(_public_reason(self.answer.finish_reason))
+        else:
+            self._pending.append(self._sink.push(self.answer.tokens[-1]))
+        return fed
+
+    def advance(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
+        return self._answer_step(logits_V, hidden_C, budget)
+
+    def take_text(self) -> str:
+        text = "".join(self._pending)
+        self._pending.clear()
+        return text
+
+    def output_tokens(self) -> tuple[int, ...]:
+        return tuple(self.answer.tokens)
+
+    def answer_text(self) -> str:
+        return self.ops.decode(self.answer.tokens)
+
+
+class QuerySkill(_AnswerSkill):
+    """Answer a question, optionally reasoning first (grounded thoughts, then the answer)."""
+
+    def __init__(
+        self,
+        ops: SkillOps,
+        question: str,
+        settings: Settings,
+        *,
+        reasoning: bool = False,
+        spatial_refs: Sequence[Sequence[float]] | None = None,
+        record: bool = False,
+    ) -> None:
+        super().__init__(ops, settings, record)
+        tok = ops.tokens
+        spatial = ops.spatial_tokens(spatial_refs or ())
+        self.prompt = query_prompt(tok, ops.encode, question, spatial=spatial, reasoning=reasoning)
+        self.reasoning: TextPhase | None = None
+        if reasoning:
+            self.reasoning = TextPhase(
+                ops,
+                settings,
+                self.rng,
+                stop_id=tok.answer_id,
+                banned=reasoning_suppressed_ids(tok),
+                coord_id=tok.coord_id,
+                record=record,
+            )
+        self._answering = not reasoning
+        # reasoning tokens + one answer marker + answer tokens
+        self.max_feeds = settings.max_tokens * (2 if reasoning else 1) + int(reasoning)
+
+    def advance(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
+        if self._answering:
+            return self._answer_step(logits_V, hidden_C, budget)
+        assert self.reasoning is not None
+        fed = self.reasoning.decide(logits_V, hidden_C, budget)
+        if fed is not None:
+            return fed
+        if budget <= 0:  # no room for the answer marker
+            self._pending.append(self._sink.flush())
+            self._finish("length")
+            return None
+        self._answering = True
+        return TextToken(self.ops.tokens.answer_id)
+
+    def reasoning_output(self) -> tuple[str, tuple[GroundingChunk, ...]] | None:
+        """The reasoning text and its grounded chunks (None without reasoning)."""
+        if self.reasoning is None:
+            return None
+        return grounding_chunks(
+            self.reasoning.tokens, dict(self.reasoning.coords), self.ops.tokens, self.ops.decode
+        )
+
+
+class CaptionSkill(_AnswerSkill):
+    """Describe the image at one of the template's lengths ("short", "normal", "long")."""
+
+    def __init__(
+        self, ops: SkillOps, length: str, settings: Settings, *, record: bool = False
+    ) -> None:
+        super().__init__(ops, settings, record)
+        self.prompt = caption_prompt(ops.tokens, length)
+        self.max_feeds = settings.max_tokens
