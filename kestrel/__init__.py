@@ -2,4 +2,51 @@
 
 from __future__ import annotations
 
+from kestrel.engine import Engine
+from kestrel.errors import (
+    CapacityError,
+    EngineClosedError,
+    InvalidInputError,
+    KestrelError,
+    ModelError,
+    ModelLoadError,
+    PromptTooLongError,
+    UnknownAdapterError,
+)
+from kestrel.images import PreparedImage, prepare_image
+from kestrel.results import (
+    CaptionResult,
+    DetectResult,
+    EngineStats,
+    PointResult,
+    QueryResult,
+    Reasoning,
+    RequestMetrics,
+)
+from kestrel.streams import AsyncTextStream, TextStream
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "AsyncTextStream",
+    "CapacityError",
+    "CaptionResult",
+    "DetectResult",
+    "Engine",
+    "EngineClosedError",
+    "EngineStats",
+    "InvalidInputError",
+    "KestrelError",
+    "ModelError",
+    "ModelLoadError",
+    "PointResult",
+    "PreparedImage",
+    "PromptTooLongError",
+    "QueryResult",
+    "Reasoning",
+    "RequestMetrics",
+    "TextStream",
+    "UnknownAdapterError",
+    "__version__",
+    "prepare_image",
+]

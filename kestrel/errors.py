@@ -13,6 +13,7 @@ __all__ = [
     "InvalidInputError",
     "KestrelError",
     "ModelError",
+    "ModelLoadError",
     "PromptTooLongError",
     "UnknownAdapterError",
 ]
@@ -50,3 +51,7 @@ class ModelError(KestrelError):
 
     The original exception is the ``__cause__``.
     """
+
+
+class ModelLoadError(KestrelError):
+    """The model (or an adapter) could not be loaded: missing files, bad config, offline hub."""

@@ -92,6 +92,7 @@ class EngineStats:
 
     requests_served: int
     requests_failed: int
+    requests_cancelled: int
     running: int
     queue_depth: int
     hit_rate: float

@@ -141,3 +141,4 @@ class CacheStats:
     evictable_pages: int
     reclaimable_pages: int
     locked_pages: int
+    evicted_pages: int = 0  # cumulative since the cache was made

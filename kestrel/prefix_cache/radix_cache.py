@@ -58,6 +58,7 @@ class RadixPrefixCache(BasePrefixCache):
         self._evictable = 0
         self._reclaimable = 0
         self._node_count = 0
+        self._evicted_pages = 0
         # Pages held by some node. A set keeps claim / free checks in C (isdisjoint, update).
         self._owned: set[int] = set()
 
@@ -105,6 +106,7 @@ class RadixPrefixCache(BasePrefixCache):
             evictable_pages=self._evictable,
             reclaimable_pages=self._reclaimable,
             locked_pages=self._total_cached_pages - self._reclaimable,
+            evicted_pages=self._evicted_pages,
         )
 
     def check_integrity(self) -> None:
@@ -328,6 +330,7 @@ class RadixPrefixCache(BasePrefixCache):
         leaf.parent = None
         leaf.detached = True
         k = len(pages)
+        self._evicted_pages += k
         self._total_cached_pages -= k
         self._reclaimable -= k
         self._evictable -= k

@@ -1,0 +1,412 @@
+"""Engine: the public API. One scheduler thread owns the runtime, the page table and the cache.
+
+Callers on any thread (or event loop) validate, decode and hash their input on their own
+thread, then hand a request to the scheduler thread through one inbox queue and wait on a
+``concurrent.futures.Future`` (or iterate a stream). The scheduler thread is the only one that
+touches the model, the KV pages and the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kestrel.engine_setup import load_runtime
+from kestrel.errors import EngineClosedError, InvalidInputError, ModelError, UnknownAdapterError
+from kestrel.frontend import Draft, RequestFactory
+from kestrel.images import PreparedImage, prepare_image
+from kestrel.moondream.heads import ModelHeads
+from kestrel.moondream.lora import LoraAdapter
+from kestrel.results import EngineStats
+from kestrel.runner import MoondreamRunner
+from kestrel.scheduler import Request, Scheduler
+from kestrel.streams import AsyncTextStream, TextStream
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("kestrel.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run ``fn`` on the scheduler thread and report through ``future``."""
+
+    fn: Callable[[], Any]
+    future: Future
+
+
+_STOP = object()
+
+
+class Engine:
+    """Serve a Moondream 2 checkpoint: ``query``, ``caption``, ``point``, ``detect``.
+
+    ``model``: a checkpoint directory or a Hugging Face repo id (None: the embedded default).
+    ``device="auto"`` picks CUDA when available; ``dtype`` is a ``torch.dtype`` or its name
+    (None: bfloat16 on CUDA, float32 on CPU). Every method is thread-safe; ``a*`` twins serve
+    asyncio callers. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str | torch.device = "auto",
+        dtype: torch.dtype | str | None = None,
+        kv_cache_pages: int | None = None,
+        max_batch_size: int = 16,
+        enable_prefix_cache: bool = True,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.runtime, self.model_path = load_runtime(
+            model,
+            device=device,
+            dtype=dtype,
+            kv_cache_pages=kv_cache_pages,
+            max_batch_size=max_batch_size,
+            enable_prefix_cache=enable_prefix_cache,
+            attention_backend=attention_backend,
+        )
+        self.config = self.runtime.config
+        self._factory = RequestFactory(
+            ModelHeads(self.runtime.model, self.runtime.tokenizer), self.config
+        )
+        self._runner = MoondreamRunner(self.runtime)
+        self._scheduler = Scheduler(self._runner)
+        self._adapters: dict[str, LoraAdapter] = {}
+        self._ids = itertools.count(1)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submissions against close()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="kestrel-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Fail pending and running requests with EngineClosedError, then join the thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._inbox.put(_STOP)
+        self._thread.join()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ images and adapters
+    def prepare_image(self, image: object) -> PreparedImage:
+        """Decode and hash once; pass the result as ``image`` to any call."""
+        return prepare_image(image)
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        """Load a LoRA adapter (``.safetensors``, reference ``final.pt``, or a folder of one)
+        under ``name`` for ``adapter=name`` on any call."""
+        from kestrel.engine_setup import read_adapter
+
+        adapter = read_adapter(name, path, self.runtime.model)
+        with self._lock:
+            self._adapters[name] = adapter
+
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    def _adapter(self, name: str | None) -> LoraAdapter | None:
+        if name is None:
+            return None
+        if not isinstance(name, str):
+            raise InvalidInputError(f"adapter must be a name (str), got {type(name).__name__}")
+        found = self._adapters.get(name)
+        if found is None:
+            loaded = ", ".join(self.adapters()) or "none"
+            raise UnknownAdapterError(f"no adapter named {name!r} is loaded (loaded: {loaded})")
+        return found
+
+    def _image(self, image: object) -> PreparedImage | None:
+        return None if image is None else prepare_image(image)
+
+    # ------------------------------------------------------------------ submission
+    def submit_query(
+        self,
+        image: object,
+        question: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+        reasoning: bool = False,
+        spatial_refs: Sequence[Sequence[float]] | None = None,
+    ) -> Future:
+        """Queue a question about ``image`` (None: text only); the future gives a QueryResult."""
+        return self._submit(
+            self._draft_query(image, question, settings, adapter, reasoning, spatial_refs)
+        )
+
+    def submit_caption(
+        self,
+        image: object,
+        *,
+        length: str = "normal",
+        settings: dict | None = None,
+        adapter: str | None = None,
+    ) -> Future:
+        """Queue a caption ("short", "normal" or "long"); the future gives a CaptionResult."""
+        return self._submit(self._draft_caption(image, length, settings, adapter))
+
+    def submit_point(
+        self,
+        image: object,
+        object: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+    ) -> Future:
+        """Queue pointing at every ``object``; the future gives a PointResult."""
+        return self._submit(self._draft_region("point", image, object, settings, adapter))
+
+    def submit_detect(
+        self,
+        image: object,
+        object: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+    ) -> Future:
+        """Queue detecting every ``object``; the future gives a DetectResult."""
+        return self._submit(self._draft_region("detect", image, object, settings, adapter))
+
+    def _draft_query(self, image, question, settings, adapter, reasoning, spatial_refs) -> Draft:
+        self._check_open()
+        return self._factory.query(
+            self._image(image),
+            question,
+            settings,
+            self._adapter(adapter),
+            reasoning=reasoning,
+            spatial_refs=spatial_refs,
+        )
+
+    def _draft_caption(self, image, length, settings, adapter) -> Draft:
+        self._check_open()
+        return self._factory.caption(self._image(image), length, settings, self._adapter(adapter))
+
+    def _draft_region(self, kind, image, obj, settings, adapter) -> Draft:
+        self._check_open()
+        return self._factory.region(kind, self._image(image), obj, settings, self._adapter(adapter))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+
+    def _submit(self, draft: Draft, on_text: Callable[[str], None] | None = None) -> Future:
+        future: Future = Future()
+        request = Request(
+            request_id=next(self._ids),
+            skill=draft.skill,
+            image=draft.image,
+            adapter=draft.adapter,
+            prompt_positions=draft.prompt_positions,
+            max_new_tokens=draft.max_new_tokens,
+            future=future,
+            build_result=draft.build_result,
+            submitted_at=time.perf_counter(),
+            on_text=on_text,
+        )
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine is closed")
+            self._inbox.put(request)
+        return future
+
+    def _stream(self, draft: Draft, stream: TextStream | AsyncTextStream):
+        stream.attach(self._submit(draft, on_text=stream.push))
+        return stream
+
+    # ------------------------------------------------------------------ blocking calls
+    def query(
+        self,
+        image: object,
+        question: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+        reasoning: bool = False,
+        spatial_refs: Sequence[Sequence[float]] | None = None,
+        stream: bool = False,
+    ):
+        """Answer ``question`` (QueryResult), or with ``stream=True`` a TextStream of deltas."""
+        draft = self._draft_query(image, question, settings, adapter, reasoning, spatial_refs)
+        if stream:
+            return self._stream(draft, TextStream())
+        return self._submit(draft).result()
+
+    def caption(
+        self,
+        image: object,
+        *,
+        length: str = "normal",
+        settings: dict | None = None,
+        adapter: str | None = None,
+        stream: bool = False,
+    ):
+        """Caption ``image`` (CaptionResult), or with ``stream=True`` a TextStream of deltas."""
+        draft = self._draft_caption(image, length, settings, adapter)
+        if stream:
+            return self._stream(draft, TextStream())
+        return self._submit(draft).result()
+
+    def point(
+        self,
+        image: object,
+        object: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+    ):
+        """Centers of every ``object`` in the image (PointResult, coordinates in [0, 1])."""
+        return self.submit_point(image, object, settings=settings, adapter=adapter).result()
+
+    def detect(
+        self,
+        image: object,
+        object: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+    ):
+        """Boxes of every ``object`` in the image (DetectResult, coordinates in [0, 1])."""
+        return self.submit_detect(image, object, settings=settings, adapter=adapter).result()
+
+    # ------------------------------------------------------------------ asyncio twins
+    async def aquery(self, image: object, question: str, *, stream: bool = False, **kw):
+        """``await``-able query; with ``stream=True`` an AsyncTextStream for ``async for``."""
+        draft = await asyncio.to_thread(
+            self._draft_query,
+            image,
+            question,
+            kw.get("settings"),
+            kw.get("adapter"),
+            kw.get("reasoning", False),
+            kw.get("spatial_refs"),
+        )
+        return await self._await(draft, stream)
+
+    async def acaption(self, image: object, *, length: str = "normal", stream: bool = False, **kw):
+        draft = await asyncio.to_thread(
+            self._draft_caption, image, length, kw.get("settings"), kw.get("adapter")
+        )
+        return await self._await(draft, stream)
+
+    async def apoint(self, image: object, object: str, **kw):
+        draft = await asyncio.to_thread(
+            self._draft_region, "point", image, object, kw.get("settings"), kw.get("adapter")
+        )
+        return await self._await(draft, False)
+
+    async def adetect(self, image: object, object: str, **kw):
+        draft = await asyncio.to_thread(
+            self._draft_region, "detect", image, object, kw.get("settings"), kw.get("adapter")
+        )
+        return await self._await(draft, False)
+
+    async def _await(self, draft: Draft, stream: bool):
+        if stream:
+            return self._stream(draft, AsyncTextStream(asyncio.get_running_loop()))
+        return await asyncio.wrap_future(self._submit(draft))
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> EngineStats:
+        """A consistent snapshot, taken on the scheduler thread between steps."""
+        return self._on_scheduler(self._stats_now)
+
+    def check_integrity(self) -> None:
+        """Assert every cache / page-table / scheduler invariant (on the scheduler thread)."""
+        self._on_scheduler(self._scheduler.check_integrity)
+
+    def _stats_now(self) -> EngineStats:
+        c = self.runtime.counters
+        s = self._scheduler
+        return EngineStats(
+            requests_served=s.counters.served,
+            requests_failed=s.counters.failed,
+            requests_cancelled=s.counters.cancelled,
+            running=len(s.running),
+            queue_depth=len(s.waiting),
+            hit_rate=c.hit_rate,
+            prefill_tokens_saved=c.cached_tokens,
+            vision_encodes_skipped=s.counters.vision_skipped,
+            **self._runner.pages(),
+        )
+
+    def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
+        call = _Call(fn, Future())
+        with self._lock:
+            queued = not self._closed
+            if queued:
+                self._inbox.put(call)
+        if queued:
+            return call.future.result()
+        self._thread.join()  # closed: once the thread is gone nothing else touches the state
+        return fn()
+
+    # ------------------------------------------------------------------ the scheduler thread
+    def _loop(self) -> None:
+        sched = self._scheduler
+        while True:
+            try:
+                msg = self._inbox.get(block=not sched.has_work())
+            except queue.Empty:
+                msg = None
+            while msg is not None:
+                if msg is _STOP:
+                    self._shutdown()
+                    return
+                self._handle(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if sched.has_work():
+                try:
+                    sched.step()
+                except Exception as exc:  # a scheduler bug: fail what is in flight, keep going
+                    log.exception("scheduler step failed")
+                    sched.abort_all(lambda exc=exc: ModelError(f"scheduler failure: {exc!r}"))
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, Request):
+            self._scheduler.submit(msg)
+        elif isinstance(msg, _Call):
+            try:
+                msg.future.set_result(msg.fn())
+            except Exception as exc:
+                msg.future.set_exception(exc)
+
+    def _shutdown(self) -> None:
+        def closed() -> EngineClosedError:
+            return EngineClosedError("the engine was closed before the request finished")
+
+        while True:  # requests queued before close() was called
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(msg)
+        self._scheduler.abort_all(closed)

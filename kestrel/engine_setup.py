@@ -1,0 +1,113 @@
+"""Building what an Engine runs on: device and dtype choice, the model, adapters.
+
+Every failure here is a :class:`~kestrel.errors.ModelLoadError` (or an
+:class:`~kestrel.errors.InvalidInputError` for a bad option) with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kestrel.errors import InvalidInputError, ModelLoadError
+from kestrel.moondream.lora import LoraAdapter, load_adapter
+from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.runtime import MoondreamRuntime
+
+__all__ = ["DEFAULT_MODEL_DIR", "load_runtime", "read_adapter", "resolve_device", "resolve_dtype"]
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "tiny"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"``: CUDA when available, else CPU. Anything else must exist here."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInputError(f"bad device {device!r}: {exc}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"device {device!r} asked for, but CUDA is not available here")
+    return dev
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype, its name ("float32", "bfloat16", "float16", short forms), or None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise InvalidInputError(
+        f"unknown dtype {dtype!r}; use a torch.dtype or one of float32, bfloat16, float16"
+    )
+
+
+def _model_source(model: str | Path | None) -> str | Path:
+    if model is not None:
+        return model
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        return DEFAULT_MODEL_DIR
+    raise ModelLoadError(
+        "Engine(model=None) uses the embedded kestrel-tiny model, which this installation does "
+        "not include; pass a checkpoint directory or a Hugging Face repo id as `model`"
+    )
+
+
+def load_runtime(
+    model: str | Path | None,
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype | str | None,
+    kv_cache_pages: int | None,
+    max_batch_size: int,
+    enable_prefix_cache: bool,
+    attention_backend: str,
+) -> tuple[MoondreamRuntime, str]:
+    """Load the checkpoint and build its runtime; returns (runtime, where it came from)."""
+    source = _model_source(model)
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
+        raise InvalidInputError(f"max_batch_size must be an int, got {max_batch_size!r}")
+    if max_batch_size < 1:
+        raise InvalidInputError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if kv_cache_pages is not None and (
+        isinstance(kv_cache_pages, bool) or not isinstance(kv_cache_pages, int)
+    ):
+        raise InvalidInputError(f"kv_cache_pages must be an int, got {kv_cache_pages!r}")
+    try:
+        rt = MoondreamRuntime.from_pretrained(
+            source,
+            device=dev,
+            dtype=dt,
+            kv_cache_pages=kv_cache_pages,
+            max_batch_size=max_batch_size,
+            enable_prefix_cache=enable_prefix_cache,
+            attention_backend=attention_backend,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
+        raise ModelLoadError(f"cannot load model {str(source)!r}: {exc}") from exc
+    if rt.tokenizer is None:
+        raise ModelLoadError(f"model {str(source)!r} has no tokenizer")
+    return rt, str(source)
+
+
+def read_adapter(name: str, path: str | Path, model: MoondreamModel) -> LoraAdapter:
+    if not isinstance(name, str) or not name or "@" in name:
+        raise InvalidInputError(f"adapter name must be a non-empty string without '@': {name!r}")
+    try:
+        return load_adapter(path, model.config, name=name, device=model.device, dtype=model.dtype)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load adapter {name!r} from {path}: {exc}") from exc

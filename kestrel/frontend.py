@@ -1,0 +1,152 @@
+"""Turning public calls into scheduler work, and finished skills into results.
+
+Runs on the caller's thread: validation, tokenization (the skill builds its prompt) and the
+budget arithmetic all happen before a request reaches the scheduler, so bad input fails only
+its own call and never costs the scheduler anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kestrel.errors import InvalidInputError, PromptTooLongError
+from kestrel.images import PreparedImage
+from kestrel.moondream.config import MoondreamConfig
+from kestrel.moondream.region import SpatialRefError
+from kestrel.results import (
+    CaptionResult,
+    DetectResult,
+    PointResult,
+    QueryResult,
+    Reasoning,
+    RequestMetrics,
+)
+from kestrel.skills import (
+    CaptionSkill,
+    DetectSkill,
+    PointSkill,
+    QuerySkill,
+    RegionSkill,
+    Skill,
+    SkillOps,
+    parse_settings,
+)
+
+__all__ = ["Draft", "RequestFactory"]
+
+BuildResult = Callable[[Any, RequestMetrics], Any]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Draft:
+    """A validated request, not yet submitted."""
+
+    skill: Skill
+    image: PreparedImage | None
+    adapter: Any
+    prompt_positions: int
+    max_new_tokens: int
+    build_result: BuildResult
+
+
+def _query_result(skill: QuerySkill, metrics: RequestMetrics) -> QueryResult:
+    reasoning = None
+    out = skill.reasoning_output()
+    if out is not None:
+        text, chunks = out
+        grounding = tuple(
+            {
+                "start_idx": c.start_idx,
+                "end_idx": c.end_idx,
+                "points": [{"x": x, "y": y} for x, y in c.points],
+            }
+            for c in chunks
+        )
+        reasoning = Reasoning(text, grounding)
+    return QueryResult(
+        skill.answer_text(), reasoning, skill.finish_reason, skill.output_tokens(), metrics
+    )
+
+
+def _caption_result(skill: CaptionSkill, metrics: RequestMetrics) -> CaptionResult:
+    return CaptionResult(skill.answer_text(), skill.finish_reason, skill.output_tokens(), metrics)
+
+
+def _point_result(skill: RegionSkill, metrics: RequestMetrics) -> PointResult:
+    return PointResult(skill.results(), skill.finish_reason, skill.output_tokens(), metrics)
+
+
+def _detect_result(skill: RegionSkill, metrics: RequestMetrics) -> DetectResult:
+    return DetectResult(skill.results(), skill.finish_reason, skill.output_tokens(), metrics)
+
+
+def _text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{what} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidInputError(f"{what} must not be empty")
+    return value
+
+
+class RequestFactory:
+    """Builds drafts for one model: ``ops`` runs the skills, ``config`` gives the sizes."""
+
+    def __init__(self, ops: SkillOps, config: MoondreamConfig) -> None:
+        self.ops = ops
+        self.config = config
+
+    def query(
+        self,
+        image: PreparedImage | None,
+        question: object,
+        settings: object,
+        adapter: Any,
+        *,
+        reasoning: bool,
+        spatial_refs: Sequence[Sequence[float]] | None,
+    ) -> Draft:
+        question = _text(question, "question")
+        s = parse_settings(settings)
+        try:
+            skill = QuerySkill(
+                self.ops, question, s, reasoning=bool(reasoning), spatial_refs=spatial_refs
+            )
+        except SpatialRefError as exc:
+            raise InvalidInputError(str(exc)) from exc
+        return self._draft(skill, image, adapter, _query_result)
+
+    def caption(self, image: PreparedImage | None, length: object, settings, adapter) -> Draft:
+        if image is None:
+            raise InvalidInputError("caption needs an image")
+        if not isinstance(length, str):
+            raise InvalidInputError(f"caption length must be a string, got {length!r}")
+        skill = CaptionSkill(self.ops, length, parse_settings(settings))
+        return self._draft(skill, image, adapter, _caption_result)
+
+    def region(
+        self, kind: str, image: PreparedImage | None, obj: object, settings, adapter
+    ) -> Draft:
+        if image is None:
+            raise InvalidInputError(f"{kind} needs an image")
+        obj = _text(obj, f"the object to {kind}")
+        max_objects = parse_settings(settings).max_objects
+        if kind == "point":
+            return self._draft(
+                PointSkill(self.ops, obj, max_objects), image, adapter, _point_result
+            )
+        skill = DetectSkill(self.ops, obj, max_objects)
+        return self._draft(skill, image, adapter, _detect_result)
+
+    def _draft(
+        self, skill: Skill, image: PreparedImage | None, adapter: Any, build: BuildResult
+    ) -> Draft:
+        positions = len(skill.prompt) + (self.config.image_tokens if image is not None else 0)
+        room = self.config.text.max_context - positions
+        if room < 1:
+            raise PromptTooLongError(
+                f"the prompt takes {positions} of the model's {self.config.text.max_context} "
+                "context positions and leaves no room for an answer; shorten the question"
+            )
+        return Draft(skill, image, adapter, positions, min(skill.max_feeds, room), build)

@@ -1,0 +1,89 @@
+"""What the scheduler needs of a model runner, and the values they exchange.
+
+The scheduler never imports model code: it drives any object with this shape. The engine's
+runner (``kestrel.runner.MoondreamRunner``) wraps ``MoondreamRuntime``; tests drive the
+scheduler with fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kestrel.results import RequestMetrics
+from kestrel.skills.base import PromptToken, Skill
+
+__all__ = ["Capacity", "ModelRunner", "Request", "RunnerOverloaded", "Started"]
+
+
+class RunnerOverloaded(RuntimeError):
+    """The runner could not take a request right now (rows or pages short); retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    free_rows: int
+    available_pages: int  # free + reclaimable by evicting unlocked cache entries
+    total_pages: int  # the whole usable pool
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A prefilled sequence: the runner's handle, the last position's logits and hidden state."""
+
+    handle: Any
+    logits_V: Any
+    hidden_C: Any
+    input_tokens: int  # KV positions of the prompt
+    cached_tokens: int  # of which reused from the prefix cache
+    vision_skipped: bool  # an image prompt whose image KV came from the cache
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Request:
+    """What a caller asked for, immutable once submitted.
+
+    ``skill`` is a fresh state machine handed over with the request: from submission on only
+    the scheduler thread touches it. ``image`` is already decoded and hashed (on the caller's
+    thread); ``max_new_tokens`` is the decode budget, already clamped to the model context.
+    ``build_result(skill, metrics)`` turns the finished skill into the caller's result;
+    ``on_text`` (optional) receives streamed text deltas.
+    """
+
+    request_id: int
+    skill: Skill
+    image: Any
+    adapter: Any
+    prompt_positions: int
+    max_new_tokens: int
+    future: Future
+    build_result: Callable[[Skill, RequestMetrics], Any]
+    submitted_at: float
+    on_text: Callable[[str], None] | None = None
+
+    @property
+    def pages_needed(self) -> int:
+        """Upper bound on the KV pages the request holds while it runs."""
+        return self.prompt_positions + self.max_new_tokens
+
+
+class ModelRunner(Protocol):
+    """The model side of the scheduler (single-threaded: only the scheduler calls it)."""
+
+    def capacity(self) -> Capacity: ...
+
+    def start(self, request: Request) -> Started:
+        """Prefill a request (reusing its cached prefix). Raises RunnerOverloaded when it
+        cannot take the request now; anything else fails the request. Either way nothing is
+        held on failure."""
+        ...
+
+    def decode(self, handles: Sequence[Any], tokens: Sequence[PromptToken]) -> tuple[Any, list]:
+        """Feed one token per sequence in one batched step: (logits [B, V], hidden per row)."""
+        ...
+
+    def release(self, handle: Any) -> None: ...
+
+    def check_integrity(self) -> None: ...

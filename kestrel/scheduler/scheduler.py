@@ -1,0 +1,227 @@
+"""The scheduler: one loop that admits, prefills, decodes and retires.
+
+``step()`` is ``schedule`` (drop cancelled requests, admit what fits), ``run`` (prefill each
+admitted request, then one batched decode over every running sequence) and ``postprocess``
+(each sequence's skill decides its next token, text is streamed, finished sequences retire and
+release what they hold). It is a plain class, driven by the engine's thread or directly by
+tests; nothing here is thread-safe, and nothing here imports model code.
+
+Failure isolation: an exception while prefilling fails that request alone; one inside a decode
+step fails the sequences of that step; a skill that raises fails its own sequence. Every
+failure releases the sequence's handle before the caller hears of it, so nothing leaks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Any
+
+from kestrel.errors import CapacityError, InvalidInputError, KestrelError, ModelError
+from kestrel.scheduler.protocol import ModelRunner, Request, RunnerOverloaded
+from kestrel.scheduler.state import RunningSet, SequenceRun, WaitQueue
+
+__all__ = ["Scheduler", "SchedulerCounters"]
+
+log = logging.getLogger("kestrel.scheduler")
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    served: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    vision_skipped: int = 0
+    steps: int = 0
+    decode_steps: int = 0
+
+
+def as_request_error(exc: BaseException) -> KestrelError:
+    """The error a caller sees for an exception raised while running its request."""
+    if isinstance(exc, KestrelError):
+        return exc
+    if isinstance(exc, ValueError):  # the runtime's own request checks (SequenceError, ...)
+        err: KestrelError = InvalidInputError(str(exc))
+    else:
+        err = ModelError(f"the model failed on this request: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> bool:
+    """Complete a future unless its caller cancelled it first; True if it was completed."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled by the caller in the meantime
+        return False
+    return True
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, *, clock: Callable[[], float] = time.perf_counter):
+        self.runner = runner
+        self.clock = clock
+        self.waiting = WaitQueue()
+        self.running = RunningSet()
+        self.counters = SchedulerCounters()
+
+    # ------------------------------------------------------------------ public
+    def submit(self, request: Request) -> None:
+        self.waiting.push(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    def step(self) -> None:
+        self.counters.steps += 1
+        admitted = self._schedule()
+        self._prefill(admitted)
+        self._decode()
+
+    def abort_all(self, make_error: Callable[[], KestrelError]) -> None:
+        """Fail every waiting and running request (running ones are released first)."""
+        for run in self.running:
+            self._retire(run, error=make_error())
+        for request in self.waiting.pop_all():
+            self._fail(request, make_error())
+
+    def check_integrity(self) -> None:
+        self.runner.check_integrity()
+        running = {id(r.request) for r in self.running}
+        if any(id(r) in running for r in self.waiting):
+            raise AssertionError("a request is both waiting and running")
+        for run in self.running:
+            if run.fed > run.request.max_new_tokens:
+                raise AssertionError(f"request {run.request.request_id} fed past its budget")
+
+    # ------------------------------------------------------------------ schedule
+    def _schedule(self) -> list[Request]:
+        self.counters.cancelled += len(self.waiting.drop_cancelled())
+        for run in self.running:
+            if run.request.future.cancelled():
+                self._retire(run, cancelled=True)
+        admitted, never = self.waiting.admit(self.runner.capacity())
+        for request in never:
+            total = self.runner.capacity().total_pages
+            self._fail(
+                request,
+                CapacityError(
+                    f"the request needs up to {request.pages_needed} KV pages (prompt "
+                    f"{request.prompt_positions} + {request.max_new_tokens} new tokens) but the "
+                    f"pool has {total}; lower max_tokens / max_objects or raise kv_cache_pages"
+                ),
+            )
+        return admitted
+
+    # ------------------------------------------------------------------ run
+    def _prefill(self, admitted: list[Request]) -> None:
+        for i, request in enumerate(admitted):
+            t0 = self.clock()
+            try:
+                started = self.runner.start(request)
+            except RunnerOverloaded as exc:
+                rest = admitted[i:]
+                if not self.running:  # nothing running will free capacity: it cannot run
+                    self._fail(request, CapacityError(str(exc)))
+                    rest = admitted[i + 1 :]
+                for later in reversed(rest):
+                    self.waiting.push_front(later)
+                return
+            except Exception as exc:
+                self._fail(request, as_request_error(exc))
+                continue
+            run = SequenceRun(
+                request,
+                started.handle,
+                admitted_at=t0,
+                prefill_ms=(self.clock() - t0) * 1e3,
+                input_tokens=started.input_tokens,
+                cached_tokens=started.cached_tokens,
+            )
+            self.counters.vision_skipped += int(started.vision_skipped)
+            self.running.add(run)
+            self._advance(run, started.logits_V, started.hidden_C)
+
+    def _decode(self) -> None:
+        batch = self.running.feeding()
+        if not batch:
+            return
+        self.counters.decode_steps += 1
+        tokens = [r.next_token for r in batch]
+        try:
+            logits_BV, hidden = self.runner.decode([r.handle for r in batch], tokens)
+        except Exception as exc:
+            log.exception("decode step failed; failing its %d sequences", len(batch))
+            for run in batch:
+                self._retire(run, error=as_request_error(exc))
+            return
+        for i, run in enumerate(batch):
+            run.fed += 1
+            run.next_token = None
+            self._advance(run, logits_BV[i], hidden[i])
+
+    # ------------------------------------------------------------------ postprocess
+    def _advance(self, run: SequenceRun, logits_V: Any, hidden_C: Any) -> None:
+        skill = run.request.skill
+        try:
+            fed = skill.advance(logits_V, hidden_C, run.budget)
+        except Exception as exc:
+            self._retire(run, error=as_request_error(exc))
+            return
+        if run.first_token_at is None:
+            run.first_token_at = self.clock()
+        self._stream(run)
+        if fed is None:
+            self._retire(run)
+        else:
+            run.next_token = fed
+
+    def _stream(self, run: SequenceRun) -> None:
+        on_text = run.request.on_text
+        if on_text is None:
+            return
+        delta = run.request.skill.take_text()
+        if delta:
+            try:
+                on_text(delta)
+            except Exception:  # a broken consumer must not take the scheduler down
+                log.exception("stream consumer of request %s raised", run.request.request_id)
+
+    def _retire(
+        self, run: SequenceRun, *, error: KestrelError | None = None, cancelled: bool = False
+    ) -> None:
+        """Release the sequence, then tell its caller (result, error, or nothing if cancelled)."""
+        self.running.remove(run)
+        try:
+            self.runner.release(run.handle)
+        except Exception as exc:
+            log.exception("releasing request %s failed", run.request.request_id)
+            error = error or as_request_error(exc)
+        request = run.request
+        if cancelled:
+            self.counters.cancelled += 1
+            return
+        if error is None:
+            skill = request.skill
+            try:
+                result = request.build_result(skill, run.metrics(len(skill.output_tokens())))
+            except Exception as exc:
+                error = as_request_error(exc)
+        if error is not None:
+            self._fail(request, error)
+        elif _settle(request.future, result=result):
+            self.counters.served += 1
+        else:
+            self.counters.cancelled += 1
+
+    def _fail(self, request: Request, error: KestrelError) -> None:
+        if _settle(request.future, error=error):
+            self.counters.failed += 1
+        else:
+            self.counters.cancelled += 1
