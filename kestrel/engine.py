@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kestrel.engine_loop import SchedulerLoop
 from kestrel.engine_setup import load_runtime
-from kestrel.errors import EngineClosedError, InvalidInputError, ModelError, UnknownAdapterError
+from kestrel.errors import EngineClosedError, InvalidInputError, UnknownAdapterError
 from kestrel.frontend import Draft, RequestFactory
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.moondream.heads import ModelHeads
@@ -34,19 +32,6 @@ from kestrel.scheduler import Request, Scheduler
 from kestrel.streams import AsyncTextStream, TextStream
 
 __all__ = ["Engine"]
-
-log = logging.getLogger("kestrel.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """Run ``fn`` on the scheduler thread and report through ``future``."""
-
-    fn: Callable[[], Any]
-    future: Future
-
-
-_STOP = object()
 
 
 class Engine:
@@ -85,12 +70,9 @@ class Engine:
         self._runner = MoondreamRunner(self.runtime)
         self._scheduler = Scheduler(self._runner)
         self._adapters: dict[str, LoraAdapter] = {}
+        self._adapter_lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders submissions against close()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="kestrel-scheduler", daemon=True)
-        self._thread.start()
+        self._loop = SchedulerLoop(self._scheduler)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Engine:
@@ -101,16 +83,11 @@ class Engine:
 
     def close(self) -> None:
         """Fail pending and running requests with EngineClosedError, then join the thread."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._inbox.put(_STOP)
-        self._thread.join()
+        self._loop.close()
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._loop.closed
 
     # ------------------------------------------------------------------ images and adapters
     def prepare_image(self, image: object) -> PreparedImage:
@@ -123,7 +100,7 @@ class Engine:
         from kestrel.engine_setup import read_adapter
 
         adapter = read_adapter(name, path, self.runtime.model)
-        with self._lock:
+        with self._adapter_lock:
             self._adapters[name] = adapter
 
     def adapters(self) -> list[str]:
@@ -212,7 +189,7 @@ class Engine:
         return self._factory.region(kind, self._image(image), obj, settings, self._adapter(adapter))
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._loop.closed:
             raise EngineClosedError("the engine is closed")
 
     def _submit(self, draft: Draft, on_text: Callable[[str], None] | None = None) -> Future:
@@ -229,10 +206,7 @@ class Engine:
             submitted_at=time.perf_counter(),
             on_text=on_text,
         )
-        with self._lock:
-            if self._closed:
-                raise EngineClosedError("the engine is closed")
-            self._inbox.put(request)
+        self._loop.submit(request)
         return future
 
     def _stream(self, draft: Draft, stream: TextStream | AsyncTextStream):
@@ -356,57 +330,4 @@ class Engine:
         )
 
     def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
-        call = _Call(fn, Future())
-        with self._lock:
-            queued = not self._closed
-            if queued:
-                self._inbox.put(call)
-        if queued:
-            return call.future.result()
-        self._thread.join()  # closed: once the thread is gone nothing else touches the state
-        return fn()
-
-    # ------------------------------------------------------------------ the scheduler thread
-    def _loop(self) -> None:
-        sched = self._scheduler
-        while True:
-            try:
-                msg = self._inbox.get(block=not sched.has_work())
-            except queue.Empty:
-                msg = None
-            while msg is not None:
-                if msg is _STOP:
-                    self._shutdown()
-                    return
-                self._handle(msg)
-                try:
-                    msg = self._inbox.get_nowait()
-                except queue.Empty:
-                    msg = None
-            if sched.has_work():
-                try:
-                    sched.step()
-                except Exception as exc:  # a scheduler bug: fail what is in flight, keep going
-                    log.exception("scheduler step failed")
-                    sched.abort_all(lambda exc=exc: ModelError(f"scheduler failure: {exc!r}"))
-
-    def _handle(self, msg: object) -> None:
-        if isinstance(msg, Request):
-            self._scheduler.submit(msg)
-        elif isinstance(msg, _Call):
-            try:
-                msg.future.set_result(msg.fn())
-            except Exception as exc:
-                msg.future.set_exception(exc)
-
-    def _shutdown(self) -> None:
-        def closed() -> EngineClosedError:
-            return EngineClosedError("the engine was closed before the request finished")
-
-        while True:  # requests queued before close() was called
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            self._handle(msg)
-        self._scheduler.abort_all(closed)
+        return self._loop.call(fn)

@@ -73,7 +73,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ public
     def submit(self, request: Request) -> None:
-        self.waiting.push(request)
+        """Queue a request; one that could never fit the page pool fails right away."""
+        if request.pages_needed > self.runner.capacity().total_pages:
+            self._fail_never_fits(request)
+        else:
+            self.waiting.push(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.running)
@@ -108,16 +112,19 @@ class Scheduler:
                 self._retire(run, cancelled=True)
         admitted, never = self.waiting.admit(self.runner.capacity())
         for request in never:
-            total = self.runner.capacity().total_pages
-            self._fail(
-                request,
-                CapacityError(
-                    f"the request needs up to {request.pages_needed} KV pages (prompt "
-                    f"{request.prompt_positions} + {request.max_new_tokens} new tokens) but the "
-                    f"pool has {total}; lower max_tokens / max_objects or raise kv_cache_pages"
-                ),
-            )
+            self._fail_never_fits(request)
         return admitted
+
+    def _fail_never_fits(self, request: Request) -> None:
+        total = self.runner.capacity().total_pages
+        self._fail(
+            request,
+            CapacityError(
+                f"the request needs up to {request.pages_needed} KV pages (prompt "
+                f"{request.prompt_positions} + {request.max_new_tokens} new tokens) but the "
+                f"pool has {total}; lower max_tokens / max_objects or raise kv_cache_pages"
+            ),
+        )
 
     # ------------------------------------------------------------------ run
     def _prefill(self, admitted: list[Request]) -> None:

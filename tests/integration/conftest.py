@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import numpy as np
 import pytest
@@ -85,12 +84,7 @@ def make_engine():
 def scheduler_paused(engine):
     """Hold the scheduler thread between steps, so requests submitted inside the block are all
     in its inbox when it resumes (deterministic batching in tests)."""
-    from concurrent.futures import Future
-
-    from kestrel.engine import _Call
-
-    gate = threading.Event()
-    engine._inbox.put(_Call(gate.wait, Future()))
+    gate = engine._loop.pause()
     try:
         yield
     finally:
