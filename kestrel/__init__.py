@@ -23,6 +23,7 @@ from kestrel.results import (
     Reasoning,
     RequestMetrics,
 )
+from kestrel.skills.settings import Settings, parse_settings
 from kestrel.streams import AsyncTextStream, TextStream
 
 __version__ = "0.1.0"
@@ -45,8 +46,10 @@ __all__ = [
     "QueryResult",
     "Reasoning",
     "RequestMetrics",
+    "Settings",
     "TextStream",
     "UnknownAdapterError",
     "__version__",
+    "parse_settings",
     "prepare_image",
 ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kestrel.engine_async import AsyncTwins
 from kestrel.engine_loop import SchedulerLoop
 from kestrel.engine_setup import load_runtime
 from kestrel.errors import EngineClosedError, InvalidInputError, UnknownAdapterError
@@ -34,7 +35,7 @@ from kestrel.streams import AsyncTextStream, TextStream
 __all__ = ["Engine"]
 
 
-class Engine:
+class Engine(AsyncTwins):
     """Serve a Moondream 2 checkpoint: ``query``, ``caption``, ``point``, ``detect``.
 
     ``model``: a checkpoint directory or a Hugging Face repo id (None: the embedded default).
@@ -64,6 +65,7 @@ class Engine:
             attention_backend=attention_backend,
         )
         self.config = self.runtime.config
+        self.max_batch_size = max_batch_size
         self._factory = RequestFactory(
             ModelHeads(self.runtime.model, self.runtime.tokenizer), self.config
         )
@@ -213,6 +215,11 @@ class Engine:
         stream.attach(self._submit(draft, on_text=stream.push))
         return stream
 
+    async def _await(self, draft: Draft, stream: bool):
+        if stream:
+            return self._stream(draft, AsyncTextStream(asyncio.get_running_loop()))
+        return await asyncio.wrap_future(self._submit(draft))
+
     # ------------------------------------------------------------------ blocking calls
     def query(
         self,
@@ -267,43 +274,6 @@ class Engine:
     ):
         """Boxes of every ``object`` in the image (DetectResult, coordinates in [0, 1])."""
         return self.submit_detect(image, object, settings=settings, adapter=adapter).result()
-
-    # ------------------------------------------------------------------ asyncio twins
-    async def aquery(self, image: object, question: str, *, stream: bool = False, **kw):
-        """``await``-able query; with ``stream=True`` an AsyncTextStream for ``async for``."""
-        draft = await asyncio.to_thread(
-            self._draft_query,
-            image,
-            question,
-            kw.get("settings"),
-            kw.get("adapter"),
-            kw.get("reasoning", False),
-            kw.get("spatial_refs"),
-        )
-        return await self._await(draft, stream)
-
-    async def acaption(self, image: object, *, length: str = "normal", stream: bool = False, **kw):
-        draft = await asyncio.to_thread(
-            self._draft_caption, image, length, kw.get("settings"), kw.get("adapter")
-        )
-        return await self._await(draft, stream)
-
-    async def apoint(self, image: object, object: str, **kw):
-        draft = await asyncio.to_thread(
-            self._draft_region, "point", image, object, kw.get("settings"), kw.get("adapter")
-        )
-        return await self._await(draft, False)
-
-    async def adetect(self, image: object, object: str, **kw):
-        draft = await asyncio.to_thread(
-            self._draft_region, "detect", image, object, kw.get("settings"), kw.get("adapter")
-        )
-        return await self._await(draft, False)
-
-    async def _await(self, draft: Draft, stream: bool):
-        if stream:
-            return self._stream(draft, AsyncTextStream(asyncio.get_running_loop()))
-        return await asyncio.wrap_future(self._submit(draft))
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:

@@ -25,6 +25,7 @@ class TextStream:
 
     def __init__(self) -> None:
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self._ended = False
         self.future: Future | None = None
 
     # called by the scheduler thread
@@ -37,11 +38,11 @@ class TextStream:
 
     def __iter__(self) -> Iterator[str]:
         assert self.future is not None
-        finished = False
+        finished = self._ended  # a second iteration yields nothing more
         try:
-            while (item := self._chunks.get()) is not _END:
+            while not self._ended and (item := self._chunks.get()) is not _END:
                 yield item
-            finished = True
+            finished = self._ended = True
         finally:
             if not finished:
                 self.future.cancel()
@@ -64,6 +65,7 @@ class AsyncTextStream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._chunks: asyncio.Queue = asyncio.Queue()
+        self._ended = False
         self.future: Future | None = None
 
     def push(self, delta: str) -> None:  # scheduler thread
@@ -77,11 +79,11 @@ class AsyncTextStream:
 
     async def _iterate(self) -> AsyncIterator[str]:
         assert self.future is not None
-        finished = False
+        finished = self._ended
         try:
-            while (item := await self._chunks.get()) is not _END:
+            while not self._ended and (item := await self._chunks.get()) is not _END:
                 yield item
-            finished = True
+            finished = self._ended = True
         finally:
             if not finished:
                 self.future.cancel()

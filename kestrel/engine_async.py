@@ -1,0 +1,73 @@
+"""The Engine's asyncio twins: the same calls, awaitable, never blocking the event loop.
+
+Validation, image decoding and hashing run in a worker thread (``asyncio.to_thread``); the
+request then goes to the scheduler like any other, and its future is bridged into the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["AsyncTwins"]
+
+
+class AsyncTwins:
+    """Mixed into :class:`kestrel.Engine`; relies on its ``_draft_*`` and ``_await``."""
+
+    async def aquery(
+        self,
+        image: object,
+        question: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+        reasoning: bool = False,
+        spatial_refs: Sequence[Sequence[float]] | None = None,
+        stream: bool = False,
+    ) -> Any:
+        """``await engine.aquery(...)`` -> QueryResult; with ``stream=True`` an
+        AsyncTextStream to ``async for`` over (then ``await stream.result()``)."""
+        draft = await asyncio.to_thread(
+            self._draft_query, image, question, settings, adapter, reasoning, spatial_refs
+        )
+        return await self._await(draft, stream)
+
+    async def acaption(
+        self,
+        image: object,
+        *,
+        length: str = "normal",
+        settings: dict | None = None,
+        adapter: str | None = None,
+        stream: bool = False,
+    ) -> Any:
+        draft = await asyncio.to_thread(self._draft_caption, image, length, settings, adapter)
+        return await self._await(draft, stream)
+
+    async def apoint(
+        self,
+        image: object,
+        object: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+    ) -> Any:
+        draft = await asyncio.to_thread(
+            self._draft_region, "point", image, object, settings, adapter
+        )
+        return await self._await(draft, False)
+
+    async def adetect(
+        self,
+        image: object,
+        object: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+    ) -> Any:
+        draft = await asyncio.to_thread(
+            self._draft_region, "detect", image, object, settings, adapter
+        )
+        return await self._await(draft, False)
