@@ -1,0 +1,64 @@
+"""``kestrel batch``: answer many image questions into a resumable JSONL file."""
+
+from __future__ import annotations
+
+import argparse
+
+from kestrel import batch
+
+from . import common
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "batch",
+        help="answer every image x every question into a JSONL file (resumable)",
+        description="Answer every image under --images x every non-empty line of --questions "
+        '(ids "<image path>#<question index>"), or each {"id", "image", "question"} line of '
+        "--input, appending one JSON line per request to --out. Ids already in --out are "
+        "skipped, so an interrupted run picks up where it stopped.",
+    )
+    source = parser.add_argument_group("input (either --images and --questions, or --input)")
+    source.add_argument("--images", metavar="DIR", help="folder of images (searched recursively)")
+    source.add_argument("--questions", metavar="FILE", help="one question per line")
+    source.add_argument("--input", metavar="FILE", help='JSONL of {"id", "image", "question"}')
+    parser.add_argument("--out", metavar="FILE", required=True, help="JSONL results (appended)")
+    parser.add_argument(
+        "--max-in-flight", type=common.positive_int, default=None, metavar="N",
+        help="requests submitted at once (default: 4 x --max-batch-size)",
+    )  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    common.add_engine_options(parser)
+    common.add_generation_options(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    requests = _requests(args)  # bad input fails here, before the model loads
+    max_in_flight = args.max_in_flight or 4 * args.max_batch_size
+    with common.open_engine(args) as engine:
+        summary = batch.run_batch(
+            engine,
+            requests,
+            args.out,
+            settings=common.settings_from_args(args),
+            adapter=common.adapter_name(args),
+            max_in_flight=max_in_flight,
+            progress=not args.no_progress,
+        )
+    if args.json:
+        common.print_json(summary.to_dict())
+    else:
+        print(batch.format_summary(summary))
+    return 0
+
+
+def _requests(args: argparse.Namespace) -> list[batch.BatchRequest]:
+    if args.input is not None:
+        if args.images is not None or args.questions is not None:
+            raise common.UsageError("give either --input or --images with --questions, not both")
+        return batch.requests_from_jsonl(args.input)
+    if args.images is None or args.questions is None:
+        raise common.UsageError("give --images DIR and --questions FILE (or --input FILE.jsonl)")
+    return batch.requests_from_folder(args.images, args.questions)
