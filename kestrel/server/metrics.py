@@ -1,0 +1,118 @@
+"""Prometheus metrics of one app, on its own registry (two apps in a process never collide).
+
+Per request: counts and latencies by route and status, time to first token, tokens (input,
+cached, output). Per scrape: the engine's snapshot (queue depth, running requests, hit rate,
+KV pages by state, served / failed / cancelled) and the server's requests in flight, read once
+by the ``/metrics`` handler and emitted by a custom collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kestrel.results import EngineStats, RequestMetrics
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_PAGE_STATES = ("total", "free", "cached", "private", "locked", "evictable")
+
+
+class _EngineCollector(Collector):
+    """Emits the last engine snapshot handed to :meth:`ServerMetrics.render`."""
+
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
+        self.in_flight = 0
+        self.max_queue = 0
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: nothing to check for name clashes at registration
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "kestrel_in_flight_requests",
+            "requests admitted by the server (decoding, queued or running)",
+            value=self.in_flight,
+        )
+        yield GaugeMetricFamily(
+            "kestrel_max_in_flight_requests", "the server's --max-queue", value=self.max_queue
+        )
+        s = self.stats
+        if s is None:
+            return
+        yield GaugeMetricFamily(
+            "kestrel_queue_depth", "requests waiting for admission", value=s.queue_depth
+        )
+        yield GaugeMetricFamily("kestrel_running_requests", "sequences running", value=s.running)
+        yield GaugeMetricFamily(
+            "kestrel_prefix_hit_rate", "cached / input prompt positions", value=s.hit_rate
+        )
+        pages = GaugeMetricFamily("kestrel_kv_pages", "KV pages by state", labels=["state"])
+        for state in _PAGE_STATES:
+            pages.add_metric([state], getattr(s, f"pages_{state}"))
+        yield pages
+        outcomes = CounterMetricFamily(
+            "kestrel_engine_requests", "requests finished by the engine", labels=["outcome"]
+        )
+        outcomes.add_metric(["served"], s.requests_served)
+        outcomes.add_metric(["failed"], s.requests_failed)
+        outcomes.add_metric(["cancelled"], s.requests_cancelled)
+        yield outcomes
+        for name, doc, total in (
+            ("prefill_tokens_saved", "prompt positions served from the prefix cache",
+             s.prefill_tokens_saved),
+            ("vision_encodes_skipped", "vision encoder runs saved by cache hits",
+             s.vision_encodes_skipped),
+            ("kv_evictions", "KV pages evicted from the prefix cache", s.evictions),
+        ):  # fmt: skip
+            yield CounterMetricFamily(f"kestrel_{name}", doc, value=total)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kestrel_http_requests", "HTTP requests by route and status", ["route", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "kestrel_http_request_duration_seconds", "request latency (streams: to the last event)",
+            ["route", "status"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "kestrel_ttft_seconds", "submit -> first generated token, by route", ["route"],
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "kestrel_tokens", "prompt positions (input, cached) and generated tokens (output)",
+            ["route", "kind"], registry=r,
+        )  # fmt: skip
+        self._engine = _EngineCollector()
+        r.register(self._engine)
+
+    def observe(
+        self, route: str, status: int, seconds: float, metrics: RequestMetrics | None
+    ) -> None:
+        self.requests.labels(route, str(status)).inc()
+        self.latency.labels(route, str(status)).observe(seconds)
+        if metrics is None:
+            return
+        self.ttft.labels(route).observe(metrics.ttft_ms / 1000.0)
+        self.tokens.labels(route, "input").inc(metrics.input_tokens)
+        self.tokens.labels(route, "cached").inc(metrics.cached_tokens)
+        self.tokens.labels(route, "output").inc(metrics.output_tokens)
+
+    def render(self, stats: EngineStats | None, in_flight: int, max_queue: int) -> bytes:
+        """The exposition text, with this engine snapshot and server state."""
+        self._engine.stats = stats
+        self._engine.in_flight = in_flight
+        self._engine.max_queue = max_queue
+        return generate_latest(self.registry)

@@ -1,0 +1,167 @@
+"""Request bodies of the moondream protocol -> validated engine calls (no web framework here).
+
+The ``moondream`` client (2.6) posts JSON objects: ``/query`` ``{"question", "image_url"?,
+"stream", "settings"?, "reasoning"?, "spatial_refs"?}``, ``/caption`` ``{"image_url", "length",
+"stream", "settings"?}``, ``/point`` and ``/detect`` ``{"image_url", "object", "settings"?}``
+(point may add ``"spatial_refs"``), each maybe with ``"model"`` (accepted, ignored: one model is
+served). Kestrel adds ``"adapter"``. ``image_url`` is a ``data:image/...;base64,`` URL; remote
+URLs are refused (the server never fetches on a client's behalf).
+
+:func:`parse_call` runs in a worker thread: JSON parsing, base64 and image decoding all cost
+CPU time proportional to the upload and must not stall the event loop. Field shapes are
+checked here; values (settings ranges, lengths, coordinates) are the engine's to check.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kestrel.errors import InvalidInputError
+from kestrel.images import PreparedImage, prepare_image
+from kestrel.server.errors import ApiError
+
+__all__ = ["SKILLS", "Call", "parse_call"]
+
+SKILLS = ("query", "caption", "point", "detect")
+_COMMON = frozenset({"image_url", "settings", "adapter", "model", "stream"})
+_FIELDS: dict[str, frozenset[str]] = {
+    "query": _COMMON | {"question", "reasoning", "spatial_refs"},
+    "caption": _COMMON | {"length"},
+    "point": _COMMON | {"object", "spatial_refs"},
+    "detect": _COMMON | {"object"},
+}
+_REQUIRED = {"query": ("question",), "caption": ("image_url",), "point": ("image_url", "object")}
+_REQUIRED["detect"] = _REQUIRED["point"]
+_STREAMS = frozenset({"query", "caption"})
+_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,", re.ASCII)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Call:
+    """One validated request: which skill, its image (decoded and hashed) and its arguments.
+    ``text`` is the question (query) or the object (point, detect)."""
+
+    skill: str
+    image: PreparedImage | None
+    text: str | None
+    settings: dict[str, Any] | None
+    adapter: str | None
+    stream: bool
+    reasoning: bool
+    length: str
+    spatial_refs: tuple[tuple[float, ...], ...] | None
+
+
+def _invalid(message: str) -> ApiError:
+    return ApiError(400, "invalid_request", message)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _load_object(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise ApiError(400, "invalid_json", "the request body is empty; send a JSON object")
+    try:
+        obj = json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "the JSON body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, NaN / Infinity
+        raise ApiError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "invalid_json", f"the body must be a JSON object, not {_kind(obj)}")
+    return obj
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}.get(
+        type(value), "null" if value is None else "a number"
+    )
+
+
+def _typed(obj: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> Any:
+    """``obj[key]`` (None when absent or null), which must be one of ``types``."""
+    value = obj.get(key)
+    bad_bool = isinstance(value, bool) and bool not in types
+    if value is not None and (bad_bool or not isinstance(value, types)):
+        raise _invalid(f"'{key}' must be {what}, got {_kind(value)}")
+    return value
+
+
+def decode_data_url(url: str) -> bytes:
+    """The bytes of a ``data:image/<type>;base64,<data>`` URL."""
+    match = _DATA_URL.match(url)
+    if match is None:
+        scheme = url.split(":", 1)[0][:16] if ":" in url else ""
+        hint = " (remote URLs are not fetched)" if scheme.lower() in ("http", "https") else ""
+        raise ApiError(
+            400, "invalid_image", f"image_url must be a data:image/...;base64, URL{hint}"
+        )
+    try:
+        data = base64.b64decode(url[match.end() :], validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "invalid_image", "image_url holds invalid base64 data") from None
+    if not data:
+        raise ApiError(400, "invalid_image", "image_url holds no image data")
+    return data
+
+
+def _image(obj: Mapping[str, Any], max_pixels: int) -> PreparedImage | None:
+    url = _typed(obj, "image_url", (str,), "a data URL string")
+    if url is None:
+        return None
+    try:
+        return prepare_image(decode_data_url(url), max_pixels=max_pixels)
+    except InvalidInputError as exc:  # not an image, corrupt, or over the pixel limit
+        raise ApiError(400, "invalid_image", str(exc)) from None
+
+
+def _spatial_refs(obj: Mapping[str, Any]) -> tuple[tuple[float, ...], ...] | None:
+    refs = _typed(obj, "spatial_refs", (list,), "a list of [x, y] or [x0, y0, x1, y1] lists")
+    if not refs:
+        return None
+    out = []
+    for ref in refs:
+        ok = isinstance(ref, list) and len(ref) in (2, 4)
+        if not ok or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in ref):
+            raise _invalid(f"each spatial ref must be [x, y] or [x0, y0, x1, y1], got {ref!r:.80}")
+        out.append(tuple(float(v) for v in ref))
+    return tuple(out)
+
+
+def parse_call(skill: str, body: bytes, *, max_pixels: int) -> Call:
+    """Validate the body of a ``POST /v1/<skill>``; raises :class:`ApiError` (400)."""
+    obj = _load_object(body)
+    unknown = sorted(set(obj) - _FIELDS[skill])
+    if unknown:
+        allowed = ", ".join(sorted(_FIELDS[skill]))
+        raise _invalid(f"unknown field(s) {unknown} for /{skill}; allowed: {allowed}")
+    for key in _REQUIRED[skill]:
+        if obj.get(key) is None:
+            raise _invalid(f"'{key}' is required for /{skill}")
+    text_key = "question" if skill == "query" else "object"
+    stream = bool(_typed(obj, "stream", (bool,), "true or false"))
+    if stream and skill not in _STREAMS:
+        raise _invalid(f'/{skill} does not stream; send "stream": false or leave it out')
+    refs = _spatial_refs(obj)
+    if refs is not None and skill == "point":
+        raise _invalid("spatial_refs is not supported for /point by this server")
+    _typed(obj, "model", (str,), "a string")
+    return Call(
+        skill=skill,
+        text=_typed(obj, text_key, (str,), "a string") if skill != "caption" else None,
+        settings=_typed(obj, "settings", (dict,), "an object"),
+        adapter=_typed(obj, "adapter", (str,), "a string"),
+        stream=stream,
+        reasoning=bool(_typed(obj, "reasoning", (bool,), "true or false")),
+        length=_typed(obj, "length", (str,), "a string") or "normal",
+        spatial_refs=refs,
+        image=_image(obj, max_pixels),  # last: the costly part, once the rest is known good
+    )
