@@ -25,7 +25,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 
 PROG = "kestrel"
 # Subcommand modules, in --help order.
-COMMANDS: tuple[str, ...] = ("query", "caption", "point", "detect", "batch", "serve")
+COMMANDS: tuple[str, ...] = ("demo", "query", "caption", "point", "detect", "batch", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,50 @@
+"""Write the sample scenes `kestrel demo` ships with: kestrel/assets/demo/*.png + scenes.json.
+
+    python scripts/make_demo_assets.py
+
+Scenes come from ``kestrel.synthetic`` (seed DEMO_SEED, never the training stream). The JSON
+keeps, per scene, the questions with their true answers and the point / detect objects with
+their true centers and boxes, so the demo can show what the model got right.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kestrel import synthetic
+
+DEMO_SEED = 2026
+N_SCENES = 6
+OUT = Path(__file__).resolve().parents[1] / "kestrel" / "assets" / "demo"
+
+
+def scene_entry(scene: synthetic.Scene, name: str) -> dict:
+    by_kind: dict[str, synthetic.QAItem] = {}
+    for q in scene.queries():
+        by_kind.setdefault(q.kind, q)
+    picked = [by_kind[k] for k in ("count", "color", "shape", "left", "exists") if k in by_kind]
+    regions = [r for r in scene.region_items() if r.points]
+    point, detect = regions[0], regions[-1]
+    return {
+        "file": name,
+        "caption": scene.caption("short"),
+        "questions": [{"question": q.question, "answer": q.answer} for q in picked[:3]],
+        "point": {"object": point.obj, "points": [list(p) for p in point.points]},
+        "detect": {"object": detect.obj, "boxes": [list(b) for b in detect.boxes]},
+    }
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for scene in synthetic.scenes(DEMO_SEED, N_SCENES):
+        name = f"scene_{scene.index}.png"
+        scene.pil().save(OUT / name, optimize=True)
+        entries.append(scene_entry(scene, name))
+    (OUT / "scenes.json").write_text(json.dumps({"seed": DEMO_SEED, "scenes": entries}, indent=1))
+    print(f"wrote {len(entries)} scenes to {OUT}")
+
+
+if __name__ == "__main__":
+    main()
