@@ -1,10 +1,10 @@
 """Attention / KV-write kernels behind one contract (see ``kestrel_kernels.contract``).
 
 Backends: ``"torch"`` (the reference: page-table gather, explicit mask, SDPA; CPU and GPU) and
-``"fa"`` (FlashAttention on Hopper sm90; alias ``"fa3"``). ``"auto"`` picks ``"fa"`` for
-float16/bfloat16 inputs on an sm90 GPU whose FlashAttention package imports, else ``"torch"``.
-FlashAttention is imported lazily by the ``fa`` backend, so importing this package on a CPU
-machine never touches it.
+``"fa"`` (FlashAttention 4 from the ``flash-attn-4`` package, the ``gpu`` extra, on a compute
+capability 9.x GPU; alias ``"fa3"``). ``"auto"`` picks ``"fa"`` for float16/bfloat16 inputs on such
+a GPU when the package imports, else ``"torch"``. FlashAttention is imported lazily by the ``fa``
+backend, so importing this package on a CPU machine never touches it.
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 def resolve_backend(name: str = "auto", device: torch.device | str | None = None) -> str:
     """Turn a backend name into the concrete backend used on ``device``.
 
-    ``"auto"`` gives ``"fa"`` when FlashAttention can run on ``device`` (CUDA sm90, package
-    importable), else ``"torch"``. ``"fa"`` where it cannot run raises ``BackendUnavailableError``
-    with the reason. ``device=None`` means the current CUDA device if any, else CPU.
+    ``"auto"`` gives ``"fa"`` when FlashAttention can run on ``device`` (a CUDA device of compute
+    capability 9.x, ``flash-attn-4`` importable), else ``"torch"``. ``"fa"`` where it cannot run
+    raises ``BackendUnavailableError`` naming the package and the reason. ``device=None`` means
+    the current CUDA device if any, else CPU.
     """
     name = _canonical(name)
     if name == "auto":
@@ -79,7 +80,10 @@ def resolve_backend(name: str = "auto", device: torch.device | str | None = None
     if found.ok:
         return "fa"
     if name == "fa":
-        raise BackendUnavailableError(f"attention backend 'fa' cannot run: {found.reason}")
+        raise BackendUnavailableError(
+            f"attention backend 'fa' (FlashAttention, package {fa_backend.PACKAGE}) cannot run: "
+            f"{found.reason}"
+        )
     return "torch"
 
 

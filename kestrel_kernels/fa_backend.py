@@ -1,25 +1,30 @@
-"""FlashAttention backend for Hopper (sm90) GPUs.
+"""FlashAttention backend for Hopper (sm90) GPUs, through the ``flash-attn-4`` package.
 
-Two packages are accepted, tried in this order, and imported only when a CUDA sm90 device asks
-(``import kestrel_kernels`` never imports them):
+The binding is ``flash_attn.cute.flash_attn_varlen_func`` (FlashAttention 4, written in the CuTe
+DSL and compiled at first use). Its sm90 forward reads a paged cache directly: the cache is viewed
+as ``[n_pages, page_size=1, Hkv, D]``, each varlen query sequence gets a ``page_table`` row and a
+``seqused_k`` key count, and causal masking is right-aligned. Pages of one position cannot be
+loaded by TMA, so the kernel uses its cp.async paged-KV path (``paged_kv_non_tma``).
 
-- FA3 (``flash_attn_interface``, built from flash-attention's ``hopper/``):
-  ``flash_attn_with_kvcache`` reads the paged cache directly (``page_table`` + ``cache_seqlens``,
-  the cache viewed as ``[n_pages, page_size=1, Hkv, D]``) with varlen queries (``cu_seqlens_q``).
-- flash-attn-4 (``flash_attn.cute``): its sm90 kernel has no paged KV, so the rows' pages are
-  gathered into contiguous K/V once per call and addressed with ``cu_seqlens_k`` offsets plus
-  ``seqused_k`` lengths (several segments of a row share one offset).
+The package is imported only when a CUDA sm90 device asks for it (``import kestrel_kernels``
+never imports it); ``load_binding`` is the single import point, which is also where the CPU
+contract test substitutes a recording fake.
 
 The bidirectional region needs no mask function: ``contract.build_segment_plan`` turns the masking
 rule into varlen sequences that are plain right-aligned causal or non-causal attention, and
 ``contract.run_segmented`` makes one causal call and, only when regions are given, one non-causal
-call. CPU tests run the same orchestration on a torch model of the kernel.
+call. A miss with an image is therefore one non-causal pass over BOS + image and one causal pass
+over the text; an append or a decode step (no region reaches their queries) is one causal call.
+
+``KESTREL_FA_PAGED=0`` switches to a fallback that gathers each row's pages into contiguous K/V
+first and addresses them with ``cu_seqlens_k`` offsets (for builds whose paged path misbehaves).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,11 +34,16 @@ from torch import Tensor
 from kestrel_kernels.contract import (
     AttentionShape,
     BackendUnavailableError,
+    SegmentPlan,
     build_segment_plan,
     run_segmented,
 )
 
-__all__ = ["FaProbe", "paged_attention_fa", "probe"]
+__all__ = ["INSTALL_HINT", "PACKAGE", "FaProbe", "load_binding", "paged_attention_fa", "probe"]
+
+PACKAGE = "flash-attn-4"
+MODULE = "flash_attn.cute"
+INSTALL_HINT = "pip install 'kestrel[gpu]' (which installs flash-attn-4)"
 
 _FA_DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
@@ -42,26 +52,23 @@ _HEAD_DIM_ALIGN = 8  # 16 bytes of fp16/bf16
 
 @dataclass(frozen=True, slots=True)
 class FaProbe:
-    """Whether the ``fa`` backend can run on one device, with which package, and if not, why."""
+    """Whether the ``fa`` backend can run on one device, and if not, why."""
 
     ok: bool
-    flavor: str | None  # "fa3" or "cute"
     reason: str
 
 
 def probe(device: torch.device | str | None = None) -> FaProbe:
-    """Check (once per device) for CUDA, an sm90 GPU and an importable FlashAttention package."""
+    """Check (once per device) for CUDA, an sm90 GPU and an importable ``flash-attn-4``."""
     dev = torch.device(device) if device is not None else None
     if dev is None:
         if not torch.cuda.is_available():
-            return FaProbe(
-                False, None, "needs a CUDA device, and torch.cuda.is_available() is False"
-            )
+            return FaProbe(False, "needs a CUDA device, and torch.cuda.is_available() is False")
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type != "cuda":
-        return FaProbe(False, None, f"needs a CUDA device, got {dev.type}")
+        return FaProbe(False, f"needs a CUDA device, got {dev.type}")
     if not torch.cuda.is_available():
-        return FaProbe(False, None, "needs CUDA, and torch.cuda.is_available() is False")
+        return FaProbe(False, "needs CUDA, and torch.cuda.is_available() is False")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     return _probe_cuda(index)
 
@@ -71,26 +78,35 @@ def _probe_cuda(index: int) -> FaProbe:
     major, minor = torch.cuda.get_device_capability(index)
     if major != 9:
         return FaProbe(
-            False, None, f"needs a Hopper-class GPU (sm90), cuda:{index} is sm{major}{minor}"
+            False,
+            f"needs a Hopper-class GPU (compute capability 9.x), cuda:{index} is {major}.{minor}",
         )
-    errors = []
-    for flavor, module in (("fa3", "flash_attn_interface"), ("cute", "flash_attn.cute")):
-        try:
-            importlib.import_module(module)
-        except Exception as exc:  # broken CUDA builds raise more than ImportError
-            errors.append(f"{module}: {type(exc).__name__}: {exc}")
-            continue
-        return FaProbe(True, flavor, f"using {module}")
-    return FaProbe(
-        False,
-        None,
-        "no FlashAttention package imports ("
-        + "; ".join(errors)
-        + "); install FA3 (flash-attention hopper/) or `pip install flash-attn-4`",
-    )
+    try:
+        load_binding()
+    except Exception as exc:  # a broken CUDA build raises more than ImportError
+        return FaProbe(
+            False,
+            f"the {PACKAGE} package does not import ({MODULE}: {type(exc).__name__}: {exc}); "
+            f"install it with: {INSTALL_HINT}",
+        )
+    return FaProbe(True, f"using {MODULE} from {PACKAGE}")
 
 
-def _fa3_kernel(
+def load_binding() -> Callable[..., object]:
+    """``flash_attn.cute.flash_attn_varlen_func`` (imported on first use)."""
+    return importlib.import_module(MODULE).flash_attn_varlen_func
+
+
+def _paged_enabled() -> bool:
+    return os.environ.get("KESTREL_FA_PAGED", "1") != "0"
+
+
+def _first(out: object) -> Tensor:
+    """The binding returns ``(out, lse)``; keep the output."""
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+def _paged_kernel(
     q_THD: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -102,24 +118,23 @@ def _fa3_kernel(
     causal: bool,
     softmax_scale: float,
 ) -> Tensor:
-    from flash_attn_interface import flash_attn_with_kvcache
-
-    pages_SP = page_table_BP.repeat_interleave(segs_per_row, dim=0).contiguous()
-    out = flash_attn_with_kvcache(
+    """One varlen call over the paged cache; sequence ``s`` reads page-table row ``s // segs``."""
+    pages_SP = _segment_pages(page_table_BP, segs_per_row)
+    out = load_binding()(
         q_THD,
         k_cache.unsqueeze(1),  # [n_pages, page_size=1, Hkv, D]
         v_cache.unsqueeze(1),
-        cache_seqlens=seqlens_k,
-        page_table=pages_SP,
         cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q,
+        seqused_k=seqlens_k,
+        page_table=pages_SP,
         softmax_scale=softmax_scale,
         causal=causal,
     )
-    return out[0] if isinstance(out, tuple) else out
+    return _first(out)
 
 
-def _cute_kernel(
+def _gather_kernel(
     q_THD: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -131,18 +146,17 @@ def _cute_kernel(
     causal: bool,
     softmax_scale: float,
 ) -> Tensor:
-    from flash_attn.cute import flash_attn_varlen_func
-
+    """Fallback: gather the rows' pages into contiguous K/V, then ``cu_seqlens_k`` offsets."""
     batch, max_pages = page_table_BP.shape
-    flat_pages = page_table_BP.reshape(-1).long()
-    k_flat, v_flat = k_cache[flat_pages], v_cache[flat_pages]  # [B * max_pages, Hkv, D]
+    flat = page_table_BP.reshape(-1).long()
+    k_flat, v_flat = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
     # Every segment of row b starts at b's offset; seqused_k gives its length.
     starts = torch.arange(batch, device=q_THD.device, dtype=torch.int32) * max_pages
-    total = torch.tensor([batch * max_pages], device=q_THD.device, dtype=torch.int32)
+    total = torch.full((1,), batch * max_pages, device=q_THD.device, dtype=torch.int32)
     cu_seqlens_k = torch.cat([starts.repeat_interleave(segs_per_row), total])
-    out = flash_attn_varlen_func(
+    out = load_binding()(
         q_THD,
-        k_flat,
+        k_flat,  # [B * max_pages, Hkv, D]
         v_flat,
         cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
@@ -152,13 +166,10 @@ def _cute_kernel(
         softmax_scale=softmax_scale,
         causal=causal,
     )
-    return out[0] if isinstance(out, tuple) else out
+    return _first(out)
 
 
-_KERNELS: dict[str, Callable[..., Tensor]] = {"fa3": _fa3_kernel, "cute": _cute_kernel}
-
-
-def check_fa_inputs(q: Tensor, shape: AttentionShape) -> FaProbe:
+def check_fa_inputs(q: Tensor, shape: AttentionShape) -> None:
     """Raise ``BackendUnavailableError`` unless the ``fa`` backend can take these inputs."""
     found = probe(q.device)
     if not found.ok:
@@ -172,7 +183,61 @@ def check_fa_inputs(q: Tensor, shape: AttentionShape) -> FaProbe:
             f"attention backend 'fa' needs head_dim <= {_MAX_HEAD_DIM} and a multiple of "
             f"{_HEAD_DIM_ALIGN}, got {shape.head_dim}; use backend='torch'"
         )
-    return found
+
+
+# One-entry caches: the decoder's layers pass the same metadata tensors to every call of a
+# forward, so the segment plan and the per-segment page table are built once per forward. A hit
+# needs the same tensor objects, unmodified (version counter), and the same scalars; the entry
+# holds the tensors, so their ids cannot be reused while cached. Under CUDA-graph capture the
+# first layer's plan kernels are recorded and the other layers read their outputs.
+_plan_entry: tuple = ((), None)
+_pages_entry: tuple = ((), None)
+
+
+def _ident(t: Tensor | None) -> object:
+    if t is None:
+        return None
+    try:
+        return (t, t._version)
+    except RuntimeError:  # inference tensors have no version counter: never cache them
+        return object()
+
+
+def _key(*items: object) -> tuple:
+    return tuple((id(x[0]), x[1]) if isinstance(x, tuple) else x for x in items)
+
+
+def _segment_plan(
+    q_len: int,
+    seqused_k: Tensor,
+    seqused_q: Tensor | None,
+    bidir_regions: Tensor | None,
+    causal: bool,
+) -> SegmentPlan:
+    global _plan_entry
+    idents = (_ident(seqused_k), _ident(seqused_q), _ident(bidir_regions))
+    key = _key(q_len, causal, *idents)
+    cached_key, plan = _plan_entry[:2]
+    if cached_key == key:
+        return plan
+    plan = build_segment_plan(q_len, seqused_k, seqused_q, bidir_regions, causal)
+    _plan_entry = (key, plan, idents)  # idents keep the tensors alive
+    return plan
+
+
+def _segment_pages(page_table_BP: Tensor, segs_per_row: int) -> Tensor:
+    """``[B, P] -> [B * segs, P]``: every segment of a row reads the row's pages."""
+    global _pages_entry
+    if segs_per_row == 1:
+        return page_table_BP
+    ident = _ident(page_table_BP)
+    key = _key(segs_per_row, ident)
+    cached_key, pages = _pages_entry[:2]
+    if cached_key == key:
+        return pages
+    pages = page_table_BP.repeat_interleave(segs_per_row, dim=0)
+    _pages_entry = (key, pages, ident)
+    return pages
 
 
 def paged_attention_fa(
@@ -189,9 +254,7 @@ def paged_attention_fa(
     softmax_scale: float,
 ) -> Tensor:
     """``paged_attention`` on FlashAttention (inputs already validated; see ``contract``)."""
-    found = check_fa_inputs(q, shape)
-    assert found.flavor is not None
-    plan = build_segment_plan(shape.q_len, seqused_k, seqused_q, bidir_regions, causal)
-    return run_segmented(
-        q, k_cache, v_cache, page_table.contiguous(), plan, _KERNELS[found.flavor], softmax_scale
-    )
+    check_fa_inputs(q, shape)
+    plan = _segment_plan(shape.q_len, seqused_k, seqused_q, bidir_regions, causal)
+    kernel = _paged_kernel if _paged_enabled() else _gather_kernel
+    return run_segmented(q, k_cache, v_cache, page_table.contiguous(), plan, kernel, softmax_scale)

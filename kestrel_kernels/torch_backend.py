@@ -198,9 +198,8 @@ def write_kv_indexed(
     if slot_mapping.numel() == 0:
         return
     slots = slot_mapping.long()
-    keep = slots >= 0
-    idx = torch.where(keep, slots, torch.zeros_like(slots))
-    keep_N11 = keep[:, None, None]
+    keep_N11 = (slots >= 0)[:, None, None]
+    idx = slots.clamp(min=0)
     for cache, new in ((k_cache, k), (v_cache, v)):
         src = torch.where(keep_N11, new, cache.index_select(0, idx))
         cache.index_copy_(0, idx, src)

@@ -206,8 +206,11 @@ def _count(obj: object) -> int:
 
 
 def _default_dtype(device: torch.device, checkpoint_dtype: torch.dtype) -> torch.dtype:
-    """design.md 5.7: float32 on CPU, the checkpoint's own dtype elsewhere (bf16 for MD2)."""
-    return torch.float32 if device.type == "cpu" else checkpoint_dtype
+    """float32 on CPU, bfloat16 on CUDA (weights and so the KV pool: what FlashAttention takes,
+    and half the bytes per decode step), the checkpoint's own dtype on other accelerators."""
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if device.type == "cuda" else checkpoint_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +264,7 @@ class MoondreamModel:
     ) -> MoondreamModel:
         """Load a checkpoint directory (or hub name) through ``kestrel.moondream.weights``.
 
-        ``dtype=None`` picks float32 on CPU and the checkpoint's dtype on accelerators.
+        ``dtype=None`` picks float32 on CPU, bfloat16 on CUDA, else the checkpoint's dtype.
         """
         from kestrel.moondream import weights as loader
 

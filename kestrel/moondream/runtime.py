@@ -22,6 +22,7 @@ Any failure after the match releases the temporary lock and every page taken.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,9 @@ import torch
 
 from kestrel.kv_cache import PagedKVCache, PageTable
 from kestrel.moondream.config import MoondreamConfig
+from kestrel.moondream.cuda_graphs import DecodeGraphs, graphs_supported
+from kestrel.moondream.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
+from kestrel.moondream.decode import decode_eager
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.image_input import image_hash_int, load_image
 from kestrel.moondream.lora import LoraAdapter
@@ -54,6 +58,8 @@ from kestrel.prefix_cache.tokens import kv_length
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
 
+log = logging.getLogger("kestrel.runtime")
+
 
 @dataclass(slots=True)
 class RuntimeCounters:
@@ -72,6 +78,14 @@ class RuntimeCounters:
 
 
 class MoondreamRuntime:
+    """Cached prefill, batched decode and release over one KV pool (see the module doc).
+
+    ``kv_cache_pages=None`` sizes the pool: on CUDA from the memory free after a warm-up,
+    ``kv_memory_fraction`` of it (default 0.9; ``kv_report`` says what was found), elsewhere
+    ``max_batch_size * max_context + 1``. ``cuda_graphs``: replay decode steps from CUDA graphs
+    when the ``fa`` attention backend runs (see ``cuda_graphs``).
+    """
+
     def __init__(
         self,
         model: MoondreamModel,
@@ -81,6 +95,8 @@ class MoondreamRuntime:
         max_batch_size: int = 16,
         enable_prefix_cache: bool = True,
         attention_backend: str = "auto",
+        kv_memory_fraction: float | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.config: MoondreamConfig = model.config
@@ -90,7 +106,13 @@ class MoondreamRuntime:
         self.attention_backend = attention_backend
         self.enable_prefix_cache = enable_prefix_cache
         text = self.config.text
-        if kv_cache_pages is None:
+        self.kv_report: KvPoolReport | None = None
+        if kv_cache_pages is None and self.device.type == "cuda":
+            fraction = kv_memory_fraction or DEFAULT_KV_MEMORY_FRACTION
+            self.kv_report = size_kv_pool(model, fraction=fraction, backend=attention_backend)
+            log.info("%s", self.kv_report)
+            kv_cache_pages = self.kv_report.pages
+        elif kv_cache_pages is None:
             # Enough for every slot to hold a full context, plus the reserved page 0.
             kv_cache_pages = max_batch_size * text.max_context + 1
         if kv_cache_pages < 2:
@@ -114,6 +136,12 @@ class MoondreamRuntime:
         self.page_table.set_prefix_cache(self.prefix_cache)
         self.counters = RuntimeCounters()
         self._active: dict[int, SequenceState] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs_supported(model, attention_backend):
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv, self.page_table.page_table, max_batch_size=max_batch_size,
+                backend=attention_backend, capture=cuda_graphs,
+            )  # fmt: skip
 
     @classmethod
     def from_pretrained(
@@ -219,31 +247,23 @@ class MoondreamRuntime:
                 raise SequenceError(f"decode_step tokens must be cache tokens, got {t!r}")
         if len({s.batch_idx for s in states}) != len(states):
             raise SequenceError("a sequence appears twice in one decode_step")
-        dev = self.device
-        rows = torch.tensor([s.batch_idx for s in states], dtype=torch.long, device=dev)
-        lengths = torch.tensor([s.length for s in states], dtype=torch.long, device=dev)
-        max_k = max(s.length for s in states) + 1
-        page_rows = self.page_table.page_table[rows, :max_k]
-        slots = page_rows.gather(1, lengths[:, None]).reshape(-1).to(torch.long)
-        x_B1C = embed_tokens(list(tokens), self.model)[:, None, :]
         adapters = [s.adapter for s in states]
-        hidden_B1C = text_forward(
-            x_B1C,
-            self.model.text,
-            self.config.text,
-            positions_BT=lengths[:, None],
-            kv=self.kv,
-            slot_mapping=slots,
-            page_table=page_rows,
-            seqused_k=(lengths + 1).to(torch.int32),
-            lora=adapters if any(a is not None for a in adapters) else None,
-            backend=self.attention_backend,
-        )
-        hidden_BC = hidden_B1C[:, 0]
+        if self.decode_graphs is not None and all(a is None for a in adapters):
+            hidden_BC, logits_BV = self.decode_graphs.run(
+                [s.batch_idx for s in states], [s.length for s in states], tokens
+            )
+        else:
+            x_BC = embed_tokens(list(tokens), self.model)
+            hidden_BC = decode_eager(
+                self.model, self.kv, self.page_table.page_table, x_BC,
+                [s.batch_idx for s in states], [s.length for s in states],
+                adapters, self.attention_backend,
+            )  # fmt: skip
+            logits_BV = lm_head(hidden_BC, self.model.text)
         for i, s in enumerate(states):
             s.length += 1
             s.last_hidden = hidden_BC[i]
-        return lm_head(hidden_BC, self.model.text)
+        return logits_BV
 
     def release_sequence(self, state: SequenceState) -> None:
         """Exactly one unlock, then free the row's private pages; cache-owned pages stay cached."""
@@ -355,7 +375,7 @@ class MoondreamRuntime:
         ]
         slots = row[0, skip:].to(torch.long)
         bidir = None
-        if has_image:
+        if has_image and skip < cfg.prefix_len:  # a hit's queries all follow the image block
             bidir = torch.tensor([[0, cfg.prefix_len]], dtype=torch.int32, device=dev)
         hidden_1TC = text_forward(
             x_TC[None],

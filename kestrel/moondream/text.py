@@ -117,9 +117,11 @@ def text_forward(
     for i, blk in enumerate(w.blocks):
         h = layer_norm(x, blk.ln)
         qkv = _add_lora(linear(h, blk.qkv), h, plan, i, "qkv")  # [B, T, (H + 2Hkv) D]
-        q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
-        q = apply_rope(q.view(B, T, H, D), cos_BTR, sin_BTR)  # [B, T, H, D]
-        k = apply_rope(k.view(B, T, Hkv, D), cos_BTR, sin_BTR)  # [B, T, Hkv, D]
+        # q and k rotate in one call (half the kernels of a decode step's RoPE): [B, T, H+Hkv, D]
+        qk = apply_rope(qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D), cos_BTR, sin_BTR)
+        q = qk[:, :, :H].contiguous()  # [B, T, H, D]
+        k = qk[:, :, H:]  # [B, T, Hkv, D]
+        v = qkv[..., (H + Hkv) * D :]
         kestrel_kernels.write_kv(
             kv.k[i], kv.v[i], slot_mapping, k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D)
         )

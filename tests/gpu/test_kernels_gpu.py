@@ -1,9 +1,11 @@
 """kestrel_kernels on CUDA: fa vs torch (bf16) and torch-on-CUDA vs torch-on-CPU (float32).
 
+Every case of the contract (full prefill, prefill with the image block, append, a region crossing
+the query chunk, decode, varlen) runs with and without GQA, causal and not, on random inputs.
 Tolerances: fa vs torch in bfloat16 at atol 2e-2 (both round the output to bf16, about one bf16
 ulp at magnitude ~1, and accumulate in different orders); torch on CUDA vs CPU in float32 at
 atol 1e-4. Run with ``pytest -m gpu tests/gpu``; without CUDA every test skips with a reason, and
-the fa tests also skip (with the probe's reason) without an sm90 GPU or a FlashAttention package.
+the fa tests also skip (with the probe's reason) without an sm90 GPU or flash-attn-4.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ I32 = torch.int32
 CASES = {
     "full_prefill": ([200], None, 200, None),
     "prefix_region": ([260], None, 260, [(0, 131)]),
-    "append": ([300, 180], [40, 25], 40, [(0, 131), (0, 131)]),
+    "append": ([300, 180], [40, 25], 40, None),
+    "append_region_cached": ([300, 180], [40, 25], 40, [(0, 131), (0, 131)]),
     "region_crosses_chunk": ([160, 150], [48, 30], 48, [(120, 170), (100, 140)]),
     "decode": ([131, 400, 7, 1000], None, 1, [(0, 131)] * 4),
     "varlen": ([90, 333, 12, 64], [17, 1, 12, 0], 17, None),
@@ -67,17 +70,43 @@ def fa_ready() -> None:
         pytest.skip(f"fa backend unavailable: {found.reason}")
 
 
-@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (4, 1), (4, 2)])
-@pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("causal", [True, False])
-def test_fa_matches_torch_on_cuda(fa_ready, name: str, hq: int, hkv: int, causal: bool) -> None:
-    args = make_case(name, hq, hkv, torch.bfloat16, "cuda")
+def assert_fa_matches(args: dict, causal: bool) -> None:
     ref = kk.paged_attention(**args, causal=causal, backend="torch")
     out = kk.paged_attention(**args, causal=causal, backend="fa")
     torch.cuda.synchronize()
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= 2e-2, f"fa vs torch max abs error {err:.3g}"
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_fa_matches_torch_on_cuda(fa_ready, name: str, hq: int, hkv: int, causal: bool) -> None:
+    assert_fa_matches(make_case(name, hq, hkv, torch.bfloat16, "cuda"), causal)
+
+
+@pytest.mark.parametrize("name", ["decode", "varlen", "prefix_region"])
+def test_fa_gather_fallback_matches_torch(fa_ready, monkeypatch, name: str) -> None:
+    monkeypatch.setenv("KESTREL_FA_PAGED", "0")
+    assert_fa_matches(make_case(name, 4, 4, torch.bfloat16, "cuda"), True)
+
+
+def test_fa_moondream_shapes(fa_ready) -> None:
+    """Moondream 2's own attention: 32 heads of 64, the (0, 730) block, a 760-token prompt."""
+    args = make_case("full_prefill", 32, 32, torch.bfloat16, "cuda")
+    k_len = 760
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n_pages = k_len + 8
+    args.update(
+        q=torch.randn(1, k_len, 32, 64, generator=g, device="cuda").bfloat16(),
+        k_cache=torch.randn(n_pages, 32, 64, generator=g, device="cuda").bfloat16(),
+        v_cache=torch.randn(n_pages, 32, 64, generator=g, device="cuda").bfloat16(),
+        page_table=(torch.randperm(n_pages - 1, device="cuda")[:k_len] + 1).int()[None],
+        seqused_k=torch.tensor([k_len], dtype=I32, device="cuda"),
+        bidir_regions=torch.tensor([[0, 730]], dtype=I32, device="cuda"),
+    )
+    assert_fa_matches(args, True)
 
 
 def test_auto_picks_fa_on_hopper(fa_ready) -> None:

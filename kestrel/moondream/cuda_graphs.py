@@ -1,0 +1,174 @@
+"""Batched decode on CUDA, replayed from one CUDA graph per batch-size bucket.
+
+A decode step of a small model is launch-bound: ~25 kernels per layer, each a few microseconds
+of work. ``decode.decode_static`` is the whole step, token embedding included, as a pure function
+of static buffers with no host synchronisation; it is captured once per batch-size bucket (1, 2,
+4, ... up to ``max_batch_size``) and replayed. A batch of ``n`` uses the smallest bucket
+``>= n``; its extra rows point at the reserved padding row 0, write no page and are dropped.
+
+Per step the host writes rows, lengths, token ids and an override flag into one pinned buffer and
+copies it without blocking, replays, and clones the outputs (the next replay overwrites them).
+Text tokens are embedded inside the graph. Coordinate and size tokens (point / detect feedback)
+need the region encoders: those steps embed on the host side first (a synchronising upload) and
+pass the rows through the override buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import kestrel_kernels
+from kestrel.moondream.decode import decode_static
+from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.region import embed_tokens
+from kestrel.moondream.text import PagedKV
+from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+
+__all__ = ["DecodeGraphs", "bucket_sizes", "graphs_supported"]
+
+log = logging.getLogger("kestrel.runtime")
+
+Token = TextToken | CoordToken | SizeToken
+
+
+def graphs_supported(model: MoondreamModel, backend: str) -> bool:
+    """Whether decode can be graph-captured: CUDA, fp16/bf16 weights, the ``fa`` backend."""
+    if model.device.type != "cuda" or model.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        return kestrel_kernels.resolve_backend(backend, model.device) == "fa"
+    except kestrel_kernels.BackendUnavailableError:
+        return False  # the first attention call raises the reason
+
+
+def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """Powers of two below ``max_batch_size``, then ``max_batch_size`` itself."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_batch_size)
+    return tuple(sizes)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Static buffers of one batch size and, once captured, its graph."""
+
+    size: int
+    index_4B: Tensor  # int64 [4, B]: rows, lengths, token ids, override flags
+    override_BC: Tensor  # embeddings of the override rows
+    hidden_BC: Tensor | None = None
+    logits_BV: Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    """Runs ``decode_static`` for the runtime: graph replay per bucket, or eagerly."""
+
+    def __init__(
+        self,
+        model: MoondreamModel,
+        kv: PagedKV,
+        page_table_RP: Tensor,
+        *,
+        max_batch_size: int,
+        backend: str,
+        capture: bool = True,
+    ) -> None:
+        self.model, self.kv, self.page_table_RP = model, kv, page_table_RP
+        self.backend = backend
+        self.capture = capture
+        self.sizes = bucket_sizes(max_batch_size)
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = None
+        self.replays = 0
+
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """Bucket sizes that have a captured graph."""
+        return tuple(sorted(s for s, b in self._buckets.items() if b.graph is not None))
+
+    def run(
+        self, rows: Sequence[int], lengths: Sequence[int], tokens: Sequence[Token]
+    ) -> tuple[Tensor, Tensor]:
+        """Decode ``len(rows)`` rows; returns fresh (hidden [n, C], logits [n, V]) tensors."""
+        n = len(rows)
+        bucket = self._bucket(next(s for s in self.sizes if s >= n))
+        pad = [0] * (bucket.size - n)
+        is_text = [isinstance(t, TextToken) for t in tokens]
+        ids = [t.token_id if text else 0 for t, text in zip(tokens, is_text, strict=True)]
+        flags = [0 if text else 1 for text in is_text]
+        host = torch.tensor(
+            [[*rows, *pad], [*lengths, *pad], [*ids, *pad], [*flags, *pad]], dtype=torch.int64
+        )
+        if bucket.index_4B.is_cuda:
+            host = host.pin_memory()  # lets the upload run without blocking the host
+        bucket.index_4B.copy_(host, non_blocking=True)
+        if not all(is_text):
+            bucket.override_BC[:n].copy_(embed_tokens(list(tokens), self.model))
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            self.replays += 1
+        else:
+            self._forward(bucket)
+        assert bucket.hidden_BC is not None and bucket.logits_BV is not None
+        return bucket.hidden_BC[:n].clone(), bucket.logits_BV[:n].clone()
+
+    def capture_all(self) -> None:
+        """Capture every bucket now (start-up cost instead of first-request cost)."""
+        for size in self.sizes:
+            self._bucket(size)
+
+    # ------------------------------------------------------------------ internals
+    def _step(self, bucket: _Bucket) -> tuple[Tensor, Tensor]:
+        rows, lengths, ids, flags = bucket.index_4B.unbind(0)
+        return decode_static(
+            self.model, self.kv, self.page_table_RP, rows, lengths, ids, flags > 0,
+            bucket.override_BC, self.backend,
+        )  # fmt: skip
+
+    def _forward(self, bucket: _Bucket) -> None:
+        bucket.hidden_BC, bucket.logits_BV = self._step(bucket)
+
+    def _bucket(self, size: int) -> _Bucket:
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            dev, dim = self.page_table_RP.device, self.model.config.text.dim
+            bucket = _Bucket(
+                size,
+                torch.zeros(4, size, dtype=torch.int64, device=dev),
+                torch.zeros(size, dim, dtype=self.model.dtype, device=dev),
+            )
+            self._buckets[size] = bucket
+            if self.capture:
+                self._capture(bucket)
+        return bucket
+
+    def _capture(self, bucket: _Bucket) -> None:
+        """Warm up on a side stream (compiles kernels), then capture; eager if capture fails.
+
+        The buffers hold padding rows while this runs, so no KV page is written.
+        """
+        stream = torch.cuda.Stream(device=bucket.index_4B.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                hidden, logits = self._step(bucket)
+        except RuntimeError as exc:  # e.g. a kernel that syncs; keep serving, eagerly
+            log.warning("decode graph capture failed for batch %d (%s); eager", bucket.size, exc)
+            torch.cuda.synchronize()
+            return
+        bucket.hidden_BC, bucket.logits_BV, bucket.graph = hidden, logits, graph
