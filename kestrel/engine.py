@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -19,11 +18,12 @@ from typing import Any
 
 import torch
 
+from kestrel.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry
 from kestrel.engine_async import AsyncTwins
 from kestrel.engine_loop import SchedulerLoop
 from kestrel.engine_setup import load_runtime
-from kestrel.errors import EngineClosedError, InvalidInputError, UnknownAdapterError
-from kestrel.frontend import Draft, RequestFactory
+from kestrel.errors import EngineClosedError
+from kestrel.frontend import Draft, RequestFactory, salted
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.moondream.heads import ModelHeads
 from kestrel.moondream.lora import LoraAdapter
@@ -40,8 +40,10 @@ class Engine(AsyncTwins):
 
     ``model``: a checkpoint directory or a Hugging Face repo id (None: the embedded default).
     ``device="auto"`` picks CUDA when available; ``dtype`` is a ``torch.dtype`` or its name
-    (None: bfloat16 on CUDA, float32 on CPU). Every method is thread-safe; ``a*`` twins serve
-    asyncio callers. Use as a context manager, or call :meth:`close`.
+    (None: bfloat16 on CUDA, float32 on CPU). ``max_adapters`` bounds the loaded LoRA adapters.
+    Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
+    different salts never share cache entries). Every method is thread-safe; ``a*`` twins
+    serve asyncio callers. Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class Engine(AsyncTwins):
         max_batch_size: int = 16,
         enable_prefix_cache: bool = True,
         attention_backend: str = "auto",
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
     ) -> None:
         self.runtime, self.model_path = load_runtime(
             model,
@@ -71,8 +74,7 @@ class Engine(AsyncTwins):
         )
         self._runner = MoondreamRunner(self.runtime)
         self._scheduler = Scheduler(self._runner)
-        self._adapters: dict[str, LoraAdapter] = {}
-        self._adapter_lock = threading.Lock()
+        self._adapters = AdapterRegistry(self.runtime.model, max_adapters)
         self._ids = itertools.count(1)
         self._loop = SchedulerLoop(self._scheduler)
 
@@ -96,28 +98,23 @@ class Engine(AsyncTwins):
         """Decode and hash once; pass the result as ``image`` to any call."""
         return prepare_image(image)
 
-    def load_adapter(self, name: str, path: str | Path) -> None:
+    def load_adapter(self, name: str, path: str | Path) -> str:
         """Load a LoRA adapter (``.safetensors``, reference ``final.pt``, or a folder of one)
-        under ``name`` for ``adapter=name`` on any call."""
-        from kestrel.engine_setup import read_adapter
+        under ``name`` for ``adapter=name`` on any call; loading a name again replaces its
+        weights (and its cache identity). Returns the cache identity ``name@<digest>``."""
+        return self._adapters.load(name, path).lora_id
 
-        adapter = read_adapter(name, path, self.runtime.model)
-        with self._adapter_lock:
-            self._adapters[name] = adapter
+    def unload_adapter(self, name: str) -> None:
+        """Forget ``name``: running requests that use it finish; new ones get
+        UnknownAdapterError."""
+        self._adapters.unload(name)
 
     def adapters(self) -> list[str]:
-        return sorted(self._adapters)
+        """Names of the loaded adapters."""
+        return self._adapters.names()
 
     def _adapter(self, name: str | None) -> LoraAdapter | None:
-        if name is None:
-            return None
-        if not isinstance(name, str):
-            raise InvalidInputError(f"adapter must be a name (str), got {type(name).__name__}")
-        found = self._adapters.get(name)
-        if found is None:
-            loaded = ", ".join(self.adapters()) or "none"
-            raise UnknownAdapterError(f"no adapter named {name!r} is loaded (loaded: {loaded})")
-        return found
+        return self._adapters.get(name)
 
     def _image(self, image: object) -> PreparedImage | None:
         return None if image is None else prepare_image(image)
@@ -130,12 +127,15 @@ class Engine(AsyncTwins):
         *,
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
         reasoning: bool = False,
         spatial_refs: Sequence[Sequence[float]] | None = None,
     ) -> Future:
         """Queue a question about ``image`` (None: text only); the future gives a QueryResult."""
         return self._submit(
-            self._draft_query(image, question, settings, adapter, reasoning, spatial_refs)
+            self._draft_query(
+                image, question, settings, adapter, reasoning, spatial_refs, cache_salt
+            )
         )
 
     def submit_caption(
@@ -145,9 +145,10 @@ class Engine(AsyncTwins):
         length: str = "normal",
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
     ) -> Future:
         """Queue a caption ("short", "normal" or "long"); the future gives a CaptionResult."""
-        return self._submit(self._draft_caption(image, length, settings, adapter))
+        return self._submit(self._draft_caption(image, length, settings, adapter, cache_salt))
 
     def submit_point(
         self,
@@ -156,9 +157,12 @@ class Engine(AsyncTwins):
         *,
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
     ) -> Future:
         """Queue pointing at every ``object``; the future gives a PointResult."""
-        return self._submit(self._draft_region("point", image, object, settings, adapter))
+        return self._submit(
+            self._draft_region("point", image, object, settings, adapter, cache_salt)
+        )
 
     def submit_detect(
         self,
@@ -167,13 +171,18 @@ class Engine(AsyncTwins):
         *,
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
     ) -> Future:
         """Queue detecting every ``object``; the future gives a DetectResult."""
-        return self._submit(self._draft_region("detect", image, object, settings, adapter))
+        return self._submit(
+            self._draft_region("detect", image, object, settings, adapter, cache_salt)
+        )
 
-    def _draft_query(self, image, question, settings, adapter, reasoning, spatial_refs) -> Draft:
+    def _draft_query(
+        self, image, question, settings, adapter, reasoning, spatial_refs, cache_salt
+    ) -> Draft:
         self._check_open()
-        return self._factory.query(
+        draft = self._factory.query(
             self._image(image),
             question,
             settings,
@@ -181,14 +190,20 @@ class Engine(AsyncTwins):
             reasoning=reasoning,
             spatial_refs=spatial_refs,
         )
+        return salted(draft, cache_salt)
 
-    def _draft_caption(self, image, length, settings, adapter) -> Draft:
+    def _draft_caption(self, image, length, settings, adapter, cache_salt) -> Draft:
         self._check_open()
-        return self._factory.caption(self._image(image), length, settings, self._adapter(adapter))
+        adapter = self._adapter(adapter)
+        return salted(
+            self._factory.caption(self._image(image), length, settings, adapter), cache_salt
+        )
 
-    def _draft_region(self, kind, image, obj, settings, adapter) -> Draft:
+    def _draft_region(self, kind, image, obj, settings, adapter, cache_salt) -> Draft:
         self._check_open()
-        return self._factory.region(kind, self._image(image), obj, settings, self._adapter(adapter))
+        adapter = self._adapter(adapter)
+        draft = self._factory.region(kind, self._image(image), obj, settings, adapter)
+        return salted(draft, cache_salt)
 
     def _check_open(self) -> None:
         if self._loop.closed:
@@ -201,6 +216,7 @@ class Engine(AsyncTwins):
             skill=draft.skill,
             image=draft.image,
             adapter=draft.adapter,
+            cache_salt=draft.cache_salt,
             prompt_positions=draft.prompt_positions,
             max_new_tokens=draft.max_new_tokens,
             future=future,
@@ -228,12 +244,15 @@ class Engine(AsyncTwins):
         *,
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
         reasoning: bool = False,
         spatial_refs: Sequence[Sequence[float]] | None = None,
         stream: bool = False,
     ):
         """Answer ``question`` (QueryResult), or with ``stream=True`` a TextStream of deltas."""
-        draft = self._draft_query(image, question, settings, adapter, reasoning, spatial_refs)
+        draft = self._draft_query(
+            image, question, settings, adapter, reasoning, spatial_refs, cache_salt
+        )
         if stream:
             return self._stream(draft, TextStream())
         return self._submit(draft).result()
@@ -245,10 +264,11 @@ class Engine(AsyncTwins):
         length: str = "normal",
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
         stream: bool = False,
     ):
         """Caption ``image`` (CaptionResult), or with ``stream=True`` a TextStream of deltas."""
-        draft = self._draft_caption(image, length, settings, adapter)
+        draft = self._draft_caption(image, length, settings, adapter, cache_salt)
         if stream:
             return self._stream(draft, TextStream())
         return self._submit(draft).result()
@@ -260,9 +280,12 @@ class Engine(AsyncTwins):
         *,
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
     ):
         """Centers of every ``object`` in the image (PointResult, coordinates in [0, 1])."""
-        return self.submit_point(image, object, settings=settings, adapter=adapter).result()
+        return self.submit_point(
+            image, object, settings=settings, adapter=adapter, cache_salt=cache_salt
+        ).result()
 
     def detect(
         self,
@@ -271,9 +294,12 @@ class Engine(AsyncTwins):
         *,
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
     ):
         """Boxes of every ``object`` in the image (DetectResult, coordinates in [0, 1])."""
-        return self.submit_detect(image, object, settings=settings, adapter=adapter).result()
+        return self.submit_detect(
+            image, object, settings=settings, adapter=adapter, cache_salt=cache_salt
+        ).result()
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:

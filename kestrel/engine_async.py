@@ -23,6 +23,7 @@ class AsyncTwins:
         *,
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
         reasoning: bool = False,
         spatial_refs: Sequence[Sequence[float]] | None = None,
         stream: bool = False,
@@ -30,7 +31,14 @@ class AsyncTwins:
         """``await engine.aquery(...)`` -> QueryResult; with ``stream=True`` an
         AsyncTextStream to ``async for`` over (then ``await stream.result()``)."""
         draft = await asyncio.to_thread(
-            self._draft_query, image, question, settings, adapter, reasoning, spatial_refs
+            self._draft_query,
+            image,
+            question,
+            settings,
+            adapter,
+            reasoning,
+            spatial_refs,
+            cache_salt,
         )
         return await self._await(draft, stream)
 
@@ -41,9 +49,12 @@ class AsyncTwins:
         length: str = "normal",
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
         stream: bool = False,
     ) -> Any:
-        draft = await asyncio.to_thread(self._draft_caption, image, length, settings, adapter)
+        draft = await asyncio.to_thread(
+            self._draft_caption, image, length, settings, adapter, cache_salt
+        )
         return await self._await(draft, stream)
 
     async def apoint(
@@ -53,9 +64,10 @@ class AsyncTwins:
         *,
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
     ) -> Any:
         draft = await asyncio.to_thread(
-            self._draft_region, "point", image, object, settings, adapter
+            self._draft_region, "point", image, object, settings, adapter, cache_salt
         )
         return await self._await(draft, False)
 
@@ -66,8 +78,9 @@ class AsyncTwins:
         *,
         settings: dict | None = None,
         adapter: str | None = None,
+        cache_salt: str | None = None,
     ) -> Any:
         draft = await asyncio.to_thread(
-            self._draft_region, "detect", image, object, settings, adapter
+            self._draft_region, "detect", image, object, settings, adapter, cache_salt
         )
         return await self._await(draft, False)

@@ -8,7 +8,7 @@ its own call and never costs the scheduler anything.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kestrel.errors import InvalidInputError, PromptTooLongError
@@ -34,7 +34,7 @@ from kestrel.skills import (
     parse_settings,
 )
 
-__all__ = ["Draft", "RequestFactory"]
+__all__ = ["Draft", "RequestFactory", "salted"]
 
 BuildResult = Callable[[Any, RequestMetrics], Any]
 
@@ -49,6 +49,21 @@ class Draft:
     prompt_positions: int
     max_new_tokens: int
     build_result: BuildResult
+    cache_salt: str | None = None
+
+
+MAX_SALT_CHARS = 256
+
+
+def salted(draft: Draft, cache_salt: object) -> Draft:
+    """The draft in the tenant namespace of ``cache_salt`` (None: the shared one)."""
+    if cache_salt is None:
+        return draft
+    if not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_SALT_CHARS:
+        raise InvalidInputError(
+            f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters"
+        )
+    return replace(draft, cache_salt=cache_salt)
 
 
 def _query_result(skill: QuerySkill, metrics: RequestMetrics) -> QueryResult:

@@ -47,6 +47,7 @@ class MoondreamRunner:
                     image_hash=None if image is None else image.digest,
                     adapter=request.adapter,
                     max_new_tokens=request.max_new_tokens,
+                    cache_salt=request.cache_salt,
                 )
         except (PagePoolExhausted, BatchSlotsExhausted) as exc:
             raise RunnerOverloaded(str(exc)) from exc

@@ -171,18 +171,19 @@ class MoondreamRuntime:
         image_hash: bytes | None = None,
         adapter: LoraAdapter | None = None,
         max_new_tokens: int = 256,
+        cache_salt: str | None = None,
     ) -> tuple[SequenceState, torch.Tensor]:
         """Prefill a prompt (reusing its cached prefix) and return its state and last logits [V].
 
         ``tokens`` starts with ``TextToken(bos_id)``; for an image prompt the image's KV block is
         placed right after BOS. ``image_hash`` is the image's SHA-256 digest (computed when
-        omitted).
+        omitted). ``cache_salt`` puts the prompt in a namespace of its own (tenant isolation).
         """
         image_hash = check_request(self.config, tokens, image, image_hash, max_new_tokens)
         cfg = self.config
         image_kv = cfg.image_tokens if image is not None else 0
         hash_int = image_hash_int(image_hash) if image_hash is not None else None
-        namespace = CacheNamespace(adapter.lora_id if adapter else None, hash_int)
+        namespace = CacheNamespace(adapter.lora_id if adapter else None, hash_int, cache_salt)
         cache_tokens = build_cache_tokens(tokens, hash_int, image_kv)
         cacheable = cache_tokens[
             : cacheable_prefix(cache_tokens, cfg.region.coord_bins, cfg.region.size_bins)

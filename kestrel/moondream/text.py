@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 import kestrel_kernels
 from kestrel.moondream.config import TextConfig
-from kestrel.moondream.lora import LoraAdapter, LoraPair
+from kestrel.moondream.lora import LoraAdapter
+from kestrel.moondream.lora_batch import LoraBatch
 from kestrel.moondream.model import LayerNorm, Linear, TextWeights
 from kestrel.moondream.rope import apply_rope, rope_cos_sin
 
@@ -53,36 +53,8 @@ def lm_head(hidden_BC: Tensor, w: TextWeights) -> Tensor:
     return linear(layer_norm(hidden_BC, w.post_ln), w.lm_head)
 
 
-# A LoRA plan: one (adapter, rows) entry per distinct adapter; rows None = every row.
-_LoraPlan = list[tuple[LoraAdapter, Tensor | None]]
-
-
-def _lora_plan(lora: Sequence[LoraAdapter | None] | None, batch: int, device) -> _LoraPlan:
-    if lora is None:
-        return []
-    if len(lora) != batch:
-        raise ValueError(f"lora has {len(lora)} entries for a batch of {batch} rows")
-    groups: dict[int, tuple[LoraAdapter, list[int]]] = {}
-    for row, adapter in enumerate(lora):
-        if adapter is not None:
-            groups.setdefault(id(adapter), (adapter, []))[1].append(row)
-    plan: _LoraPlan = []
-    for adapter, rows in groups.values():
-        idx = None if len(rows) == batch else torch.tensor(rows, device=device)
-        plan.append((adapter, idx))
-    return plan
-
-
-def _add_lora(out: Tensor, x: Tensor, plan: _LoraPlan, layer: int, module: str) -> Tensor:
-    """out += (x @ A.T) @ B.T for each adapter's rows (x, out: [B, T, *])."""
-    for adapter, rows in plan:
-        pair: LoraPair = getattr(adapter.layers[layer], module)
-        if rows is None:
-            out = out + F.linear(F.linear(x, pair.A), pair.B)
-        else:
-            delta = F.linear(F.linear(x.index_select(0, rows), pair.A), pair.B)
-            out = out.index_add(0, rows, delta)
-    return out
+def _add_lora(out: Tensor, x: Tensor, plan: LoraBatch | None, layer: int, module: str):
+    return out if plan is None else plan.add(out, x, layer, module)
 
 
 def text_forward(
@@ -112,7 +84,7 @@ def text_forward(
     B, T, C = x_BTC.shape
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     cos_BTR, sin_BTR = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta)
-    plan = _lora_plan(lora, B, x_BTC.device)
+    plan = LoraBatch.plan(lora, B, x_BTC.device)
     x = x_BTC
     for i, blk in enumerate(w.blocks):
         h = layer_norm(x, blk.ln)

@@ -47,7 +47,8 @@ class Request:
 
     ``skill`` is a fresh state machine handed over with the request: from submission on only
     the scheduler thread touches it. ``image`` is already decoded and hashed (on the caller's
-    thread); ``max_new_tokens`` is the decode budget, already clamped to the model context.
+    thread); ``max_new_tokens`` is the decode budget, already clamped to the model context;
+    ``cache_salt`` (optional) isolates the request's cache namespace (tenants).
     ``build_result(skill, metrics)`` turns the finished skill into the caller's result;
     ``on_text`` (optional) receives streamed text deltas.
     """
@@ -62,6 +63,7 @@ class Request:
     build_result: Callable[[Skill, RequestMetrics], Any]
     submitted_at: float
     on_text: Callable[[str], None] | None = None
+    cache_salt: str | None = None
 
     @property
     def pages_needed(self) -> int:
