@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
+from kestrel.batch_output import completed_ids, error_record, open_for_append, result_record
 from kestrel.errors import EngineClosedError, InvalidInputError, KestrelError, UnknownAdapterError
 from kestrel.results import EngineStats, QueryResult
 from kestrel.skills import parse_settings
@@ -53,7 +54,6 @@ __all__ = [
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".jfif", ".pbm", ".ppm"}
 )
-_TAIL_BYTES = 1 << 20  # how far back from the end of the output a partial line is looked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +66,7 @@ class BatchRequest:
     image: str | None
     path: Path | None
     question: str
+    adapter: str | None = None  # a loaded adapter's name (None: the run's default)
 
 
 # ---------------------------------------------------------------------------- building requests
@@ -111,8 +112,9 @@ def _read_questions(path: Path) -> list[str]:
 
 
 def requests_from_jsonl(path: str | Path) -> list[BatchRequest]:
-    """One request per non-empty line ``{"id", "image", "question"}``; ``image`` is a path
-    relative to the JSONL's folder (or absolute), or null / absent for a text-only question."""
+    """One request per non-empty line ``{"id", "image", "question"}`` (optionally
+    ``"adapter"``: the name of a loaded adapter); ``image`` is a path relative to the JSONL's
+    folder (or absolute), or null / absent for a text-only question."""
     path = Path(path).expanduser()
     lines = enumerate(_read_lines(path, "input file"), 1)
     requests = [_request_from_line(ln, f"{path}:{n}", path.parent) for n, ln in lines if ln.strip()]
@@ -136,8 +138,11 @@ def _request_from_line(line: str, where: str, base: Path) -> BatchRequest:
         raise InvalidInputError(f'{where}: "question" must be a non-empty string')
     if image is not None and (not isinstance(image, str) or not image):
         raise InvalidInputError(f'{where}: "image" must be a path string or null')
+    adapter = obj.get("adapter")
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise InvalidInputError(f'{where}: "adapter" must be an adapter name or null')
     file = None if image is None else base / Path(image).expanduser()
-    return BatchRequest(str(rid), image, file, question)
+    return BatchRequest(str(rid), image, file, question, adapter)
 
 
 def _check_unique(requests: Sequence[BatchRequest]) -> None:
@@ -146,63 +151,6 @@ def _check_unique(requests: Sequence[BatchRequest]) -> None:
         if r.id in seen:
             raise InvalidInputError(f"request id {r.id!r} appears more than once")
         seen.add(r.id)
-
-
-# ---------------------------------------------------------------------------- output lines
-def result_record(request: BatchRequest, result: QueryResult) -> dict[str, Any]:
-    return {
-        "id": request.id,
-        "image": request.image,
-        "question": request.question,
-        "answer": result.answer,
-        "finish_reason": result.finish_reason,
-        "metrics": result.metrics.to_dict(),
-    }
-
-
-def error_record(request: BatchRequest, exc: BaseException) -> dict[str, Any]:
-    return {
-        "id": request.id,
-        "image": request.image,
-        "question": request.question,
-        "error": " ".join(str(exc).split()) or type(exc).__name__,
-        "error_type": type(exc).__name__,
-    }
-
-
-def completed_ids(out: str | Path) -> set[str]:
-    """The ids of the complete lines already in ``out`` (none if it does not exist)."""
-    path = Path(out)
-    if not path.exists():
-        return set()
-    done = set()
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash: its request runs again
-            if isinstance(obj, dict) and "id" in obj:
-                done.add(str(obj["id"]))
-    return done
-
-
-def _open_for_append(path: Path):
-    """Append mode, after repairing the end of the file: a run killed mid-write may have left
-    a partial last line; it is dropped (its request runs again) so no line is glued to it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+b") as f:
-        end = f.seek(0, 2)
-        f.seek(max(0, end - _TAIL_BYTES))
-        tail = f.read()
-        if tail and not tail.endswith(b"\n"):
-            start = tail.rfind(b"\n") + 1
-            try:  # a complete record that only lacks its newline is kept
-                json.loads(tail[start:])
-                f.write(b"\n")
-            except ValueError:
-                f.truncate(end - len(tail) + start)
-    return path.open("a", encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------- the run
@@ -272,8 +220,9 @@ def run_batch(
     _check_unique(requests)
     # What would fail every request fails the run instead, before a line is written.
     parse_settings(settings)
-    if adapter is not None and adapter not in engine.adapters():
-        raise UnknownAdapterError(f"no adapter named {adapter!r} is loaded")
+    named = {adapter, *(r.adapter for r in requests)} - {None}
+    for name in sorted(named - set(engine.adapters() if named else ())):
+        raise UnknownAdapterError(f"no adapter named {name!r} is loaded")
     out = Path(out)
     done = completed_ids(out)
     todo = [r for r in requests if r.id not in done]
@@ -281,7 +230,7 @@ def run_batch(
     before = engine.stats()
     start = time.perf_counter()
     with (
-        _open_for_append(out) as f,
+        open_for_append(out) as f,
         tqdm(total=len(todo), unit="req", disable=not progress, file=sys.stderr) as bar,
     ):
 
@@ -337,8 +286,11 @@ class _Feed:
                 future.cancel()
 
     def _submit(self, image: Any, request: BatchRequest) -> None:
+        kwargs = self.kwargs
+        if request.adapter is not None:
+            kwargs = {**kwargs, "adapter": request.adapter}
         try:
-            future = self.engine.submit_query(image, request.question, **self.kwargs)
+            future = self.engine.submit_query(image, request.question, **kwargs)
         except EngineClosedError:
             raise
         except KestrelError as exc:  # this request's own fault (its prompt too long, ...)

@@ -24,9 +24,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--input", metavar="FILE", help='JSONL of {"id", "image", "question"}')
     parser.add_argument("--out", metavar="FILE", required=True, help="JSONL results (appended)")
     parser.add_argument(
-        "--max-in-flight", type=common.positive_int, default=None, metavar="N",
+        "--max-in-flight",
+        type=common.positive_int,
+        default=None,
+        metavar="N",
         help="requests submitted at once (default: 4 x --max-batch-size)",
-    )  # fmt: skip
+    )
+    parser.add_argument(
+        "--load-adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help='load a LoRA adapter under NAME for JSONL lines with "adapter": NAME (repeatable)',
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     common.add_engine_options(parser)
@@ -36,8 +46,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     requests = _requests(args)  # bad input fails here, before the model loads
+    adapters = [_named_path(spec) for spec in args.load_adapter]
     max_in_flight = args.max_in_flight or 4 * args.max_batch_size
     with common.open_engine(args) as engine:
+        for name, path in adapters:
+            engine.load_adapter(name, path)
         summary = batch.run_batch(
             engine,
             requests,
@@ -62,3 +75,10 @@ def _requests(args: argparse.Namespace) -> list[batch.BatchRequest]:
     if args.images is None or args.questions is None:
         raise common.UsageError("give --images DIR and --questions FILE (or --input FILE.jsonl)")
     return batch.requests_from_folder(args.images, args.questions)
+
+
+def _named_path(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise common.UsageError(f"--load-adapter wants NAME=PATH, got {spec!r}")
+    return name, path

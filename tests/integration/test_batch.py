@@ -23,9 +23,21 @@ from tests.conftest import fixture_dir
 
 MODEL = fixture_dir()
 ENGINE_OPTS = [
-    "--model", str(MODEL), "--device", "cpu", "--dtype", "float32",
-    "--kv-cache-pages", "6000", "--max-batch-size", "4", "--max-tokens", "4", "--temperature", "0",
-]  # fmt: skip
+    "--model",
+    str(MODEL),
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--kv-cache-pages",
+    "6000",
+    "--max-batch-size",
+    "4",
+    "--max-tokens",
+    "4",
+    "--temperature",
+    "0",
+]
 SETTINGS = {"max_tokens": 4, "temperature": 0.0}  # greedy: answers are reproducible
 IMAGES = ("rgba_500x500.png", "scene_800x600.png", "sub/shapes_378.png")
 QUESTIONS = ("What is in the picture?", "How many objects are there?", "What colour is it?")
@@ -280,8 +292,70 @@ def test_cli_input_choice(data, tmp_path, capsys):
         assert err.startswith("kestrel: error: ") and needle in err, err
     rows = [{"id": "q1", "image": "imgs/scene_800x600.png", "question": QUESTIONS[0]}]
     (data / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code = main(["batch", "--input", str(data / "in.jsonl"), "--out", out, "--json",
-                 "--no-progress", *ENGINE_OPTS])  # fmt: skip
+    code = main(
+        [
+            "batch",
+            "--input",
+            str(data / "in.jsonl"),
+            "--out",
+            out,
+            "--json",
+            "--no-progress",
+            *ENGINE_OPTS,
+        ]
+    )
     assert code == 0
     assert json.loads(capsys.readouterr().out)["requests"] == 1
     assert [x["id"] for x in read_lines(Path(out))] == ["q1"]
+
+
+def test_per_line_adapters(data, tmp_path, capsys):
+    """JSONL lines name adapters loaded with --load-adapter; each line is answered with its
+    own adapter (or none), and an unknown name fails the run before a line is written."""
+    src = MODEL / "images" / "shapes_378.png"
+    lines = [
+        {"id": "base", "image": str(src), "question": QUESTIONS[0]},
+        {"id": "lora", "image": str(src), "question": QUESTIONS[0], "adapter": "fix"},
+    ]
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    adapter = f"fix={MODEL / 'adapter'}"
+    rc = main(
+        [
+            "batch",
+            "--input",
+            str(jsonl),
+            "--out",
+            str(out),
+            "--no-progress",
+            "--load-adapter",
+            adapter,
+            *ENGINE_OPTS,
+        ]
+    )
+    assert rc == 0
+    got = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    with Engine(MODEL, device="cpu", dtype="float32", kv_cache_pages=3000) as e:
+        e.load_adapter("fix", MODEL / "adapter")
+        want_base = e.query(src, QUESTIONS[0], settings=SETTINGS).answer
+        want_lora = e.query(src, QUESTIONS[0], settings=SETTINGS, adapter="fix").answer
+    assert got["base"]["answer"] == want_base and "adapter" not in got["base"]
+    assert got["lora"]["answer"] == want_lora and got["lora"]["adapter"] == "fix"
+    assert want_base != want_lora
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**lines[1], "adapter": "nope"}) + "\n")
+    rc = main(
+        [
+            "batch",
+            "--input",
+            str(bad),
+            "--out",
+            str(tmp_path / "o2.jsonl"),
+            "--no-progress",
+            *ENGINE_OPTS,
+        ]
+    )
+    assert rc == 2 and "nope" in capsys.readouterr().err
+    assert not (tmp_path / "o2.jsonl").exists() or not (tmp_path / "o2.jsonl").read_text()
