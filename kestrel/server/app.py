@@ -81,7 +81,7 @@ class _Exchange:
 
 def _start(engine: Any, call: Call) -> Awaitable[Any]:
     """The engine coroutine for a validated call (a result, or a stream when streaming)."""
-    common = {"settings": call.settings, "adapter": call.adapter}
+    common = {"settings": call.settings, "adapter": call.adapter, "cache_salt": call.cache_salt}
     if call.skill == "query":
         refs = None if call.spatial_refs is None else [list(r) for r in call.spatial_refs]
         return engine.aquery(

@@ -29,7 +29,7 @@ from kestrel.server.errors import ApiError
 __all__ = ["SKILLS", "Call", "parse_call"]
 
 SKILLS = ("query", "caption", "point", "detect")
-_COMMON = frozenset({"image_url", "settings", "adapter", "model", "stream"})
+_COMMON = frozenset({"image_url", "settings", "adapter", "cache_salt", "model", "stream"})
 _FIELDS: dict[str, frozenset[str]] = {
     "query": _COMMON | {"question", "reasoning", "spatial_refs"},
     "caption": _COMMON | {"length"},
@@ -54,6 +54,7 @@ class Call:
     adapter: str | None
     stream: bool
     reasoning: bool
+    cache_salt: str | None
     length: str
     spatial_refs: tuple[tuple[float, ...], ...] | None
 
@@ -159,6 +160,7 @@ def parse_call(skill: str, body: bytes, *, max_pixels: int) -> Call:
         text=_typed(obj, text_key, (str,), "a string") if skill != "caption" else None,
         settings=_typed(obj, "settings", (dict,), "an object"),
         adapter=_typed(obj, "adapter", (str,), "a string"),
+        cache_salt=_typed(obj, "cache_salt", (str,), "a string"),
         stream=stream,
         reasoning=bool(_typed(obj, "reasoning", (bool,), "true or false")),
         length=_typed(obj, "length", (str,), "a string") or "normal",

@@ -259,3 +259,18 @@ def test_stats_and_prometheus_metrics(client, engine) -> None:
     assert 0 < m[("kestrel_prefix_hit_rate", ())] <= 1
     assert m[("kestrel_in_flight_requests", ())] == 0
     assert_idle(engine)
+
+
+def test_cache_salt_isolates_tenants(client) -> None:
+    """Same image and question: a salted request never hits what another salt (or none) cached."""
+    body = {"image_url": IMAGE, "question": "What is it?", "settings": GREEDY}
+    first = client.post("/v1/query", json=body).json()
+    plain = client.post("/v1/query", json=body).json()
+    assert plain["metrics"]["cached_tokens"] > 0
+    salted = client.post("/v1/query", json={**body, "cache_salt": "tenant-a"}).json()
+    assert salted["metrics"]["cached_tokens"] == 0
+    again = client.post("/v1/query", json={**body, "cache_salt": "tenant-a"}).json()
+    assert again["metrics"]["cached_tokens"] > 0
+    assert first["metrics"]["input_tokens"] == salted["metrics"]["input_tokens"]
+    bad = client.post("/v1/query", json={**body, "cache_salt": 7})
+    assert bad.status_code == 400
