@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kestrel.kv_cache import BatchSlotsExhausted, PagePoolExhausted
+from kestrel.moondream.heads import RowLogits, batch_rows
 from kestrel.moondream.runtime import MoondreamRuntime
 from kestrel.moondream.sequence import SequenceState
 from kestrel.scheduler.protocol import Capacity, Request, RunnerOverloaded, Started
@@ -53,7 +54,7 @@ class MoondreamRunner:
             raise RunnerOverloaded(str(exc)) from exc
         return Started(
             handle=state,
-            logits_V=logits_V,
+            logits_V=batch_rows(logits_V[None])[0],
             hidden_C=state.last_hidden,
             input_tokens=state.prompt_length,
             cached_tokens=state.reused_page_count,
@@ -62,10 +63,11 @@ class MoondreamRunner:
 
     def decode(
         self, handles: Sequence[SequenceState], tokens: Sequence[PromptToken]
-    ) -> tuple[torch.Tensor, list[Any]]:
+    ) -> tuple[list[RowLogits], list[Any]]:
+        """Logits per row (with the batch's argmaxes read back in one transfer), hiddens."""
         with torch.inference_mode():
             logits_BV = self.runtime.decode_step(handles, tokens)
-        return logits_BV, [h.last_hidden for h in handles]
+            return batch_rows(logits_BV), [h.last_hidden for h in handles]
 
     def release(self, handle: SequenceState) -> None:
         self.runtime.release_sequence(handle)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,7 +20,25 @@ from kestrel.moondream.region import (
 from kestrel.moondream.sampling import greedy, sample, suppress
 from kestrel.prefix_cache.tokens import CoordToken, SizeToken
 
-__all__ = ["ModelHeads"]
+__all__ = ["ModelHeads", "RowLogits", "batch_rows"]
+
+
+@dataclass(frozen=True, slots=True)
+class RowLogits:
+    """One row of a batch's logits [V] with its argmax, read back for the whole batch at once.
+
+    A greedy decision whose argmax is not a suppressed id needs nothing more from the device:
+    suppressing other ids cannot change the first maximum. So a batch of greedy rows costs one
+    device-to-host transfer per step instead of one per row.
+    """
+
+    logits_V: Tensor
+    argmax: int
+
+
+def batch_rows(logits_BV: Tensor) -> list[RowLogits]:
+    ids = greedy(logits_BV).tolist()  # the one transfer
+    return [RowLogits(logits_BV[i], ids[i]) for i in range(len(ids))]
 
 
 class _NoStream:
@@ -67,12 +86,16 @@ class ModelHeads:
 
     def sample(
         self,
-        logits_V: Tensor,
+        logits_V: Tensor | RowLogits,
         temperature: float,
         top_p: float,
         banned: Sequence[int],
         rng: torch.Generator | None,
     ) -> int:
+        if isinstance(logits_V, RowLogits):
+            if temperature == 0.0 and logits_V.argmax not in banned:
+                return logits_V.argmax
+            logits_V = logits_V.logits_V
         logits_1V = logits_V[None]
         if banned:
             logits_1V = suppress(logits_1V, banned)
