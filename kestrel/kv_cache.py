@@ -1,44 +1,54 @@
-"""PageTable: the physical page pool and the per-row logical -> physical mapping.
+"""PageTable: the page pool plus the per-row logical -> physical mapping.
 
 page_size is 1: a page is one KV position, and logical page ``i`` of a row is its position
 ``i``. Physical page 0 is never handed out and batch row 0 is never allocated: both are padding
-(a padded row reads page 0 through row 0). The host keeps ``page_table_cpu[row]`` (a list, the
-source of truth) and mirrors it into ``page_table`` (int32 ``[max_batch_size + 1, max_seq_len]``
-on ``device``, padding entries 0), which kernels read.
+(a padded row reads page 0 through row 0). The host keeps every row in one int32 numpy array
+(``row_pages`` returns views of it) and mirrors it into ``page_table`` (int32
+``[max_batch_size + 1, max_seq_len]`` on ``device``, padding entries 0), which kernels read; on
+the CPU the two share memory.
 
-Page states and who moves pages between them are described in
-``kestrel/prefix_cache/base.py``; this class owns the free pool and the batch rows, and asks
-the attached prefix cache to evict when the pool runs dry.
+Page states live in the :class:`~kestrel.page_pool.PagePool` (free / private / cached, one byte
+per page); who moves pages between them is described in ``kestrel/prefix_cache/base.py``. This
+class owns the pool and the batch rows, and asks the attached prefix cache to evict when the
+pool runs dry. Pages travel as 1-D int32 arrays; ``get_pages`` returns a list for callers that
+want plain ints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kestrel.kv_storage import PagedKVCache
+from kestrel.page_integrity import check_page_table
+from kestrel.page_pool import (
+    EMPTY_PAGES,
+    CacheIntegrityError,
+    DoubleFreeError,
+    PagePool,
+    PageState,
+    PageTableError,
+    as_pages,
+)
 
 if TYPE_CHECKING:
-    from kestrel.prefix_cache.radix_cache import RadixPrefixCache
+    from kestrel.prefix_cache.base import BasePrefixCache
 
 __all__ = [
     "BatchSlotsExhausted",
+    "CacheIntegrityError",
     "DoubleFreeError",
     "PagePoolExhausted",
+    "PageState",
     "PageTable",
     "PageTableError",
     "PagedKVCache",
 ]
 
-
-class PageTableError(ValueError):
-    """A page-table call that breaks its contract (bad row, overlap, bad counts)."""
-
-
-class DoubleFreeError(PageTableError):
-    """A page returned to the free pool that is already free."""
+_FREE, _PRIVATE, _CACHED, _PADDING = (int(s) for s in PageState)
 
 
 class PagePoolExhausted(RuntimeError):
@@ -64,59 +74,86 @@ class PageTable:
             raise PageTableError(
                 f"page_size must be 1 (the prefix cache shares KV per position), got {page_size}"
             )
-        if n_pages < 2:
-            raise PageTableError(f"n_pages must be >= 2 (page 0 is padding), got {n_pages}")
         if max_batch_size < 1 or max_seq_len < 1:
             raise PageTableError(
                 f"max_batch_size and max_seq_len must be >= 1, got {max_batch_size}, {max_seq_len}"
             )
+        self.pool = PagePool(n_pages)
         self.n_pages = n_pages
         self.page_size = page_size
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.device = torch.device(device)
-        # Stack of free pages: popping from the end hands out 1, 2, 3, ... on a fresh table.
-        self._free: list[int] = list(range(n_pages - 1, 0, -1))
-        self._is_free = bytearray(b"\x00" + b"\x01" * (n_pages - 1))
         self._free_rows: list[int] = list(range(max_batch_size, 0, -1))
         self._active = [False] * (max_batch_size + 1)
-        self.page_table_cpu: list[list[int]] = [[] for _ in range(max_batch_size + 1)]
-        self.page_table = torch.zeros(
-            (max_batch_size + 1, max_seq_len), dtype=torch.int32, device=self.device
-        )
-        self.prefix_cache: RadixPrefixCache | None = None
+        self._lens = [0] * (max_batch_size + 1)
+        self._rows = np.zeros((max_batch_size + 1, max_seq_len), dtype=np.int32)
+        self._host_is_device = self.device.type == "cpu"
+        if self._host_is_device:
+            self.page_table = torch.from_numpy(self._rows)  # shares memory: no mirroring
+        else:
+            self.page_table = torch.zeros(
+                (max_batch_size + 1, max_seq_len), dtype=torch.int32, device=self.device
+            )
+        self.prefix_cache: BasePrefixCache | None = None
 
     # ----------------------------------------------------------------- queries
     @property
     def pages_available(self) -> int:
         """Free pages (not counting what eviction could reclaim)."""
-        return len(self._free)
+        return self.pool.free_count
 
     @property
     def free_pages(self) -> tuple[int, ...]:
         """A snapshot of the free pool (for tests and debugging; O(n))."""
-        return tuple(self._free)
+        return tuple(self.pool.free_stack().tolist())
 
     def is_free(self, page: int) -> bool:
-        return bool(self._is_free[page])
+        return self.pool.state_of(page) is PageState.FREE
 
     def capacity(self, batch_idx: int) -> int:
         """Mapped positions of a row (== pages, page_size 1)."""
-        return len(self.page_table_cpu[self._row(batch_idx)])
+        return self._lens[self._row(batch_idx)]
 
     seq_len = capacity
 
     def active_batch_indices(self) -> list[int]:
         return [b for b in range(1, self.max_batch_size + 1) if self._active[b]]
 
-    def get_pages(self, batch_idx: int, start: int, end: int) -> list[int]:
-        row = self.page_table_cpu[self._row(batch_idx)]
-        if not 0 <= start <= end <= len(row):
+    def free_batch_rows(self) -> tuple[int, ...]:
+        return tuple(self._free_rows)
+
+    def row_pages(self, batch_idx: int, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The row's physical pages at positions ``start:end`` (read-only int32 view, valid
+        until the row changes; copy it to keep it)."""
+        n = self._lens[self._row(batch_idx)]
+        end = n if end is None else end
+        if not 0 <= start <= end <= n:
             raise PageTableError(
-                f"get_pages({batch_idx}, {start}, {end}) outside the row's {len(row)} mapped "
-                "positions"
+                f"pages {start}:{end} of row {batch_idx} outside its {n} mapped positions"
             )
-        return row[start:end]
+        view = self._rows[batch_idx, start:end]
+        view.flags.writeable = False
+        return view
+
+    def get_pages(self, batch_idx: int, start: int, end: int) -> list[int]:
+        """``row_pages`` as a list of ints."""
+        return self.row_pages(batch_idx, start, end).tolist()
+
+    def host_rows(self) -> np.ndarray:
+        """The host copy of every row, ``[max_batch_size + 1, max_seq_len]`` (read-only)."""
+        view = self._rows.view()
+        view.flags.writeable = False
+        return view
+
+    def row_lengths(self) -> tuple[int, ...]:
+        """Mapped positions of every row, row 0 (padding) included."""
+        return tuple(self._lens)
+
+    @property
+    def page_table_cpu(self) -> list[list[int]]:
+        """Every row's mapped pages as lists (a snapshot, for tests and debugging)."""
+        return [self._rows[b, : self._lens[b]].tolist() for b in range(self.max_batch_size + 1)]
 
     # -------------------------------------------------------------- rows
     def allocate(self) -> int:
@@ -132,43 +169,48 @@ class PageTable:
     def erase(self, batch_idx: int, cached_page_count: int = 0) -> None:
         """Release a row: its first ``cached_page_count`` pages are cache-owned and stay; the
         rest are freed. Refuses (changing nothing) counts that would free a cache page or
-        leak a private one."""
-        row = self.page_table_cpu[self._row(batch_idx)]
-        if not 0 <= cached_page_count <= len(row):
+        leak a private one, and pages that are already free."""
+        n = self._lens[self._row(batch_idx)]
+        if not 0 <= cached_page_count <= n:
             raise PageTableError(
-                f"cached_page_count={cached_page_count} outside 0..{len(row)} for row {batch_idx}"
+                f"cached_page_count={cached_page_count} outside 0..{n} for row {batch_idx}"
             )
-        cache = self.prefix_cache
-        if cache is None and cached_page_count:
+        if self.prefix_cache is None and cached_page_count:
             raise PageTableError("cached_page_count > 0 but no prefix cache is attached")
-        if cache is not None:
-            bad = cache.first_not_owned(row[:cached_page_count])
-            if bad is not None:
-                raise PageTableError(
-                    f"erase({batch_idx}, {cached_page_count}): page {bad} is inside the "
-                    "cache-owned count but the cache does not own it (it would leak); use "
-                    "skip + inserted_pages"
-                )
-            bad = cache.first_owned(row[cached_page_count:])
-            if bad is not None:
-                raise PageTableError(
-                    f"erase({batch_idx}, {cached_page_count}): page {bad} is owned by the cache "
-                    "but would be freed; use skip + inserted_pages"
-                )
-        self.free_pages_to_pool(row[cached_page_count:])
-        self.page_table[batch_idx, : len(row)] = 0
-        self.page_table_cpu[batch_idx] = []
+        row = self._rows[batch_idx, :n]
+        head, tail = row[:cached_page_count], row[cached_page_count:]
+        states = self.pool.state_bytes(head)
+        if states.count(_CACHED) != len(head):
+            bad = self.pool.first_in_state(head, states, (_FREE, _PRIVATE))
+            raise PageTableError(
+                f"erase({batch_idx}, {cached_page_count}): page {bad} is inside the "
+                "cache-owned count but the cache does not own it (it would leak); use "
+                "skip + inserted_pages"
+            )
+        try:
+            self.pool.free(tail)
+        except DoubleFreeError:
+            raise
+        except PageTableError:  # a cache-owned page after the count: say which
+            states = self.pool.state_bytes(tail)
+            bad = self.pool.first_in_state(tail, states, (_CACHED,))
+            raise PageTableError(
+                f"erase({batch_idx}, {cached_page_count}): page {bad} is owned by the cache "
+                "but would be freed; use skip + inserted_pages"
+            ) from None
+        self._write(batch_idx, 0, np.zeros(n, dtype=np.int32))
+        self._lens[batch_idx] = 0
         self._active[batch_idx] = False
         self._free_rows.append(batch_idx)
 
     # ------------------------------------------------------------- pages
-    def set_prefix_cache(self, cache: RadixPrefixCache | None) -> None:
+    def set_prefix_cache(self, cache: BasePrefixCache | None) -> None:
         """Attach the cache that ``allocate_pages`` evicts from when the pool is short."""
         if cache is not None and getattr(cache, "page_table", self) is not self:
             raise PageTableError("the prefix cache was built over a different PageTable")
         self.prefix_cache = cache
 
-    def allocate_pages(self, count: int) -> list[int]:
+    def allocate_pages(self, count: int) -> np.ndarray:
         """``count`` free pages (batch-private once mapped), evicting cached pages if needed.
 
         Raises PagePoolExhausted, without evicting anything, when free plus reclaimable
@@ -177,77 +219,72 @@ class PageTable:
         if count < 0:
             raise PageTableError(f"count must be >= 0, got {count}")
         if count == 0:
-            return []
-        short = count - len(self._free)
+            return EMPTY_PAGES
+        short = count - self.pool.free_count
         if short > 0:
             cache = self.prefix_cache
             if cache is None or cache.reclaimable_page_count() < short:
                 raise PagePoolExhausted(self._exhausted_message(count))
             cache.evict(short)
-            if len(self._free) < count:  # only if the cache's counters lie
+            if self.pool.free_count < count:  # only if the cache's counters lie
                 raise PagePoolExhausted(self._exhausted_message(count))
-        pages = self._free[-count:]
-        del self._free[-count:]
-        pages.reverse()
-        is_free = self._is_free
-        for p in pages:
-            is_free[p] = 0
-        return pages
+        return self.pool.allocate(count)
 
     def _exhausted_message(self, count: int) -> str:
         cache = self.prefix_cache
         cached = cache.total_cached_pages if cache is not None else 0
         reclaimable = cache.reclaimable_page_count() if cache is not None else 0
         return (
-            f"cannot allocate {count} pages: {len(self._free)} free, {cached} cached of which "
-            f"{cached - reclaimable} are locked by active sequences and {reclaimable} reclaimable "
-            f"(pool of {self.n_pages - 1} usable pages). Admit fewer or shorter requests, or "
-            "give the KV cache more pages"
+            f"cannot allocate {count} pages: {self.pool.free_count} free, {cached} cached of "
+            f"which {cached - reclaimable} are locked by active sequences and {reclaimable} "
+            f"reclaimable (pool of {self.n_pages - 1} usable pages). Admit fewer or shorter "
+            "requests, or give the KV cache more pages"
         )
 
-    def free_pages_to_pool(self, pages: Sequence[int]) -> None:
-        """Return pages to the free pool (eviction and erase). A page already free raises
-        DoubleFreeError and nothing changes."""
-        if not pages:
-            return
-        if min(pages) < 1 or max(pages) >= self.n_pages:
-            raise PageTableError(
-                f"pages to free must lie in 1..{self.n_pages - 1}, got {min(pages)}..{max(pages)}"
-            )
-        is_free = self._is_free
-        for idx, p in enumerate(pages):
-            if is_free[p]:
-                for q in pages[:idx]:
-                    is_free[q] = 0
-                raise DoubleFreeError(f"page {p} is already free (double free)")
-            is_free[p] = 1
-        self._free.extend(reversed(pages))
+    def free_pages_to_pool(self, pages: Sequence[int] | np.ndarray) -> None:
+        """Return private pages to the free pool. A page already free (or listed twice)
+        raises DoubleFreeError, a cache-owned one PageTableError; either way nothing changes."""
+        self.pool.free(as_pages(pages))
+
+    def claim_pages(self, pages: np.ndarray) -> None:
+        """Private -> cache-owned (the prefix cache's insert); see ``PagePool.claim``."""
+        self.pool.claim(pages)
+
+    def evict_pages(self, chunks: list[np.ndarray]) -> None:
+        """Cache-owned -> free (the prefix cache's eviction); see ``PagePool.evict``."""
+        self.pool.evict(chunks)
 
     def map_pages(self, batch_idx: int, logical_start: int, pages: Sequence[int]) -> None:
         """Append ``pages`` to a row at positions ``logical_start ..``; mappings are sequential
         and never overlap, so ``logical_start`` must equal the row's current length."""
-        row = self.page_table_cpu[self._row(batch_idx)]
-        if logical_start != len(row):
+        n = self._lens[self._row(batch_idx)]
+        if logical_start != n:
             raise PageTableError(
                 f"map_pages({batch_idx}, {logical_start}, ...): mappings are sequential and "
-                f"non-overlapping; the row has {len(row)} positions mapped, so logical_start "
-                f"must be {len(row)}"
+                f"non-overlapping; the row has {n} positions mapped, so logical_start "
+                f"must be {n}"
             )
+        pages = as_pages(pages)
         end = logical_start + len(pages)
         if end > self.max_seq_len:
             raise PageTableError(f"row {batch_idx} would map {end} > max_seq_len positions")
-        if not pages:
+        if not len(pages):
             return
-        if min(pages) < 1 or max(pages) >= self.n_pages:
-            raise PageTableError(f"pages must lie in 1..{self.n_pages - 1}")
-        is_free = self._is_free
-        bad = next((p for p in pages if is_free[p]), None)
-        if bad is not None:
+        states = self.pool.state_bytes(pages)
+        self.pool.check_range(pages, states, "mapped")
+        if states.count(_FREE):
+            bad = self.pool.first_in_state(pages, states, (_FREE,))
             raise PageTableError(f"page {bad} is free; allocate it (or match it) before mapping")
-        row.extend(pages)
-        self.page_table[batch_idx, logical_start:end] = torch.as_tensor(
-            list(pages), dtype=torch.int32
-        ).to(self.device)
+        self._write(batch_idx, logical_start, pages)
+        self._lens[batch_idx] = end
+
+    def _write(self, batch_idx: int, start: int, pages: np.ndarray) -> None:
+        end = start + len(pages)
+        self._rows[batch_idx, start:end] = pages
+        if not self._host_is_device:
+            if not (pages.flags.writeable and pages.flags.c_contiguous):
+                pages = pages.copy()  # (torch wants a writable, contiguous source)
+            self.page_table[batch_idx, start:end] = torch.from_numpy(pages).to(self.device)
 
     def can_reserve_with_eviction(self, size: int, batch_idx_int: int | None = None) -> bool:
         """Whether ``size`` positions fit: for a new request (``batch_idx_int is None``) a free
@@ -264,7 +301,7 @@ class PageTable:
             return True
         cache = self.prefix_cache
         reclaimable = cache.reclaimable_page_count() if cache is not None else 0
-        return len(self._free) + reclaimable >= need
+        return self.pool.free_count + reclaimable >= need
 
     def reserve(self, batch_idx: int, seq_len: int) -> None:
         """Grow a row to ``seq_len`` positions with fresh private pages (evicting on demand).
@@ -279,7 +316,7 @@ class PageTable:
         try:
             self.map_pages(batch_idx, have, pages)
         except BaseException:
-            self.free_pages_to_pool(pages)  # allocate + map is all or nothing
+            self.pool.free(pages)  # allocate + map is all or nothing
             raise
 
     def build_slot_mapping(
@@ -287,14 +324,14 @@ class PageTable:
     ) -> torch.Tensor:
         """int64 physical pages (== KV slots) of a row's logical ``positions``, on ``device``.
         Host positions are bounds-checked; device tensors are gathered as they are."""
-        row = self.page_table_cpu[self._row(batch_idx)]
+        n = self._lens[self._row(batch_idx)]
         if isinstance(positions, torch.Tensor):
             pos = positions.to(dtype=torch.long)
             if pos.device.type == "cpu" and pos.numel():
                 lo, hi = int(pos.min()), int(pos.max())
-                if lo < 0 or hi >= len(row):
+                if lo < 0 or hi >= n:
                     raise PageTableError(
-                        f"positions {lo}..{hi} outside row {batch_idx}'s {len(row)} positions"
+                        f"positions {lo}..{hi} outside row {batch_idx}'s {n} positions"
                     )
             pos = pos.to(self.device)
             return (
@@ -304,12 +341,13 @@ class PageTable:
                 .to(torch.int64)
             )
         positions = list(positions)
-        if positions and (min(positions) < 0 or max(positions) >= len(row)):
+        if positions and (min(positions) < 0 or max(positions) >= n):
             raise PageTableError(
                 f"positions {min(positions)}..{max(positions)} outside row {batch_idx}'s "
-                f"{len(row)} mapped positions"
+                f"{n} mapped positions"
             )
-        return torch.tensor([row[p] for p in positions], dtype=torch.int64, device=self.device)
+        pages = self._rows[batch_idx].take(positions) if positions else EMPTY_PAGES
+        return torch.tensor(pages, dtype=torch.int64, device=self.device)
 
     def _row(self, batch_idx: int) -> int:
         if not 1 <= batch_idx <= self.max_batch_size or not self._active[batch_idx]:
@@ -320,12 +358,14 @@ class PageTable:
         return batch_idx
 
     # ----------------------------------------------------------- integrity
-    def check_integrity(self, cache_owned: Mapping[int, object] | None = None) -> None:
-        """Check the page-state partition (design.md section 4). With a cache attached and no
-        ``cache_owned`` map, runs the cache's full check (which calls back here)."""
-        if cache_owned is None and self.prefix_cache is not None:
+    def check_integrity(self) -> None:
+        """Design.md section 4. With a cache attached, runs the cache's full check (which
+        calls ``check_pages`` back); raises CacheIntegrityError."""
+        if self.prefix_cache is not None:
             self.prefix_cache.check_integrity()
-            return
-        from kestrel.prefix_cache.integrity import check_page_table
+        else:
+            self.check_pages()
 
-        check_page_table(self, cache_owned or {})
+    def check_pages(self) -> None:
+        """The page-table half of ``check_integrity`` (see ``kestrel/page_integrity.py``)."""
+        check_page_table(self)

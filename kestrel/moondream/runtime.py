@@ -3,21 +3,26 @@
 The runtime owns the page pool, the paged K/V storage and the radix prefix cache, and runs the
 model on them. It is driven by one thread (the scheduler's); nothing here is thread-safe.
 
-Life of a sequence (design.md 3.4, the seed's ``start_sequence`` walk-through):
+Life of a sequence (design.md 3.4). The cache protocol itself is written once, in
+:class:`~kestrel.prefix_cache.lease.CacheLease`; the runtime adds the model work between its
+steps:
 
-1. cache tokens ``[BOS, ImageToken(hash, image_tokens), text...]`` in the namespace
-   ``(adapter id, image hash)``; match the longest cached prefix;
-2. ``skip = min(matched, prompt_len - 1)``: at least one prompt position is always computed, into
-   a private page, so a full-prompt hit still yields logits and never writes a shared page;
-3. map only the reused pages, lock them for the prefill, allocate the suffix + decode pages
-   (evicting unlocked cache entries on demand);
-4. prefill: on a hit only the suffix, in one attention pass over cached + new KV (the vision
-   encoder is skipped); on a miss the vision encoder and the whole prompt;
-5. insert the prompt into the tree immediately, so the next request already hits it, and move
-   the lock to the inserted node (keeping it when insert returns the locked node itself);
+1. ``prepare_sequence`` (no model work): cache tokens ``[BOS, ImageToken(hash, image_tokens),
+   text...]`` in the namespace ``(adapter id, image hash, salt)``; the lease matches the
+   longest cached prefix, maps ``skip = min(matched, prompt_len - 1)`` reused pages into a
+   fresh row, locks them and reserves private pages for the suffix and the decode budget
+   (evicting unlocked cache entries on demand). At least one prompt position is always
+   computed, into a private page, so a full-prompt hit still yields logits and never writes a
+   shared page;
+2. ``prefill_sequence``: on a hit only the suffix, in one attention pass over cached + new KV
+   (the vision encoder is skipped); on a miss the vision encoder and the whole prompt; then
+   the logits of the last position;
+3. ``commit_sequence``: the lease inserts the prompt into the tree immediately, so the next
+   request already hits it, and moves the lock to the inserted node;
    ``cache_owned_page_count = skip + inserted_pages``.
 
-Any failure after the match releases the temporary lock and every page taken.
+``start_sequence`` is these three steps; a failure in any of them aborts the lease
+(``abort_sequence``), which releases the temporary lock and every page taken.
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ from kestrel.moondream.text import lm_head, text_forward
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.vision import encode_image
 from kestrel.moondream.weights import resolve_checkpoint
+from kestrel.prefix_cache.lease import CacheLease, LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace
-from kestrel.prefix_cache.radix_cache import MatchResult, RadixPrefixCache
-from kestrel.prefix_cache.tokens import kv_length
+from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
 
@@ -163,6 +168,77 @@ class MoondreamRuntime:
     def active_sequences(self) -> list[SequenceState]:
         return list(self._active.values())
 
+    def prepare_sequence(
+        self,
+        tokens: Sequence[PromptToken],
+        image=None,
+        *,
+        image_hash: bytes | None = None,
+        adapter: LoraAdapter | None = None,
+        max_new_tokens: int = 256,
+        cache_salt: str | None = None,
+    ) -> SequenceState:
+        """Validate a request and take its resources (no model work): match, batch row, reused
+        pages mapped and locked, private pages for the suffix and ``max_new_tokens``.
+
+        Same arguments as ``start_sequence``. Follow with ``prefill_sequence`` and
+        ``commit_sequence``, or ``abort_sequence`` on failure."""
+        image_hash = check_request(self.config, tokens, image, image_hash, max_new_tokens)
+        cfg = self.config
+        image_kv = cfg.image_tokens if image is not None else 0
+        hash_int = image_hash_int(image_hash) if image_hash is not None else None
+        namespace = CacheNamespace(adapter.lora_id if adapter else None, hash_int, cache_salt)
+        cache_tokens = build_cache_tokens(tokens, hash_int, image_kv)
+        image_regions = [(1, 1 + image_kv)] if image is not None else []
+        validate_image_regions(image_regions, cfg)
+        cacheable = cache_tokens[
+            : cacheable_prefix(cache_tokens, cfg.region.coord_bins, cfg.region.size_bins)
+        ]
+        prompt_len = len(tokens) + image_kv
+        lease = CacheLease.prepare(
+            self.page_table,
+            self.prefix_cache if self.enable_prefix_cache else None,
+            cacheable,
+            namespace,
+            prompt_length=prompt_len,
+            max_length=prompt_len + max_new_tokens,
+            min_hit=cfg.prefix_len if image is not None else 0,
+        )
+        return SequenceState(
+            lease=lease,
+            namespace=namespace,
+            adapter=adapter,
+            image_regions=image_regions,
+            cache_tokens=cache_tokens,
+            prompt=tuple(tokens),
+            image=image,
+        )
+
+    def prefill_sequence(self, state: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute a prepared sequence's prompt positions ``skip .. prompt_len - 1`` into its
+        private pages; returns the last position's hidden state [C] and logits [V]."""
+        if state.lease.phase is not LeasePhase.PREPARED or state.released:
+            raise SequenceError(f"sequence in batch row {state.batch_idx} is not prepared")
+        hidden_C = self._prefill(state, state.prompt, state.image, state.reused_page_count)
+        logits_V = lm_head(hidden_C[None], self.model.text)[0]
+        return hidden_C, logits_V
+
+    def commit_sequence(self, state: SequenceState, hidden_C: torch.Tensor) -> None:
+        """Insert the prefilled prompt into the cache and move the lock to it; the sequence is
+        then running (``decode_step`` may feed it). A failure aborts the sequence."""
+        state.lease.commit()
+        state.last_hidden = hidden_C
+        state.length = state.prompt_length
+        state.prompt, state.image = (), None
+        self._active[state.batch_idx] = state
+        self._count(state)
+
+    def abort_sequence(self, state: SequenceState) -> None:
+        """Give back everything a prepared (or failed) sequence holds; a no-op if it has."""
+        state.lease.abort()
+        state.released = True
+        state.prompt, state.image = (), None
+
     def start_sequence(
         self,
         tokens: Sequence[PromptToken],
@@ -178,49 +254,18 @@ class MoondreamRuntime:
         ``tokens`` starts with ``TextToken(bos_id)``; for an image prompt the image's KV block is
         placed right after BOS. ``image_hash`` is the image's SHA-256 digest (computed when
         omitted). ``cache_salt`` puts the prompt in a namespace of its own (tenant isolation).
+        Prepare, prefill and commit in one call.
         """
-        image_hash = check_request(self.config, tokens, image, image_hash, max_new_tokens)
-        cfg = self.config
-        image_kv = cfg.image_tokens if image is not None else 0
-        hash_int = image_hash_int(image_hash) if image_hash is not None else None
-        namespace = CacheNamespace(adapter.lora_id if adapter else None, hash_int, cache_salt)
-        cache_tokens = build_cache_tokens(tokens, hash_int, image_kv)
-        cacheable = cache_tokens[
-            : cacheable_prefix(cache_tokens, cfg.region.coord_bins, cfg.region.size_bins)
-        ]
-        if self.enable_prefix_cache:
-            match = self.prefix_cache.match_prefix(cacheable, namespace)
-        else:
-            match = MatchResult([], 0, 0, None, list(cacheable))
-        prompt_len = len(tokens) + image_kv
-        state = SequenceState(
-            batch_idx=self.page_table.allocate(),
-            length=0,
-            max_length=prompt_len + max_new_tokens,
-            prompt_length=prompt_len,
-            namespace=namespace,
-            adapter=adapter,
-            image_regions=[(1, 1 + image_kv)] if image is not None else [],
-            cache_tokens=cache_tokens,
-        )
+        state = self.prepare_sequence(
+            tokens, image, image_hash=image_hash, adapter=adapter,
+            max_new_tokens=max_new_tokens, cache_salt=cache_salt,
+        )  # fmt: skip
         try:
-            validate_image_regions(state.image_regions, cfg)
-            skip = self._map_reused(state, match, image is not None)
-            self._map_private(state, skip)
-            hidden_C = self._prefill(state, tokens, image, skip)
-            logits_V = lm_head(hidden_C[None], self.model.text)[0]
-            if self.enable_prefix_cache and match.matched_kv_length < prompt_len:
-                self._insert_prompt(state, cacheable, match, skip)
-            # else: a full-prompt hit keeps its lock on the matched node; nothing to insert
+            hidden_C, logits_V = self.prefill_sequence(state)
+            self.commit_sequence(state, hidden_C)
         except BaseException:
-            self.prefix_cache.unlock(state.cache_lock_node)
-            state.cache_lock_node = None
-            self.page_table.erase(state.batch_idx, state.cache_owned_page_count)
+            self.abort_sequence(state)
             raise
-        state.last_hidden = hidden_C
-        state.length = prompt_len
-        self._active[state.batch_idx] = state
-        self._count(state)
         return state, logits_V
 
     def decode_step(
@@ -272,78 +317,25 @@ class MoondreamRuntime:
             raise SequenceError(f"sequence in batch row {state.batch_idx} was already released")
         state.released = True
         del self._active[state.batch_idx]
-        self.prefix_cache.unlock(state.cache_lock_node)
-        state.cache_lock_node = None
-        self.page_table.erase(state.batch_idx, state.cache_owned_page_count)
+        state.lease.release()
 
     def check_integrity(self) -> None:
         """Cache + page-table invariants, plus one lock per running sequence."""
         self.prefix_cache.check_integrity()
         for s in self._active.values():
-            node = s.cache_lock_node
+            lease = s.lease
+            if lease.phase is not LeasePhase.COMMITTED or s.released:
+                raise AssertionError(f"running sequence {s.batch_idx} is {lease.phase.value}")
+            node = s.cache_lock_node  # raises when the lease holds more than one lock
             if self.enable_prefix_cache and node is None:
                 raise AssertionError(f"running sequence {s.batch_idx} holds no cache lock")
-            if node is not None and node.lock_ref < 1:
+            if node is not None and (node.lock_ref < 1 or node.detached):
                 raise AssertionError(f"sequence {s.batch_idx} locks a node with lock_ref 0")
-            pages = self.page_table.page_table_cpu[s.batch_idx]
-            if len(pages) != s.max_length:
-                raise AssertionError(f"row {s.batch_idx} maps {len(pages)} != {s.max_length}")
+            mapped = self.page_table.capacity(s.batch_idx)
+            if mapped != s.max_length:
+                raise AssertionError(f"row {s.batch_idx} maps {mapped} != {s.max_length}")
 
     # ------------------------------------------------------------------ internals
-    def _map_reused(self, state: SequenceState, match: MatchResult, has_image: bool) -> int:
-        """Map the reused cached pages into the row and lock them; returns ``skip``.
-
-        ``skip = min(matched, prompt_len - 1)``: a full-prompt hit still computes its last
-        position, into a private page. The lock is recorded on the state only once held.
-        """
-        if match.matched_kv_length == 0:
-            return 0
-        skip = min(match.matched_kv_length, state.prompt_length - 1)
-        prefix_len = self.config.prefix_len
-        if has_image and skip < prefix_len:
-            raise RuntimeError(
-                f"prefix-cache invariant violated: a hit in an image namespace covers "
-                f"{match.matched_kv_length} positions, less than BOS + image ({prefix_len})"
-            )
-        self.page_table.map_pages(state.batch_idx, 0, match.matched_pages[:skip])
-        # The mapped pages are the cache's: erase() must never free them.
-        state.cache_owned_page_count = state.reused_page_count = skip
-        self.prefix_cache.lock(match.last_node)
-        state.cache_lock_node = match.last_node
-        return skip
-
-    def _map_private(self, state: SequenceState, skip: int) -> None:
-        """Fresh private pages for the suffix and the decode budget (evicting on demand)."""
-        new_pages = self.page_table.allocate_pages(state.max_length - skip)
-        try:
-            self.page_table.map_pages(state.batch_idx, skip, new_pages)
-        except BaseException:
-            self.page_table.free_pages_to_pool(new_pages)  # not in the row: erase misses them
-            raise
-
-    def _insert_prompt(
-        self, state: SequenceState, cacheable: list, match: MatchResult, skip: int
-    ) -> None:
-        """Insert the prompt's cacheable prefix and move the one lock to the inserted node.
-
-        When insert returns the node already locked (identity case) the lock stays as it is.
-        ``cache_owned_page_count = skip + inserted_pages``: a duplicate's pages stay private.
-        """
-        result = self.prefix_cache.insert(
-            cacheable,
-            self.page_table.get_pages(state.batch_idx, 0, kv_length(cacheable)),
-            state.namespace,
-            from_node=match.last_node,
-            from_token_idx=match.matched_token_count,
-            from_page_idx=skip,
-        )
-        state.cache_owned_page_count = skip + result.inserted_pages
-        held = state.cache_lock_node
-        if result.node is not held:
-            self.prefix_cache.lock(result.node)
-            state.cache_lock_node = result.node
-            self.prefix_cache.unlock(held)
-
     def _encode_image(self, image) -> torch.Tensor:
         """Vision encoder: image -> [image_tokens, dim]."""
         crops = overlap_crops(load_image(image), self.config.vision)

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
     from kestrel.moondream.config import MoondreamConfig
     from kestrel.moondream.lora import LoraAdapter
-    from kestrel.prefix_cache.radix_cache import TreeNode
+    from kestrel.prefix_cache.lease import CacheLease
+    from kestrel.prefix_cache.node import TreeNode
 
 __all__ = [
     "PromptToken",
@@ -40,28 +41,52 @@ class SequenceError(ValueError):
 
 @dataclass(slots=True, eq=False)
 class SequenceState:
-    """One running sequence. Fields after ``image_regions`` are the prefix-cache bookkeeping.
+    """One sequence, from ``prepare_sequence`` to ``release_sequence``.
 
-    Ownership: the first ``cache_owned_page_count`` pages of the row belong to the cache tree
-    (``reused_page_count`` of them were reused at start, the rest were inserted by this sequence);
-    every page after them is private to this row and is freed by ``release_sequence``. The
-    sequence holds exactly one lock, on ``cache_lock_node`` (None when the cache is off).
+    Ownership lives in ``lease`` (the batch row, its pages, the one cache lock; see
+    ``kestrel/prefix_cache/lease.py``): the first ``cache_owned_page_count`` pages of the row
+    belong to the cache tree (``reused_page_count`` of them were reused at start, the rest were
+    inserted by this sequence); every page after them is private to this row and is freed by
+    ``release_sequence``. The sequence holds exactly one lock, on ``cache_lock_node`` (None
+    when the cache is off). ``prompt`` and ``image`` are kept only until the prefill.
     """
 
-    batch_idx: int
-    length: int  # KV positions written so far
-    max_length: int  # pages mapped for this row: prompt + max_new_tokens
-    prompt_length: int
+    lease: CacheLease
     namespace: CacheNamespace
+    length: int = 0  # KV positions written so far
     adapter: LoraAdapter | None = None
     last_hidden: torch.Tensor | None = None  # [dim] decoder output (pre post_ln) of the last step
     image_regions: list[tuple[int, int]] = field(default_factory=list)
     cache_tokens: list = field(default_factory=list)
-    cache_lock_node: TreeNode | None = None
-    cache_owned_page_count: int = 0
-    reused_page_count: int = 0
+    prompt: tuple[PromptToken, ...] = ()
+    image: object | None = None
     vision_encoded: bool = False
     released: bool = False
+
+    @property
+    def batch_idx(self) -> int:
+        return self.lease.row
+
+    @property
+    def max_length(self) -> int:
+        """Pages mapped for this row: prompt + max_new_tokens."""
+        return self.lease.max_length
+
+    @property
+    def prompt_length(self) -> int:
+        return self.lease.prompt_length
+
+    @property
+    def reused_page_count(self) -> int:
+        return self.lease.skip
+
+    @property
+    def cache_owned_page_count(self) -> int:
+        return self.lease.cache_owned
+
+    @property
+    def cache_lock_node(self) -> TreeNode | None:
+        return self.lease.lock_node
 
     @property
     def remaining(self) -> int:

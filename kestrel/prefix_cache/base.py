@@ -13,11 +13,13 @@ Page ownership (page_size is 1, so a page is one KV position)
     * cache-owned: held by exactly one tree node; any number of batch rows may map it;
     * batch-private: mapped by exactly one batch row and owned by nobody else.
 
-    ``insert`` moves batch-private pages to cache-owned (without touching the page table);
-    ``evict`` moves cache-owned pages back to the free pool through
-    ``page_table.free_pages_to_pool``; ``PageTable.erase(row, cached_page_count)`` frees only
-    the row's pages after its leading ``cached_page_count`` (which are cache-owned). A row's
-    cache-owned pages therefore always form a prefix of the row.
+    The page table's pool keeps every page's state (one byte per page, see
+    ``kestrel/page_pool.py``). ``insert`` moves batch-private pages to cache-owned through
+    ``page_table.claim_pages``; ``evict`` moves cache-owned pages back to the free pool
+    through ``page_table.evict_pages``; ``PageTable.erase(row, cached_page_count)`` frees only
+    the row's pages after its leading ``cached_page_count`` (which must be cache-owned). A
+    row's cache-owned pages therefore always form a prefix of the row. Each move checks the
+    states of all its pages first (vectorized) and refuses a double free or double claim.
 
 Locks
     ``lock(node)`` adds one reference to ``node`` and every ancestor up to its namespace root;
@@ -26,23 +28,33 @@ Locks
     but never own them. ``unlock`` below zero raises ``CacheLockError`` and changes nothing.
 
 The runtime protocol (one request; design.md 3.4, seed ``start_sequence``)
+    Written once, in :class:`~kestrel.prefix_cache.lease.CacheLease`, which the runtime and
+    the property test's model-free runtime both drive:
+
+    ``CacheLease.prepare`` (steps 1-5)
     1. ``m = match_prefix(cache_tokens, ns)`` (may split a node; never creates a namespace).
     2. ``skip = min(m.matched_kv_length, prompt_len - 1)``: on a full-prompt hit the last
        position is recomputed into a private page to get logits.
     3. Allocate a batch row, ``map_pages(row, 0, m.matched_pages[:skip])``.
-    4. Temporary lock: ``lock(m.last_node)`` (a no-op on a miss, where it is ``None``).
-    5. ``allocate_pages(target_len - skip)`` (may evict unlocked leaves), map them, prefill.
+    4. Temporary lock: ``lock(m.last_node)`` (none on a miss, where it is ``None``).
+    5. ``reserve(row, target_len)``: private pages for the suffix and the decode budget
+       (may evict unlocked leaves).
+
+    The caller prefills positions ``skip .. prompt_len - 1`` into the row's private pages.
+
+    ``CacheLease.commit`` (steps 6-8)
     6. Unless the whole prompt was already cached: ``r = insert(cache_tokens,
-       get_pages(row, 0, prompt_len), ns, from_node=m.last_node,
+       row_pages(row, 0, prompt_len), ns, from_node=m.last_node,
        from_token_idx=m.matched_token_count, from_page_idx=skip)``.
     7. Lock transfer, keeping exactly one lock: on a miss ``lock(r.node)``; if ``r.node is
        m.last_node`` keep the temporary lock (identity case); else ``lock(r.node)`` then
        ``unlock(m.last_node)``.
     8. ``cache_owned_page_count = skip + r.inserted_pages`` (``skip`` on a full-prompt hit).
-    9. Release: one ``unlock(lock_node)`` then ``erase(row, cache_owned_page_count)``.
 
-    Any failure between 1 and 8 unlocks what it locked and erases the row with the
-    cache-owned count reached so far: nothing leaks.
+    ``CacheLease.release`` (step 9): one ``unlock(lock_node)`` then ``erase(row,
+    cache_owned_page_count)``. ``CacheLease.abort`` is the failure path of any step: it
+    unlocks every lock held and erases the row with the cache-owned count reached so far, so
+    nothing leaks.
 
     Admission: a request that will lock its matched path and back off one position can need
     one page more than ``target_len`` counted against free + reclaimable pages; admit with
@@ -67,11 +79,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from kestrel.page_pool import CacheIntegrityError
+
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
+
+    import numpy as np
 
     from .namespace import CacheNamespace
-    from .radix_cache import InsertResult, MatchResult, TreeNode
+    from .node import InsertResult, MatchResult, TreeNode
     from .tokens import CacheToken
 
 __all__ = ["BasePrefixCache", "CacheIntegrityError", "CacheLockError", "InsertError"]
@@ -83,10 +99,6 @@ class CacheLockError(RuntimeError):
 
 class InsertError(ValueError):
     """``insert`` was called with tokens, pages or a start point that do not agree."""
-
-
-class CacheIntegrityError(AssertionError):
-    """``check_integrity`` found a violated invariant (design.md section 4)."""
 
 
 class BasePrefixCache(ABC):
@@ -106,7 +118,7 @@ class BasePrefixCache(ABC):
     def insert(
         self,
         tokens: Sequence[CacheToken],
-        pages: Sequence[int],
+        pages: Sequence[int] | np.ndarray,
         namespace: CacheNamespace | None = None,
         from_node: TreeNode | None = None,
         from_token_idx: int = 0,
@@ -146,6 +158,15 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def total_cached_pages(self) -> int:
         """Pages owned by the cache. O(1)."""
+
+    @abstractmethod
+    def roots(self) -> Mapping[tuple, TreeNode]:
+        """Every namespace's tree root, keyed by ``namespace.key`` (a read-only live view;
+        ``root.namespace`` is the namespace itself)."""
+
+    @abstractmethod
+    def queued_node_ids(self) -> set[int]:
+        """ids of the nodes with a current eviction-queue entry (for integrity checks)."""
 
     @abstractmethod
     def check_integrity(self) -> None:

@@ -16,7 +16,7 @@ import heapq
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .radix_cache import TreeNode
+    from .node import TreeNode
 
 __all__ = ["LRUEvictionPolicy"]
 
@@ -54,7 +54,15 @@ class LRUEvictionPolicy:
         heap = self._heap
         while heap:
             entry_time, _, node, version = heapq.heappop(heap)
-            if version != node.heap_version or not is_candidate(node):
+            parent = node.parent
+            if (  # is_candidate(node), inlined: this runs once per evicted node
+                version != node.heap_version
+                or parent is None
+                or node.children
+                or node.lock_ref
+                or node.detached
+                or parent.children.get(node.key) is not node
+            ):
                 continue
             if entry_time != node.last_access_time:
                 # Matched since it was queued: move it to its new place in the order.
@@ -88,5 +96,5 @@ def is_candidate(node: TreeNode) -> bool:
         and not node.children
         and node.lock_ref == 0
         and not node.detached
-        and parent.children.get(node.keys[0]) is node
+        and parent.children.get(node.key) is node
     )

@@ -11,7 +11,7 @@ never collide.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["CacheNamespace"]
 
@@ -25,6 +25,12 @@ class CacheNamespace:
     lora_id: str | None = None
     image_hash: int | None = None
     salt: str | None = None
+    # (lora_id, image_hash, salt): the radix cache keys its trees by this plain tuple, so a
+    # lookup hashes and compares in C (every match and insert looks a tree up).
+    key: tuple = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
 
     def __post_init__(self) -> None:
         if self.lora_id is not None and (not isinstance(self.lora_id, str) or not self.lora_id):
@@ -39,3 +45,4 @@ class CacheNamespace:
             )
         if self.salt is not None and (not isinstance(self.salt, str) or not self.salt):
             raise ValueError(f"salt must be None or a non-empty str, got {self.salt!r}")
+        object.__setattr__(self, "key", (self.lora_id, self.image_hash, self.salt))

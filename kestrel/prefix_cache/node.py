@@ -1,13 +1,19 @@
 """Tree nodes and the value types the radix cache returns, plus the key helpers.
 
-Kept apart from ``radix_cache.py`` (the algorithms) so each file manages one thing.
+The bottom of the package's own modules (below ``base``, ``eviction``, ``integrity`` and
+``radix_cache``, which all use these types): it imports only the token types (and the page
+pool's empty page array).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from kestrel.page_pool import EMPTY_PAGES
 
 from .tokens import CoordToken, SizeToken, TextToken
 
@@ -19,12 +25,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BAD_TOKENS",
+    "EMPTY_PAGES",
     "CacheStats",
     "InsertResult",
     "MatchResult",
     "TreeNode",
     "common_prefix_len",
+    "frozen_pages",
     "key_of",
+    "miss",
     "token_keys",
     "token_kv_length",
 ]
@@ -71,26 +80,67 @@ def common_prefix_len(a: tuple, b: tuple) -> int:
     return lo
 
 
-@dataclass(slots=True, eq=False)
+def frozen_pages(pages: np.ndarray) -> np.ndarray:
+    """A read-only int32 copy of ``pages``: what a node keeps (its slices stay read-only)."""
+    out = pages.copy()
+    out.setflags(write=False)
+    return out
+
+
 class TreeNode:
     """A cached run of tokens and the pages holding their KV.
 
     Invariants: ``len(physical_pages) == sum(t.kv_length() for t in tokens)``; ``keys`` are the
-    tokens' keys; the parent holds this node under ``keys[0]``. Roots have no tokens or pages
-    and carry their ``namespace``. ``detached`` marks nodes that were evicted or pruned.
-    Identity semantics (``eq=False``): nodes are hashed and compared by object.
+    tokens' keys (built on first use: a leaf no later request matches through never pays for
+    them); the parent holds this node under ``key``, its first token's key. Roots have no
+    tokens or pages and carry their ``namespace``. ``detached`` marks nodes that were evicted
+    or pruned. ``physical_pages`` is a read-only int32 array, replaced (never written) by a
+    split. Identity semantics: nodes are hashed and compared by object.
     """
 
-    children: dict[tuple, TreeNode] = field(default_factory=dict)
-    parent: TreeNode | None = None
-    tokens: tuple[CacheToken, ...] = ()
-    keys: tuple[tuple, ...] = ()
-    physical_pages: tuple[int, ...] = ()
-    lock_ref: int = 0
-    last_access_time: int = 0
-    heap_version: int = 0
-    namespace: CacheNamespace | None = None
-    detached: bool = False
+    __slots__ = (
+        "_keys",
+        "children",
+        "detached",
+        "heap_version",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "namespace",
+        "parent",
+        "physical_pages",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        parent: TreeNode | None = None,
+        tokens: tuple[CacheToken, ...] = (),
+        keys: tuple[tuple, ...] | None = None,
+        physical_pages: np.ndarray = EMPTY_PAGES,
+        last_access_time: int = 0,
+        lock_ref: int = 0,
+        namespace: CacheNamespace | None = None,
+    ) -> None:
+        self.children: dict[tuple, TreeNode] = {}
+        self.parent = parent
+        self.tokens = tokens
+        self.key = tokens[0].key if tokens else None
+        self._keys = keys
+        self.physical_pages = physical_pages
+        self.last_access_time = last_access_time
+        self.lock_ref = lock_ref
+        self.heap_version = 0
+        self.namespace = namespace
+        self.detached = False
+
+    @property
+    def keys(self) -> tuple[tuple, ...]:
+        """The tokens' keys (what matching compares), built on first use."""
+        keys = self._keys
+        if keys is None:
+            keys = self._keys = token_keys(self.tokens)
+        return keys
 
     @property
     def total_kv_length(self) -> int:
@@ -111,21 +161,29 @@ class TreeNode:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    """``matched_pages`` hold the KV of the first ``matched_token_count`` tokens
-    (``matched_kv_length`` positions); ``last_node`` is the node the match ends on (lock it),
-    ``None`` on a miss."""
+class MatchResult(NamedTuple):
+    """``matched_pages`` (int32, read-only) hold the KV of the first ``matched_token_count``
+    tokens (``matched_kv_length`` positions); ``last_node`` is the node the match ends on
+    (lock it), ``None`` on a miss. ``tokens`` is the query; ``unmatched_tokens`` the rest of it
+    (built on demand: a miss costs no copy of a long prompt)."""
 
-    matched_pages: list[int]
+    matched_pages: np.ndarray
     matched_kv_length: int
     matched_token_count: int
     last_node: TreeNode | None
-    unmatched_tokens: list
+    tokens: Sequence[CacheToken]
+
+    @property
+    def unmatched_tokens(self) -> list[CacheToken]:
+        return list(self.tokens[self.matched_token_count :])
 
 
-@dataclass(frozen=True, slots=True)
-class InsertResult:
+def miss(tokens: Sequence[CacheToken]) -> MatchResult:
+    """The result of a match that found nothing."""
+    return tuple.__new__(MatchResult, (EMPTY_PAGES, 0, 0, None, tokens))
+
+
+class InsertResult(NamedTuple):
     """``node`` ends at the deepest position the caller's pages are cached for;
     ``inserted_pages`` is how many of the caller's pages the cache claimed (0 if none)."""
 
@@ -142,3 +200,4 @@ class CacheStats:
     reclaimable_pages: int
     locked_pages: int
     evicted_pages: int = 0  # cumulative since the cache was made
+    queued_entries: int = 0  # eviction-heap entries, stale ones included (bounded by compaction)

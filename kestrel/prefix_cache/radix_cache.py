@@ -3,8 +3,12 @@
 The contract (ownership, locks, the runtime protocol) is in ``base.py``. Notes on this
 implementation:
 
-* Nodes hold a run of tokens (an edge label) and their pages; ``keys`` caches the tokens' key
-  tuples so matching compares tuple slices in C instead of calling a method per token.
+* Nodes hold a run of tokens (an edge label) and their pages as a read-only int32 array;
+  ``keys`` caches the tokens' key tuples so matching compares tuple slices in C instead of
+  calling a method per token, and the page-identity guard compares page arrays as memory.
+* Page ownership lives in the page table's pool (one state byte per page): a claim or an
+  eviction checks every page's state with one vectorized gather, and an eviction returns the
+  pages of all its victims to the pool in one call.
 * A split keeps the original node object as the *suffix* (it keeps its children dict, its
   grandchildren's parent pointers, its heap entries and any lock holder's reference) and
   puts a new prefix node above it. Nothing below the split point is touched.
@@ -14,7 +18,12 @@ implementation:
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kestrel.page_pool import PageState, PageTableError, as_pages
 
 from .base import BasePrefixCache, CacheLockError, InsertError
 from .eviction import LRUEvictionPolicy
@@ -22,18 +31,22 @@ from .integrity import check_cache_integrity, check_insert_args
 from .namespace import CacheNamespace
 from .node import (
     BAD_TOKENS,
+    EMPTY_PAGES,
     CacheStats,
     InsertResult,
     MatchResult,
     TreeNode,
     common_prefix_len,
+    frozen_pages,
     key_of,
-    token_keys,
+    miss,
     token_kv_length,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
+
+    from kestrel.kv_cache import PageTable
 
     from .tokens import CacheToken
 
@@ -43,14 +56,15 @@ __all__ = ["CacheStats", "InsertResult", "MatchResult", "RadixPrefixCache", "Tre
 class RadixPrefixCache(BasePrefixCache):
     """Namespaced radix tree over a :class:`~kestrel.kv_cache.PageTable` (page_size 1)."""
 
-    def __init__(self, page_table) -> None:
+    def __init__(self, page_table: PageTable) -> None:
         if getattr(page_table, "page_size", 1) != 1:
             raise ValueError(
                 f"RadixPrefixCache needs page_size=1 (one KV position per page), "
                 f"got page_size={page_table.page_size}"
             )
         self.page_table = page_table
-        self._trees: dict[CacheNamespace, TreeNode] = {}
+        self._trees: dict[tuple, TreeNode] = {}  # namespace.key -> root (root.namespace)
+        self._roots = MappingProxyType(self._trees)
         self._default_namespace = CacheNamespace()
         self._policy = LRUEvictionPolicy()
         self._clock = 0
@@ -59,8 +73,6 @@ class RadixPrefixCache(BasePrefixCache):
         self._reclaimable = 0
         self._node_count = 0
         self._evicted_pages = 0
-        # Pages held by some node. A set keeps claim / free checks in C (isdisjoint, update).
-        self._owned: set[int] = set()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -83,20 +95,13 @@ class RadixPrefixCache(BasePrefixCache):
         return self._reclaimable
 
     def owns_page(self, page: int) -> bool:
-        return page in self._owned
+        return self.page_table.pool.state_of(page) is PageState.CACHED
 
-    def first_owned(self, pages: Sequence[int]) -> int | None:
-        """The first page of ``pages`` the cache owns, or None (used by PageTable.erase)."""
-        owned = self._owned
-        if owned.isdisjoint(pages):
-            return None
-        return next(p for p in pages if p in owned)
+    def roots(self) -> Mapping[tuple, TreeNode]:
+        return self._roots
 
-    def first_not_owned(self, pages: Sequence[int]) -> int | None:
-        owned = self._owned
-        if owned.issuperset(pages):
-            return None
-        return next(p for p in pages if p not in owned)
+    def queued_node_ids(self) -> set[int]:
+        return self._policy.live_nodes()
 
     def stats(self) -> CacheStats:
         return CacheStats(
@@ -107,6 +112,7 @@ class RadixPrefixCache(BasePrefixCache):
             reclaimable_pages=self._reclaimable,
             locked_pages=self._total_cached_pages - self._reclaimable,
             evicted_pages=self._evicted_pages,
+            queued_entries=len(self._policy),
         )
 
     def check_integrity(self) -> None:
@@ -116,54 +122,64 @@ class RadixPrefixCache(BasePrefixCache):
     def match_prefix(
         self, tokens: Sequence[CacheToken], namespace: CacheNamespace | None = None
     ) -> MatchResult:
-        root = self._trees.get(self._resolve(namespace))
+        if type(namespace) is not CacheNamespace:
+            namespace = self._resolve(namespace)
+        root = self._trees.get(namespace.key)
         n = len(tokens)
         if root is None or n == 0:
-            return MatchResult([], 0, 0, None, list(tokens))
-        node, i, pages = root, 0, []
+            return tuple.__new__(MatchResult, (EMPTY_PAGES, 0, 0, None, tokens))  # a miss
+        node, i, path = root, 0, []
         try:
             while i < n:
                 child = node.children.get(tokens[i].key)
                 if child is None:
                     break
-                j, m = _overlap(child, tokens, i)
-                if j < m:
-                    child = self._split(child, j)
-                pages += child.physical_pages
-                node = child
-                i += j
-                if j < m:
-                    break
+                ck = child._keys or child.keys
+                m = len(ck)
+                if m > 1:
+                    seg = tuple(map(key_of, tokens[i : i + m]))
+                    if seg != ck:  # the query diverges or ends inside this node: split it
+                        j = common_prefix_len(seg, ck)
+                        path.append(self._split(child, j))
+                        node, i = path[-1], i + j
+                        break
+                path.append(child)
+                node, i = child, i + m
         except AttributeError:
             raise TypeError(BAD_TOKENS.format(tokens)) from None
         if node is root:
-            return MatchResult([], 0, 0, None, list(tokens))
+            return miss(tokens)
         self._touch_path(node)
-        return MatchResult(pages, len(pages), i, node, list(tokens[i:]))
+        if len(path) == 1:
+            pages = node.physical_pages
+        else:
+            pages = np.concatenate([p.physical_pages for p in path])
+        return tuple.__new__(MatchResult, (pages, len(pages), i, node, tokens))
 
     # ----------------------------------------------------------------- insert
     def insert(
         self,
         tokens: Sequence[CacheToken],
-        pages: Sequence[int],
+        pages: Sequence[int] | np.ndarray,
         namespace: CacheNamespace | None = None,
         from_node: TreeNode | None = None,
         from_token_idx: int = 0,
         from_page_idx: int = 0,
     ) -> InsertResult:
         ns = self._resolve(namespace)
-        pages_t = tuple(pages)
-        check_insert_args(self, tokens, pages_t, ns, from_node, from_token_idx, from_page_idx)
-        root = from_node if from_node is not None else self._trees.get(ns)
-        if root is None:
-            # Fresh namespace: claim first (it validates), then create the root.
-            root = TreeNode(namespace=ns)
-            leaf = self._add_leaf(root, tokens, pages_t, self._tick(), new_root=ns)
-            return InsertResult(leaf, len(pages_t))
-        return self._insert_from(root, tokens, pages_t, from_token_idx, from_page_idx)
+        pages = as_pages(pages)
+        root = self._trees.get(ns.key)
+        check_insert_args(root, tokens, pages, from_node, from_token_idx, from_page_idx)
+        if from_node is not None:
+            return self._insert_from(from_node, tokens, pages, from_token_idx, from_page_idx)
+        if root is not None:
+            return self._insert_from(root, tokens, pages, 0, 0)
+        # Fresh namespace: claim first (it validates), then create the root.
+        leaf = self._add_leaf(TreeNode(namespace=ns), tokens, pages, self._tick(), new_root=ns)
+        return tuple.__new__(InsertResult, (leaf, len(pages)))
 
     def _insert_from(
-        self, node: TreeNode, tokens: Sequence[CacheToken], pages: tuple[int, ...], i: int, pi: int
+        self, node: TreeNode, tokens: Sequence[CacheToken], pages: np.ndarray, i: int, pi: int
     ) -> InsertResult:
         n = len(tokens)
         while i < n:
@@ -173,7 +189,7 @@ class RadixPrefixCache(BasePrefixCache):
             j, m = _overlap(child, tokens, i)
             cp = child.physical_pages
             pj = len(cp) if j == m else self._page_offset(child, j)
-            if pages[pi : pi + pj] != cp[:pj]:
+            if pages[pi : pi + pj].tobytes() != cp[:pj].tobytes():
                 # Page identity guard: the caller computed this span into its own pages
                 # (a duplicate prefill). Claim nothing more; its pages stay private.
                 self._touch_path(node)
@@ -187,30 +203,26 @@ class RadixPrefixCache(BasePrefixCache):
         if i == n:
             return InsertResult(node, 0)
         leaf = self._add_leaf(node, tokens[i:], pages[pi:], self._clock)
-        return InsertResult(leaf, len(leaf.physical_pages))
+        return tuple.__new__(InsertResult, (leaf, len(leaf.physical_pages)))
 
     def _add_leaf(
         self,
         parent: TreeNode,
         tokens: Sequence[CacheToken],
-        pages: tuple[int, ...],
+        pages: np.ndarray,
         tick: int,
         new_root: CacheNamespace | None = None,
     ) -> TreeNode:
-        keys = token_keys(tokens)
-        self._claim(pages)
-        leaf = TreeNode(
-            parent=parent,
-            tokens=tuple(tokens),
-            keys=keys,
-            physical_pages=pages,
-            last_access_time=tick,
-        )
+        try:
+            self.page_table.pool.claim(pages)  # (PageTable.claim_pages, one call shorter)
+        except PageTableError as exc:
+            raise InsertError(str(exc)) from None
+        leaf = TreeNode(parent, tuple(tokens), None, frozen_pages(pages), tick)
         if new_root is not None:
-            self._trees[new_root] = parent
+            self._trees[new_root.key] = parent
         elif not parent.children and parent.lock_ref == 0:
             self._evictable -= len(parent.physical_pages)  # parent stops being a leaf
-        parent.children[keys[0]] = leaf
+        parent.children[leaf.key] = leaf
         k = len(pages)
         self._total_cached_pages += k
         self._reclaimable += k
@@ -218,21 +230,6 @@ class RadixPrefixCache(BasePrefixCache):
         self._node_count += 1
         self._policy.push(leaf)
         return leaf
-
-    def _claim(self, pages: tuple[int, ...]) -> None:
-        if not pages:
-            return
-        if min(pages) < 1:  # the upper bound was checked when the pages were mapped
-            raise InsertError(f"page {min(pages)} cannot be cached (page 0 is padding)")
-        owned = self._owned
-        if not owned.isdisjoint(pages):
-            dup = next(p for p in pages if p in owned)
-            raise InsertError(f"page {dup} is already owned by the cache; pages are claimed once")
-        before = len(owned)
-        owned.update(pages)
-        if len(owned) != before + len(pages):  # a page listed twice
-            owned.difference_update(pages)
-            raise InsertError("the pages to insert list a page twice")
 
     # ------------------------------------------------------------------ split
     def _page_offset(self, node: TreeNode, j: int) -> int:
@@ -247,20 +244,14 @@ class RadixPrefixCache(BasePrefixCache):
         need no change, and lock holders' references still point to the deepest node.
         """
         pj = self._page_offset(node, j)
-        parent = node.parent
+        parent, pages, keys = node.parent, node.physical_pages, node.keys
         prefix = TreeNode(
-            children={node.keys[j]: node},
-            parent=parent,
-            tokens=node.tokens[:j],
-            keys=node.keys[:j],
-            physical_pages=node.physical_pages[:pj],
-            lock_ref=node.lock_ref,
-            last_access_time=node.last_access_time,
+            parent, node.tokens[:j], keys[:j], pages[:pj], node.last_access_time, node.lock_ref
         )
-        parent.children[node.keys[0]] = prefix
-        node.tokens = node.tokens[j:]
-        node.keys = node.keys[j:]
-        node.physical_pages = node.physical_pages[pj:]
+        parent.children[prefix.key] = prefix
+        node.tokens, node._keys, node.key = node.tokens[j:], keys[j:], keys[j]
+        prefix.children[node.key] = node
+        node.physical_pages = pages[pj:]
         node.parent = prefix
         self._node_count += 1
         if node.lock_ref == 0 and not node.children:
@@ -306,9 +297,12 @@ class RadixPrefixCache(BasePrefixCache):
 
     # --------------------------------------------------------------- eviction
     def evict(self, needed_pages: int) -> int:
+        """See the contract; the victims' pages go back to the pool in one vectorized call
+        (a page that is not cache-owned by then means the pool was corrupted: it raises
+        DoubleFreeError after the victims left the tree)."""
         if needed_pages < 0:
             raise ValueError(f"needed_pages must be >= 0, got {needed_pages}")
-        freed = 0
+        freed, chunks = 0, []
         while freed < needed_pages:
             victim = self._policy.pop()
             if victim is None:
@@ -318,18 +312,18 @@ class RadixPrefixCache(BasePrefixCache):
                 victim = self._policy.pop()
                 if victim is None:
                     break
+            chunks.append(victim.physical_pages)
             freed += self._evict_leaf(victim)
+        if chunks:
+            self.page_table.evict_pages(chunks)
         return freed
 
     def _evict_leaf(self, leaf: TreeNode) -> int:
-        pages = leaf.physical_pages
-        self.page_table.free_pages_to_pool(pages)
-        self._owned.difference_update(pages)
         parent = leaf.parent
-        del parent.children[leaf.keys[0]]
+        del parent.children[leaf.key]
         leaf.parent = None
         leaf.detached = True
-        k = len(pages)
+        k = len(leaf.physical_pages)
         self._evicted_pages += k
         self._total_cached_pages -= k
         self._reclaimable -= k
@@ -344,7 +338,7 @@ class RadixPrefixCache(BasePrefixCache):
         return k
 
     def _prune_root(self, root: TreeNode) -> None:
-        del self._trees[root.namespace]
+        del self._trees[root.namespace.key]
         root.detached = True
 
     def _rebuild_heap(self) -> None:
@@ -372,7 +366,8 @@ class RadixPrefixCache(BasePrefixCache):
 
     def _touch_path(self, node: TreeNode) -> None:
         """Mark ``node`` and its ancestors used now (the heap catches up lazily)."""
-        now = self._tick()
+        self._clock += 1
+        now = self._clock
         while node.parent is not None:
             node.last_access_time = now
             node = node.parent
@@ -384,7 +379,7 @@ def _overlap(child: TreeNode, tokens: Sequence[CacheToken], i: int) -> tuple[int
     The caller found ``child`` under ``tokens[i].key``, so at least one token matches. One C
     slice compare in the common case; a binary search over slices only on divergence.
     """
-    ck = child.keys
+    ck = child._keys or child.keys
     m = len(ck)
     if m == 1:
         return 1, 1

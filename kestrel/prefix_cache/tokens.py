@@ -7,7 +7,8 @@ Coordinates and sizes are keyed by their bins only (the float is what gets embed
 what the model sampled, so two requests that sampled the same bin share KV).
 
 ``key`` is computed once at construction: the radix tree compares key tuples in its hot loop
-instead of calling a method per token.
+instead of calling a method per token. ``TextToken(i)`` returns one shared instance per id (they
+are frozen values), so a prompt costs no allocation per token and equal keys compare by identity.
 """
 
 from __future__ import annotations
@@ -39,8 +40,26 @@ def _check_index(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
 
 
+_INTERN_BELOW = 1 << 17  # bounds the shared instances by the vocabulary, whatever callers pass
+_TEXT_TOKENS: dict[int, TextToken] = {}
+
+
+class _SharedPerId(type):
+    """``TextToken(i)`` returns one shared instance per id (tokens are frozen values): building
+    a prompt allocates nothing per token, equal tokens compare by identity first, and evicting
+    a cached prompt frees no token objects."""
+
+    def __call__(cls, token_id):
+        tok = _TEXT_TOKENS.get(token_id) if type(token_id) is int else None
+        if tok is None:
+            tok = super().__call__(token_id)  # validates
+            if token_id < _INTERN_BELOW:
+                _TEXT_TOKENS[token_id] = tok
+        return tok
+
+
 @dataclass(frozen=True, slots=True)
-class TextToken:
+class TextToken(metaclass=_SharedPerId):
     """One vocabulary token: one KV position."""
 
     token_id: int

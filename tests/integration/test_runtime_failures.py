@@ -25,7 +25,7 @@ POINTS = [
     ("module", "text_forward"),
     ("module", "lm_head"),
     ("prefix_cache", "insert"),
-    ("page_table", "get_pages"),
+    ("page_table", "row_pages"),
 ]
 
 

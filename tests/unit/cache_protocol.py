@@ -1,21 +1,28 @@
-"""A model-free stand-in for ``MoondreamRuntime.start_sequence`` / ``release_sequence``.
+"""A model-free runtime that drives the real cache protocol (``kestrel.prefix_cache.CacheLease``).
 
-It follows the cache protocol of design.md 3.4 (and ``kestrel/prefix_cache/base.py``) step by
-step, but "prefill" only writes a fake KV value into each page: the value names what the real
-KV would depend on (namespace, every cache key up to that position, offset inside the token).
-A hit is then verified by reading the reused pages back, so a cache that hands out the wrong
-pages is caught, not just one that loses count of them.
+The protocol (match, map, lock, allocate, insert, lock transfer, release) is the lease's, the
+very code ``MoondreamRuntime`` runs; only the prefill is fake: it writes a fake KV value into
+each private page, naming what the real KV would depend on (namespace, every cache key up to
+that position, offset inside the token). A hit is then verified by reading the reused pages
+back, so a cache that hands out the wrong pages is caught, not just one that loses count.
+
+Failures are injected where they really happen: a named page-table or cache method raises on
+its n-th call (``"lock#2"``), or the fake prefill raises, or the caller fails right after
+``commit``. The lease must then give back every page and lock it took.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from kestrel.kv_cache import PageTable
 from kestrel.prefix_cache import (
+    CacheLease,
     CacheNamespace,
     ImageToken,
-    MatchResult,
+    LeasePhase,
     RadixPrefixCache,
     TextToken,
     TreeNode,
@@ -29,14 +36,60 @@ class InjectedFailure(RuntimeError):
     """Raised at a chosen protocol step to test the failure path."""
 
 
+# "method" fails on its first call, "method#n" on its n-th; "prefill" and "after_commit" are
+# the caller's own steps. Which calls happen depends on the path (miss / partial / full hit):
+# a point that is not reached leaves the request to complete normally.
 FAIL_POINTS = (
-    "after_match",
-    "after_map",
-    "after_temp_lock",
-    "after_alloc",
-    "after_insert",
-    "after_lock_transfer",
+    "match_prefix",  # before anything is taken
+    "allocate",  # no batch row
+    "map_pages",  # the reused pages (hit) or the private ones (miss)
+    "map_pages#2",  # the private pages after a hit
+    "lock",  # the temporary lock (hit), or the transfer lock after a miss's insert
+    "lock#2",  # the transfer lock after a hit's insert
+    "allocate_pages",  # the private pages (after the temporary lock on a hit)
+    "prefill",  # between prepare and commit
+    "row_pages",  # reading the row's pages for the insert
+    "insert",  # the commit's insert
+    "unlock",  # the transfer's unlock of the temporary lock: two locks held at that moment
+    "after_commit",  # the caller fails once the sequence is committed
 )
+_CACHE_METHODS = ("match_prefix", "lock", "unlock", "insert")
+
+
+class Injector:
+    """Makes one page-table or cache method raise on its n-th call (``fired`` says whether)."""
+
+    def __init__(self, fail_at: str | None) -> None:
+        self.fail_at = fail_at
+        name, _, nth = (fail_at or "").partition("#")
+        self.method, self.nth, self.calls, self.fired = name, int(nth or 1), 0, False
+
+    def step(self, point: str) -> None:
+        """The caller's own failure points (``prefill``, ``after_commit``)."""
+        if self.method == point:
+            self.fired = True
+            raise InjectedFailure(point)
+
+    @contextmanager
+    def patched(self, pt: PageTable, cache: RadixPrefixCache) -> Iterator[None]:
+        if self.method in ("", "prefill", "after_commit"):
+            yield
+            return
+        target = cache if self.method in _CACHE_METHODS else pt
+        real = getattr(target, self.method)
+
+        def failing(*args, **kwargs):
+            self.calls += 1
+            if self.calls == self.nth:
+                self.fired = True
+                raise InjectedFailure(self.fail_at)
+            return real(*args, **kwargs)
+
+        setattr(target, self.method, failing)  # an instance attribute shadows the method
+        try:
+            yield
+        finally:
+            delattr(target, self.method)
 
 
 @dataclass(frozen=True)
@@ -60,6 +113,11 @@ class Prompt:
     def length(self) -> int:
         return kv_length(self.cache_tokens())
 
+    @property
+    def min_hit(self) -> int:
+        """An image hit must cover BOS and the image block."""
+        return 1 + self.image[1] if self.image else 0
+
     def contents(self) -> list[tuple]:
         """The fake KV value of every prompt position."""
         out: list[tuple] = []
@@ -72,19 +130,19 @@ class Prompt:
 
 @dataclass(eq=False)
 class Seq:
-    prompt: Prompt
-    row: int = 0
-    locks: list[TreeNode] = field(default_factory=list)
-    cache_owned: int = 0
-    skip: int = 0
-    length: int = 0
-    match: MatchResult | None = None
-    inserted: int | None = None  # None: full-prompt hit, no insert
+    """A sequence of the fake runtime: its prompt, its lease, the positions written."""
 
-    @property
-    def lock_node(self) -> TreeNode | None:
-        assert len(self.locks) <= 1, "a sequence holds at most one lock"
-        return self.locks[0] if self.locks else None
+    prompt: Prompt
+    lease: CacheLease
+    length: int = 0
+
+    row = property(lambda self: self.lease.row)
+    skip = property(lambda self: self.lease.skip)
+    match = property(lambda self: self.lease.match)
+    inserted = property(lambda self: self.lease.inserted)  # None: nothing inserted
+    cache_owned = property(lambda self: self.lease.cache_owned)
+    locks = property(lambda self: self.lease.locks)
+    lock_node = property(lambda self: self.lease.lock_node)
 
 
 class FakeRuntime:
@@ -92,78 +150,50 @@ class FakeRuntime:
         self.pt, self.cache = pt, cache
         self.kv: dict[int, tuple] = {}  # physical page -> fake KV value
         self.running: dict[int, Seq] = {}
+        self.last_injector: Injector | None = None
 
     # ------------------------------------------------------------ protocol
     def start(self, prompt: Prompt, max_new: int = 0, fail_at: str | None = None) -> Seq:
-        return self.finish(self.begin(prompt, max_new, fail_at), fail_at)
+        """prepare + fake prefill + commit, with an optional injected failure."""
+        inj = self.last_injector = Injector(fail_at)
+        with inj.patched(self.pt, self.cache):
+            seq = self.begin(prompt, max_new, inj)
+            return self.finish(seq, inj)
 
-    def begin(self, prompt: Prompt, max_new: int = 0, fail_at: str | None = None) -> Seq:
-        """Steps 1-5: match, row, map reused pages, temporary lock, allocate, prefill."""
-        seq = Seq(prompt)
-        pt, cache = self.pt, self.cache
+    def begin(self, prompt: Prompt, max_new: int = 0, inj: Injector | None = None) -> Seq:
+        """``CacheLease.prepare``, then the fake prefill of positions skip..prompt_len-1."""
+        lease = CacheLease.prepare(
+            self.pt, self.cache, prompt.cache_tokens(), prompt.namespace,
+            prompt_length=prompt.length, max_length=prompt.length + max_new,
+            min_hit=prompt.min_hit,
+        )  # fmt: skip
+        seq = Seq(prompt, lease)
         try:
-            toks, plen = prompt.cache_tokens(), prompt.length
-            m = cache.match_prefix(toks, prompt.namespace)
-            self._fail(fail_at, "after_match")
-            seq.row = pt.allocate()
-            hit = m.matched_kv_length > 0
-            if hit and prompt.image is not None:
-                assert m.matched_kv_length >= 1 + prompt.image[1], "image hit must cover BOS+image"
-            seq.skip = min(m.matched_kv_length, plen - 1) if hit else 0
-            pt.map_pages(seq.row, 0, m.matched_pages[: seq.skip])
-            seq.cache_owned = seq.skip
-            self._fail(fail_at, "after_map")
-            if hit:
-                cache.lock(m.last_node)
-                seq.locks.append(m.last_node)
-            seq.match = m
-            self._fail(fail_at, "after_temp_lock")
-            expected = prompt.contents()
-            reused = pt.get_pages(seq.row, 0, seq.skip)
-            assert [self.kv.get(p) for p in reused] == expected[: seq.skip], "wrong KV reused"
-            fresh = pt.allocate_pages(plen + max_new - seq.skip)
-            pt.map_pages(seq.row, seq.skip, fresh)
-            self._fail(fail_at, "after_alloc")
-            row = pt.get_pages(seq.row, 0, plen)
-            for pos in range(seq.skip, plen):  # "prefill": write only private pages
-                assert not cache.owns_page(row[pos]), "prefill would write a shared page"
-                self.kv[row[pos]] = expected[pos]
-            seq.length = plen
+            if inj is not None:
+                inj.step("prefill")
+            self._prefill(seq)
         except BaseException:
-            self._cleanup(seq)
+            lease.abort()
             raise
         return seq
 
-    def finish(self, seq: Seq, fail_at: str | None = None) -> Seq:
-        """Steps 6-8: insert right after prefill, lock transfer, cache-owned count."""
-        pt, cache, m = self.pt, self.cache, seq.match
-        assert m is not None
+    def _prefill(self, seq: Seq) -> None:
+        expected, plen, skip = seq.prompt.contents(), seq.prompt.length, seq.skip
+        row = self.pt.get_pages(seq.row, 0, plen)
+        assert [self.kv.get(p) for p in row[:skip]] == expected[:skip], "wrong KV reused"
+        for pos in range(skip, plen):  # write only private pages
+            assert not self.cache.owns_page(row[pos]), "prefill would write a shared page"
+            self.kv[row[pos]] = expected[pos]
+        seq.length = plen
+
+    def finish(self, seq: Seq, inj: Injector | None = None) -> Seq:
+        """``CacheLease.commit`` (insert, lock transfer); a failure after it aborts."""
+        seq.lease.commit()
         try:
-            temp = m.last_node
-            if temp is not None and m.matched_kv_length >= seq.prompt.length:
-                seq.inserted = None  # full-prompt hit: keep the temporary lock, no insert
-            else:
-                pages = pt.get_pages(seq.row, 0, seq.prompt.length)
-                r = cache.insert(
-                    seq.prompt.cache_tokens(),
-                    pages,
-                    seq.prompt.namespace,
-                    from_node=temp,
-                    from_token_idx=m.matched_token_count,
-                    from_page_idx=seq.skip,
-                )
-                seq.inserted = r.inserted_pages
-                seq.cache_owned = seq.skip + r.inserted_pages
-                self._fail(fail_at, "after_insert")
-                if r.node is not temp:  # identity case: keep the lock we hold
-                    cache.lock(r.node)
-                    seq.locks.append(r.node)
-                    if temp is not None:
-                        cache.unlock(temp)
-                        seq.locks.remove(temp)
-            self._fail(fail_at, "after_lock_transfer")
+            if inj is not None:
+                inj.step("after_commit")
         except BaseException:
-            self._cleanup(seq)
+            seq.lease.abort()
             raise
         assert len(seq.locks) == 1, "exactly one lock per running sequence"
         self.running[seq.row] = seq
@@ -180,30 +210,14 @@ class FakeRuntime:
         seq.length = new_len
 
     def release(self, seq: Seq) -> None:
-        """Step 9: one unlock, then erase with the cache-owned count."""
+        """``CacheLease.release``: one unlock, then erase with the cache-owned count."""
         del self.running[seq.row]
-        self.cache.unlock(seq.lock_node)
-        self.pt.erase(seq.row, seq.cache_owned)
-        seq.locks.clear()
-
-    # ------------------------------------------------------------- helpers
-    def _cleanup(self, seq: Seq) -> None:
-        for node in reversed(seq.locks):
-            self.cache.unlock(node)
-        seq.locks.clear()
-        if seq.row:
-            self.pt.erase(seq.row, seq.cache_owned)
-            seq.row = 0
-
-    @staticmethod
-    def _fail(fail_at: str | None, point: str) -> None:
-        if fail_at == point:
-            raise InjectedFailure(point)
+        seq.lease.release()
 
 
 def all_nodes(cache: RadixPrefixCache) -> list[TreeNode]:
     """Every node including roots."""
-    out, stack = [], list(cache._trees.values())
+    out, stack = [], list(cache.roots().values())
     while stack:
         node = stack.pop()
         out.append(node)
@@ -215,7 +229,7 @@ def check_all(rt: FakeRuntime) -> None:
     """Every invariant of design.md section 4, plus the protocol's lock accounting."""
     pt, cache = rt.pt, rt.cache
     cache.check_integrity()
-    owned = {p for n in all_nodes(cache) for p in n.physical_pages}
+    owned = {p for n in all_nodes(cache) for p in n.physical_pages.tolist()}
     free = set(pt.free_pages)
     assert not owned & free, "a page is both free and cached"
     private = {p for b in pt.active_batch_indices() for p in pt.page_table_cpu[b]} - owned
@@ -224,6 +238,7 @@ def check_all(rt: FakeRuntime) -> None:
     assert set(pt.active_batch_indices()) == set(rt.running)
     expected: dict[int, int] = {}
     for seq in rt.running.values():
+        assert seq.lease.phase is LeasePhase.COMMITTED
         assert len(seq.locks) == 1 and not seq.lock_node.detached
         node = seq.lock_node
         while node is not None:

@@ -1,8 +1,10 @@
 """Property-based test: random interleavings of the runtime protocol over several namespaces.
 
-A small page pool keeps eviction constant. Every step is followed by the full invariant check
-(``cache_protocol.check_all``): integrity walk, page conservation, lock accounting, and the fake
-KV contents of every running sequence.
+The protocol under test is ``CacheLease``, the same object ``MoondreamRuntime`` drives; only the
+prefill is fake (``cache_protocol.FakeRuntime``). A small page pool keeps eviction constant.
+Failures are injected into real page-table and cache calls. Every step is followed by the full
+invariant check (``cache_protocol.check_all``): integrity walk, page conservation, lock
+accounting, and the fake KV contents of every running sequence.
 """
 
 from __future__ import annotations
@@ -47,9 +49,9 @@ class CacheProtocolMachine(RuleBasedStateMachine):
             try:
                 seq = self.rt.start(prompt, max_new, fail_at)
             except InjectedFailure:
-                assert fail_at is not None
+                assert fail_at is not None and self.rt.last_injector.fired
                 return
-            assert fail_at is None
+            assert not self.rt.last_injector.fired  # (a point this path never reaches)
             self.seen.append(prompt)
             if seq.inserted is None:  # full-prompt hit: last position recomputed privately
                 assert seq.skip == prompt.length - 1 and seq.cache_owned == seq.skip
@@ -74,6 +76,15 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         """Full-prompt hits (or partial, after eviction) of a prompt seen before."""
         self._start(data.draw(st.sampled_from(self.seen)), max_new, None)
 
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), tail=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+          fail_at=failures)  # fmt: skip
+    def start_extension(self, data: st.DataObject, tail: list[int], fail_at: str | None) -> None:
+        """A seen prompt plus new tokens: a partial hit whose insert moves the lock (the
+        lock transfer, and failures inside it)."""
+        seen = data.draw(st.sampled_from(self.seen))
+        self._start(Prompt(seen.text + tuple(tail), seen.image, seen.lora), 2, fail_at)
+
     @rule(prompt=prompts, max_new=st.integers(0, 3))
     def duplicate_prefill_race(self, prompt: Prompt, max_new: int) -> None:
         """B matches and prefills, then A (same prompt) runs start to finish, then B inserts:
@@ -85,7 +96,7 @@ class CacheProtocolMachine(RuleBasedStateMachine):
             return
         b = self.rt.begin(prompt, max_new)
         if not self.pt.can_reserve_with_eviction(prompt.length + max_new + 1):
-            self.rt._cleanup(b)
+            b.lease.abort()
             return
         a = self.rt.start(prompt, max_new)
         self.rt.finish(b)

@@ -70,7 +70,7 @@ def test_page_identity_guard() -> None:
     cache.insert(text(BOS, 5, 6), [*p1, *pt.allocate_pages(2)])
     mine = [*p1, *pt.allocate_pages(3)]
     r = cache.insert(text(BOS, 5, 6, 7), mine)
-    assert r.inserted_pages == 0 and r.node.physical_pages == tuple(p1)
+    assert r.inserted_pages == 0 and r.node.physical_pages.tolist() == p1.tolist()
     assert not any(cache.owns_page(p) for p in mine[1:])
     pt.free_pages_to_pool(mine[1:])
     cache.check_integrity()
@@ -123,17 +123,37 @@ def test_failure_after_match_leaks_no_slot_page_or_lock(fail_at: str) -> None:
     pt, cache = make_cache()
     rt = FakeRuntime(pt, cache)
     rt.release(rt.start(Prompt((1, 2, 3))))
+    fired = 0
+    # A full-prompt hit, a partial hit and an image miss take different paths through the
+    # lease; a point one path never reaches lets that request complete normally.
     for prompt in (Prompt((1, 2, 3)), Prompt((1, 2, 7, 8)), Prompt((4,), (9, 3))):
-        if fail_at == "after_insert" and prompt.text == (1, 2, 3):
-            rt.release(rt.start(prompt, fail_at=fail_at))  # full-prompt hit: no insert step
-            continue
-        with pytest.raises(InjectedFailure):
-            rt.start(prompt, max_new=3, fail_at=fail_at)
+        try:
+            seq = rt.start(prompt, max_new=3, fail_at=fail_at)
+        except InjectedFailure:
+            assert rt.last_injector.fired
+            fired += 1
+        else:
+            assert not rt.last_injector.fired
+            rt.release(seq)
         check_all(rt)
         assert pt.active_batch_indices() == [] and pt.pages_available + (
             cache.total_cached_pages
         ) == (pt.n_pages - 1)
         assert all(n.lock_ref == 0 for n in all_nodes(cache))
+    assert fired, f"no request reached the failure point {fail_at!r}"
+
+
+def test_failed_lock_transfer_releases_both_locks() -> None:
+    """The transfer's unlock fails while the lease holds the temporary and the new lock."""
+    pt, cache = make_cache()
+    rt = FakeRuntime(pt, cache)
+    rt.release(rt.start(Prompt((1, 2, 3))))
+    stem = cache.match_prefix(Prompt((1, 2, 7)).cache_tokens()).last_node
+    with pytest.raises(InjectedFailure):
+        rt.start(Prompt((1, 2, 7)), max_new=2, fail_at="unlock")
+    assert stem.lock_ref == 0 and all(n.lock_ref == 0 for n in all_nodes(cache))
+    assert cache.match_prefix(Prompt((1, 2, 7)).cache_tokens()).matched_kv_length == 4
+    check_all(rt)
 
 
 def test_allocation_failure_after_match_releases_everything() -> None:
@@ -156,7 +176,7 @@ def test_eviction_takes_leaves_only() -> None:
     cache.unlock(deep)
     cache.lock(deep.parent)  # lock the shared stem only: deep itself stays evictable
     assert cache.evict(100) == 3  # both leaves; the locked stem stays, with no orphan
-    (stem_node,) = next(iter(cache._trees.values())).children.values()
+    (stem_node,) = next(iter(cache.roots().values())).children.values()
     assert not stem_node.children and not stem_node.detached and deep.detached
     for node in all_nodes(cache):
         assert all(c.parent is node and not c.detached for c in node.children.values())
@@ -187,7 +207,7 @@ def test_partial_match_never_rounds_up() -> None:
     pages = pt.allocate_pages(5)
     cache.insert(text(1, 2, 3, 4, 5), pages)
     m = cache.match_prefix(text(1, 2, 3, 9))
-    assert (m.matched_kv_length, m.matched_pages) == (3, pages[:3])
+    assert (m.matched_kv_length, m.matched_pages.tolist()) == (3, pages[:3].tolist())
     short = cache.match_prefix(text(1, 2))  # the query ends inside a node
     assert (short.matched_kv_length, short.matched_token_count) == (2, 2)
     img_pages = pt.allocate_pages(5)

@@ -10,9 +10,11 @@ from kestrel.kv_cache import (
     DoubleFreeError,
     PagedKVCache,
     PagePoolExhausted,
+    PageState,
     PageTable,
     PageTableError,
 )
+from kestrel.prefix_cache import InsertError
 
 from .cache_protocol import BOS, FakeRuntime, Prompt, make_cache, text
 
@@ -21,7 +23,7 @@ def test_reserved_page_and_row() -> None:
     pt = PageTable(10, max_batch_size=2, max_seq_len=16)
     assert pt.page_table.shape == (3, 16) and pt.page_table.dtype == torch.int32
     assert pt.pages_available == 9 and 0 not in pt.free_pages
-    assert pt.allocate_pages(9) == list(range(1, 10))
+    assert pt.allocate_pages(9).tolist() == list(range(1, 10))
     assert {pt.allocate(), pt.allocate()} == {1, 2}
     with pytest.raises(BatchSlotsExhausted, match="2 batch rows"):
         pt.allocate()
@@ -40,7 +42,10 @@ def test_map_get_erase_roundtrip() -> None:
     assert pt.page_table[b, :6].tolist() == [*first, *second, 0]
     assert pt.build_slot_mapping(b, [4, 0]).tolist() == [second[1], first[0]]
     slots = pt.build_slot_mapping(b, torch.tensor([[0, 1], [2, 3]]))
-    assert slots.dtype == torch.int64 and slots.tolist() == [first[:2], [first[2], second[0]]]
+    assert slots.dtype == torch.int64 and slots.tolist() == [
+        first[:2].tolist(),
+        [first[2], second[0]],
+    ]
     with pytest.raises(PageTableError, match="positions"):
         pt.build_slot_mapping(b, [5])
     with pytest.raises(PageTableError, match="outside"):
@@ -81,7 +86,7 @@ def test_free_pool_guards() -> None:
         pt.free_pages_to_pool([0])
     with pytest.raises(PageTableError, match=">= 0"):
         pt.allocate_pages(-1)
-    assert pt.allocate_pages(0) == []
+    assert pt.allocate_pages(0).tolist() == []
 
 
 def test_erase_refuses_wrong_cached_counts() -> None:
@@ -166,7 +171,7 @@ def test_partial_hit_page_ownership() -> None:  # seed 5
     rt.release(rt.start(Prompt((1, 2, 3, 4))))
     seq = rt.start(Prompt((1, 2, 3, 7, 8, 9)))
     assert (seq.skip, seq.inserted, seq.cache_owned) == (4, 3, 7)
-    assert pt.page_table_cpu[seq.row][:4] == seq.match.matched_pages
+    assert pt.page_table_cpu[seq.row][:4] == seq.match.matched_pages.tolist()
     rt.release(seq)
     assert cache.total_cached_pages == 8 and pt.pages_available == pt.n_pages - 1 - 8
     pt.check_integrity()
@@ -180,7 +185,7 @@ def test_full_prompt_match_page_ownership() -> None:  # seed 10
     seq = rt.start(Prompt((1, 2, 3)))
     assert seq.match.matched_kv_length == 4 and seq.skip == 3 and seq.inserted is None
     row = pt.page_table_cpu[seq.row]
-    assert row[:3] == seq.match.matched_pages[:3] and len(row) == 4
+    assert row[:3] == seq.match.matched_pages[:3].tolist() and len(row) == 4
     private = row[3]
     assert private not in seq.match.matched_pages and not cache.owns_page(private)
     assert seq.lock_node is seq.match.last_node and seq.lock_node.lock_ref == 1
@@ -218,3 +223,32 @@ def test_paged_kv_cache_shapes_and_budget() -> None:
         PagedKVCache.from_memory_budget(per_page, 3, 2, 4, torch.float16)
     with pytest.raises(ValueError, match="page 0 is padding"):
         PagedKVCache(1, 1, 1, 1)
+
+
+def test_eviction_refuses_a_page_that_is_no_longer_cached() -> None:
+    """A page freed behind the cache's back (a buggy free) is a double free at eviction."""
+    pt, cache = make_cache()
+    leaf = cache.insert(text(1, 2, 3), pt.allocate_pages(3)).node
+    page = leaf.physical_pages[:1]  # corrupt the pool as a buggy free would:
+    pt.pool._set(page, PageState.FREE)  # a page a node still holds is FREE ...
+    pt.pool._push(page)  # ... and on the free stack
+    with pytest.raises(DoubleFreeError, match=f"page {leaf.physical_pages[0]}.*double free"):
+        cache.evict(3)
+
+
+@pytest.mark.parametrize("n", [3, 40, 300], ids=["short", "long", "longer"])
+def test_repeated_pages_are_refused_at_any_length(n: int) -> None:
+    """Short lists are checked by a loop, long ones vectorized: both refuse a repeated page."""
+    pt, cache = make_cache(n_pages=800)
+    pages = pt.allocate_pages(n).tolist()
+    with pytest.raises(DoubleFreeError, match=f"page {pages[1]} is listed twice"):
+        pt.free_pages_to_pool([*pages, pages[1]])
+    with pytest.raises(InsertError, match="twice"):
+        cache.insert(text(*range(1, n + 2)), [*pages, pages[1]])
+    (gone,) = pt.allocate_pages(1).tolist()
+    pt.free_pages_to_pool([gone])
+    with pytest.raises(DoubleFreeError, match=f"page {gone} is already free"):
+        pt.free_pages_to_pool([*pages[1:], gone])
+    assert pt.pages_available == 800 - 1 - n and cache.total_cached_pages == 0
+    cache.insert(text(*range(1, n + 1)), pages)  # nothing changed: the pages are still private
+    assert cache.total_cached_pages == n

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kestrel.kv_cache import PageState, PageTableError
 from kestrel.prefix_cache import (
     CacheIntegrityError,
     CacheLockError,
@@ -25,12 +26,12 @@ def test_split_correctness() -> None:  # seed 1
     cache.insert(text(1, 2, 3, 4), pages)
     m = cache.match_prefix(text(1, 2, 9))
     assert (m.matched_token_count, m.matched_kv_length) == (2, 2)
-    assert m.matched_pages == pages[:2]
+    assert m.matched_pages.tolist() == pages[:2].tolist()
     assert m.unmatched_tokens == text(9)
     parent = m.last_node
     assert parent.tokens == tuple(text(1, 2))
     (child,) = parent.children.values()
-    assert child.tokens == tuple(text(3, 4)) and child.physical_pages == tuple(pages[2:])
+    assert child.tokens == tuple(text(3, 4)) and child.physical_pages.tolist() == pages[2:].tolist()
     assert child.parent is parent and parent.children == {TextToken(3).key: child}
     cache.check_integrity()
 
@@ -42,9 +43,9 @@ def test_split_inside_image_node_counts_kv_not_tokens() -> None:
     cache.insert(toks, pages)
     m = cache.match_prefix([*toks[:3], TextToken(9)])
     assert (m.matched_token_count, m.matched_kv_length) == (3, 5)
-    assert m.matched_pages == pages[:5]
+    assert m.matched_pages.tolist() == pages[:5].tolist()
     (suffix,) = m.last_node.children.values()
-    assert suffix.physical_pages == (pages[5],)
+    assert suffix.physical_pages.tolist() == [pages[5]]
     cache.check_integrity()
 
 
@@ -54,7 +55,7 @@ def test_image_kv_length() -> None:  # seed 2
     pages = pt.allocate_pages(732)
     cache.insert(toks, pages)
     m = cache.match_prefix(toks)
-    assert m.matched_kv_length == 732 and m.matched_pages == pages
+    assert m.matched_kv_length == 732 and m.matched_pages.tolist() == pages.tolist()
     partial = cache.match_prefix(toks[:2])
     assert (partial.matched_kv_length, partial.matched_token_count) == (730, 2)
     other = cache.match_prefix([TextToken(BOS), ImageToken(123, 728), *text(1, 2)])
@@ -91,7 +92,7 @@ def test_insert_idempotency() -> None:  # seed 6
     assert b.node is a.node and b.inserted_pages == 0
     assert cache.total_cached_pages == 3
     prefix = cache.insert(text(1, 2), pages[:2])  # a prefix of a node: split, nothing claimed
-    assert prefix.inserted_pages == 0 and prefix.node.physical_pages == tuple(pages[:2])
+    assert prefix.inserted_pages == 0 and prefix.node.physical_pages.tolist() == pages[:2].tolist()
     cache.check_integrity()
 
 
@@ -150,13 +151,13 @@ def test_from_page_idx_alignment() -> None:  # seed 18
     prefix_pages = pt.allocate_pages(730)
     cache.insert(prefix, prefix_pages)
     full = [*prefix, *text(*range(10))]
-    full_pages = prefix_pages + pt.allocate_pages(10)
+    full_pages = [*prefix_pages, *pt.allocate_pages(10)]
     m = cache.match_prefix(full)
     assert (m.matched_kv_length, m.matched_token_count) == (730, 2)
     with pytest.raises(InsertError, match="from_page_idx"):  # the token/page drift bug
         cache.insert(full, full_pages, None, m.last_node, m.matched_token_count, 2)
     r = cache.insert(full, full_pages, None, m.last_node, 2, m.matched_kv_length)
-    assert r.inserted_pages == 10 and r.node.physical_pages == tuple(full_pages[730:])
+    assert r.inserted_pages == 10 and r.node.physical_pages.tolist() == full_pages[730:]
     cache.check_integrity()
 
 
@@ -270,7 +271,11 @@ def test_check_integrity_catches_corruption() -> None:
     with pytest.raises(CacheIntegrityError, match="lock_ref"):
         cache.check_integrity()
     leaf.lock_ref = 0
-    pt.free_pages_to_pool([leaf.physical_pages[0]])  # freed while still cached
+    with pytest.raises(PageTableError, match="owned by the prefix cache"):
+        pt.free_pages_to_pool([leaf.physical_pages[0]])  # the public call refuses ...
+    page = leaf.physical_pages[:1]  # corrupt the pool as a buggy free would:
+    pt.pool._set(page, PageState.FREE)  # a page a node still holds is FREE ...
+    pt.pool._push(page)  # ... and on the free stack
     with pytest.raises(CacheIntegrityError, match="both free and cache-owned"):
         cache.check_integrity()
 
@@ -290,6 +295,15 @@ def test_eviction_heap_stays_bounded() -> None:
     for _ in range(2000):  # every unlock re-queues the leaf; stale entries must be compacted
         cache.lock(node)
         cache.unlock(node)
-    assert len(cache._policy) <= 130
+    assert cache.stats().queued_entries <= 130
     cache.check_integrity()
     assert cache.evict(1) == 3
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "7", None])
+def test_text_tokens_validate_their_id_and_share_one_instance_per_id(bad) -> None:
+    with pytest.raises(ValueError, match="non-negative int"):
+        TextToken(bad)
+    a = TextToken(7)
+    assert a is TextToken(token_id=7) and a == TextToken(7) and a.key == (0, 7)
+    assert TextToken(8) is not a and TextToken(8) != a

@@ -1,0 +1,216 @@
+"""CacheLease: one request's hold on the KV pool and the prefix cache, the protocol written once.
+
+The runtime (``kestrel/moondream/runtime.py``) and the property test's model-free runtime
+(``tests/unit/cache_protocol.py``) both drive this object, so the hypothesis state machine
+checks the code that serves requests. It owns no model code:
+
+    lease = CacheLease.prepare(page_table, cache, cache_tokens, namespace,
+                               prompt_length=..., max_length=...)   # steps 1-5 of base.py
+    ... the caller prefills positions lease.skip .. prompt_length - 1 of lease.row ...
+    lease.commit()                                                  # steps 6-8
+    ... decode into the row's private pages ...
+    lease.release()                                                 # step 9
+
+``prepare`` cleans up after itself when it fails; every later failure (the caller's prefill,
+``commit``) ends in ``abort()``, which unlocks every lock held and erases the row with the
+cache-owned count reached so far. With ``cache=None`` (caching off) nothing is matched,
+inserted or locked; the lease is then just a row and its private pages.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from .node import miss, token_kv_length
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kestrel.kv_cache import PageTable
+
+    from .base import BasePrefixCache
+    from .namespace import CacheNamespace
+    from .node import MatchResult, TreeNode
+    from .tokens import CacheToken
+
+__all__ = ["CacheLease", "LeaseError", "LeasePhase"]
+
+
+class LeaseError(RuntimeError):
+    """A lease step out of order (commit twice, release twice, use after release), or a hit
+    that breaks the caller's invariant (an image hit that does not cover the image)."""
+
+
+class LeasePhase(Enum):
+    PREPARED = "prepared"  # row mapped, temporary lock held, private pages reserved
+    COMMITTED = "committed"  # prompt inserted, one lock on the deepest prompt node
+    RELEASED = "released"  # lock dropped, row erased (normally or by abort)
+
+
+class CacheLease:
+    """A batch row, its pages and its one cache lock, from match to release.
+
+    ``row``: the batch row. ``match``: what ``prepare`` matched. ``skip``: reused cached
+    positions (``min(matched, prompt_length - 1)``). ``cache_owned``: the row's leading
+    cache-owned pages (``skip``, then ``skip + inserted`` after commit). ``inserted``: pages
+    the commit's insert claimed, ``None`` when nothing was inserted (full-prompt hit, cache
+    off). ``locks``: the nodes this lease holds a lock on (one once committed, with the cache
+    on). ``cached_length``: KV positions of the cacheable tokens.
+    """
+
+    __slots__ = (
+        "cache",
+        "cache_owned",
+        "cached_length",
+        "inserted",
+        "locks",
+        "match",
+        "max_length",
+        "namespace",
+        "page_table",
+        "phase",
+        "prompt_length",
+        "row",
+        "skip",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        page_table: PageTable,
+        cache: BasePrefixCache | None,
+        tokens: Sequence[CacheToken],
+        namespace: CacheNamespace,
+        prompt_length: int,
+        max_length: int,
+    ) -> None:
+        self.page_table = page_table
+        self.cache = cache
+        self.tokens = tokens
+        self.namespace = namespace
+        self.prompt_length = prompt_length
+        self.max_length = max_length
+        self.cached_length = token_kv_length(tokens)
+        if not 0 < self.cached_length <= prompt_length <= max_length:
+            raise LeaseError(
+                f"need 0 < cacheable ({self.cached_length}) <= prompt ({prompt_length}) <= "
+                f"max_length ({max_length}) positions"
+            )
+        self.row = 0
+        self.match: MatchResult = miss(tokens)
+        self.skip = 0
+        self.cache_owned = 0
+        self.inserted: int | None = None
+        self.locks: list[TreeNode] = []
+        self.phase = LeasePhase.PREPARED
+
+    @classmethod
+    def prepare(
+        cls,
+        page_table: PageTable,
+        cache: BasePrefixCache | None,
+        tokens: Sequence[CacheToken],
+        namespace: CacheNamespace,
+        *,
+        prompt_length: int,
+        max_length: int,
+        min_hit: int = 0,
+    ) -> CacheLease:
+        """Steps 1-5: match ``tokens`` (the prompt's cacheable prefix) in ``namespace``, take
+        a row, map and lock the reused pages, reserve private pages up to ``max_length``.
+        A hit shorter than ``min_hit`` positions raises (an image hit must cover BOS + the
+        image block). On any failure everything taken is given back before it raises."""
+        lease = cls(page_table, cache, tokens, namespace, prompt_length, max_length)
+        try:
+            lease._acquire(min_hit)
+        except BaseException:
+            lease.abort()
+            raise
+        return lease
+
+    def _acquire(self, min_hit: int) -> None:
+        pt, cache = self.page_table, self.cache
+        if cache is not None:
+            self.match = cache.match_prefix(self.tokens, self.namespace)
+        m = self.match
+        self.row = pt.allocate()
+        if m.matched_kv_length:
+            skip = min(m.matched_kv_length, self.prompt_length - 1)
+            if skip < min_hit:
+                raise LeaseError(
+                    f"prefix-cache invariant violated: a hit covers {m.matched_kv_length} "
+                    f"positions, less than the {min_hit} it must (BOS + image)"
+                )
+            pt.map_pages(self.row, 0, m.matched_pages[:skip])
+            self.skip = self.cache_owned = skip  # mapped cache pages: erase must keep them
+            cache.lock(m.last_node)
+            self.locks.append(m.last_node)
+        pt.reserve(self.row, self.max_length)
+
+    @property
+    def lock_node(self) -> TreeNode | None:
+        """The node this lease holds its lock on (None with the cache off, or released)."""
+        if len(self.locks) > 1:
+            raise LeaseError(f"a lease holds {len(self.locks)} locks; it must hold one")
+        return self.locks[0] if self.locks else None
+
+    @property
+    def released(self) -> bool:
+        return self.phase is LeasePhase.RELEASED
+
+    def commit(self) -> None:
+        """Steps 6-8, right after the prefill: insert the cacheable prompt (unless it was all
+        cached), move the one lock to the inserted node (keeping it when insert returns the
+        locked node), count the cache-owned pages. A failure aborts the lease and re-raises."""
+        if self.phase is not LeasePhase.PREPARED:
+            raise LeaseError(f"commit of a {self.phase.value} lease")
+        try:
+            self._insert()
+        except BaseException:
+            self.abort()
+            raise
+        self.phase = LeasePhase.COMMITTED
+
+    def _insert(self) -> None:
+        cache, m = self.cache, self.match
+        if cache is None or m.matched_kv_length >= self.cached_length:
+            return  # caching off, or a full-prompt hit: keep the temporary lock
+        r = cache.insert(
+            self.tokens,
+            self.page_table.row_pages(self.row, 0, self.cached_length),
+            self.namespace,
+            from_node=m.last_node,
+            from_token_idx=m.matched_token_count,
+            from_page_idx=self.skip,
+        )
+        self.inserted = r.inserted_pages
+        self.cache_owned = self.skip + r.inserted_pages  # a duplicate's pages stay private
+        temp = m.last_node
+        if r.node is not temp:
+            cache.lock(r.node)
+            self.locks.append(r.node)
+            if temp is not None:
+                cache.unlock(temp)
+                self.locks.remove(temp)
+
+    def release(self) -> None:
+        """Step 9: the one unlock, then ``erase(row, cache_owned)``: cache-owned pages stay
+        cached, private ones go back to the pool."""
+        if self.phase is LeasePhase.RELEASED:
+            raise LeaseError("release of a lease that was already released")
+        self.abort()
+
+    def abort(self) -> None:
+        """Unlock every lock held, then erase the row with the cache-owned count reached so
+        far. A no-op once released (so failure paths can always call it)."""
+        if self.phase is LeasePhase.RELEASED:
+            return
+        self.phase = LeasePhase.RELEASED
+        try:
+            while self.locks:
+                self.cache.unlock(self.locks[-1])
+                self.locks.pop()
+        finally:
+            if self.row:
+                self.page_table.erase(self.row, self.cache_owned)
