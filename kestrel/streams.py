@@ -20,6 +20,12 @@ __all__ = ["AsyncTextStream", "TextStream"]
 _END = object()
 
 
+def _raise_failure(future: Future) -> None:
+    """After the last delta: re-raise the request's error, if it failed (not if cancelled)."""
+    if not future.cancelled() and future.exception() is not None:
+        raise future.exception()
+
+
 class TextStream:
     """A blocking iterator of text deltas (thread callers)."""
 
@@ -46,8 +52,7 @@ class TextStream:
         finally:
             if not finished:
                 self.future.cancel()
-        if not self.future.cancelled() and self.future.exception() is not None:
-            raise self.future.exception()
+        _raise_failure(self.future)
 
     def result(self, timeout: float | None = None) -> Any:
         """The finished request's result (blocks until it is done)."""
@@ -87,8 +92,7 @@ class AsyncTextStream:
         finally:
             if not finished:
                 self.future.cancel()
-        if not self.future.cancelled() and self.future.exception() is not None:
-            raise self.future.exception()
+        _raise_failure(self.future)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._iterate()

@@ -23,6 +23,23 @@ from kestrel.moondream.text import PagedKV, embed_text, lm_head, text_forward
 __all__ = ["decode_eager", "decode_static"]
 
 
+def _one_step(model, kv, x_BC, pages_BK, slots_B, lengths_B, lora, backend: str) -> Tensor:
+    """The decoder over one new position per row (KV length ``lengths_B`` before it): [B, C]."""
+    hidden_B1C = text_forward(
+        x_BC[:, None, :],
+        model.text,
+        model.config.text,
+        positions_BT=lengths_B[:, None],
+        kv=kv,
+        slot_mapping=slots_B,
+        page_table=pages_BK,
+        seqused_k=(lengths_B + 1).to(torch.int32),
+        lora=lora,
+        backend=backend,
+    )
+    return hidden_B1C[:, 0]
+
+
 def decode_eager(
     model: MoondreamModel,
     kv: PagedKV,
@@ -43,19 +60,8 @@ def decode_eager(
     max_k = max(lengths) + 1
     pages_BK = page_table_RP[rows_B, :max_k]
     slots_B = pages_BK.gather(1, lengths_B[:, None]).reshape(-1).to(torch.long)
-    hidden_B1C = text_forward(
-        x_BC[:, None, :],
-        model.text,
-        model.config.text,
-        positions_BT=lengths_B[:, None],
-        kv=kv,
-        slot_mapping=slots_B,
-        page_table=pages_BK,
-        seqused_k=(lengths_B + 1).to(torch.int32),
-        lora=list(adapters) if any(a is not None for a in adapters) else None,
-        backend=backend,
-    )
-    return hidden_B1C[:, 0]
+    lora = list(adapters) if any(a is not None for a in adapters) else None
+    return _one_step(model, kv, x_BC, pages_BK, slots_B, lengths_B, lora, backend)
 
 
 def decode_static(
@@ -82,16 +88,5 @@ def decode_static(
     pages_BP = page_table_RP.index_select(0, rows_B)  # [B, max_seq_len]
     slots_B = pages_BP.gather(1, lengths_B[:, None])[:, 0].to(torch.int64)
     slots_B = torch.where(rows_B > 0, slots_B, -1)
-    hidden_B1C = text_forward(
-        x_BC[:, None, :],
-        model.text,
-        model.config.text,
-        positions_BT=lengths_B[:, None],
-        kv=kv,
-        slot_mapping=slots_B,
-        page_table=pages_BP,
-        seqused_k=(lengths_B + 1).to(torch.int32),
-        backend=backend,
-    )
-    hidden_BC = hidden_B1C[:, 0]
+    hidden_BC = _one_step(model, kv, x_BC, pages_BP, slots_B, lengths_B, None, backend)
     return hidden_BC, lm_head(hidden_BC, model.text)
