@@ -14,10 +14,35 @@ from kestrel.kv_cache import BatchSlotsExhausted, PagePoolExhausted
 from kestrel.moondream.heads import RowLogits, batch_rows
 from kestrel.moondream.runtime import MoondreamRuntime
 from kestrel.moondream.sequence import SequenceState
+from kestrel.prefix_cache.node import token_kv_length
 from kestrel.scheduler.protocol import Capacity, Request, RunnerOverloaded, Started
 from kestrel.skills.base import PromptToken
 
-__all__ = ["MoondreamRunner", "PageCounts"]
+__all__ = ["DEFER_MIN_POSITIONS", "MoondreamRunner", "PageCounts"]
+
+# A request waits for the next prefill wave when it shares at least this many not-yet-cached
+# KV positions with a miss of the current wave (an image block always qualifies).
+DEFER_MIN_POSITIONS = 16
+
+
+def _waits_for(state: SequenceState, other: SequenceState) -> bool:
+    """Whether ``state`` would recompute positions that ``other`` (earlier in the same wave)
+    inserts into the cache at its commit: same namespace, a common prefix beyond what
+    ``state`` matched, of at least ``DEFER_MIN_POSITIONS`` positions."""
+    a, b = state.lease, other.lease
+    if a.cache is None or a.namespace != b.namespace:
+        return False
+    start = a.match.matched_token_count
+    if b.match.matched_token_count > start or len(b.tokens) <= start:
+        return False  # other reuses more than state: nothing new for state in its insert
+    shared = 0
+    for x, y in zip(a.tokens[start:], b.tokens[start:], strict=False):
+        if x != y:
+            break
+        shared += token_kv_length((x,))
+        if shared >= DEFER_MIN_POSITIONS:
+            return True
+    return False
 
 
 class PageCounts(dict):
@@ -38,28 +63,101 @@ class MoondreamRunner:
             total_pages=pt.n_pages - 1,
         )
 
-    def start(self, request: Request) -> Started:
+    def start_many(self, requests: Sequence[Request]) -> list[Started | Exception]:
+        """Prefill admitted requests in waves of batched forwards; one outcome per request.
+
+        A wave prepares requests in order. One that would recompute a stretch another miss of
+        the same wave is about to insert (the same image, a shared system prompt) waits for the
+        next wave, where that stretch is a cache hit: its vision encoder and prefix are not run
+        twice. Once the pool is short, the rest get ``RunnerOverloaded``.
+        """
+        out: list[Started | Exception | None] = [None] * len(requests)
+        pending = list(range(len(requests)))
+        with torch.inference_mode():
+            while pending:
+                wave, pending = self._prepare_wave(requests, pending, out)
+                if wave:
+                    self._run_wave(requests, wave, out)
+        return out  # type: ignore[return-value]
+
+    def _prepare_wave(self, requests, pending: list[int], out: list) -> tuple[list, list[int]]:
+        wave: list[tuple[int, SequenceState]] = []
+        deferred: list[int] = []
+        for pos, i in enumerate(pending):
+            try:
+                state = self._prepare(requests[i])
+            except (PagePoolExhausted, BatchSlotsExhausted) as exc:
+                for j in pending[pos:]:
+                    out[j] = RunnerOverloaded(str(exc))
+                return wave, deferred
+            except Exception as exc:
+                out[i] = exc
+                continue
+            if any(_waits_for(state, other) for _, other in wave):
+                self.runtime.abort_sequence(state)
+                deferred.append(i)
+            else:
+                wave.append((i, state))
+        return wave, deferred
+
+    def _prepare(self, request: Request) -> SequenceState:
         image = request.image
-        try:
-            with torch.inference_mode():
-                state, logits_V = self.runtime.start_sequence(
-                    request.skill.prompt,
-                    None if image is None else image.pixels,
-                    image_hash=None if image is None else image.digest,
-                    adapter=request.adapter,
-                    max_new_tokens=request.max_new_tokens,
-                    cache_salt=request.cache_salt,
-                )
-        except (PagePoolExhausted, BatchSlotsExhausted) as exc:
-            raise RunnerOverloaded(str(exc)) from exc
-        return Started(
-            handle=state,
-            logits_V=batch_rows(logits_V[None])[0],
-            hidden_C=state.last_hidden,
-            input_tokens=state.prompt_length,
-            cached_tokens=state.reused_page_count,
-            vision_skipped=image is not None and not state.vision_encoded,
+        return self.runtime.prepare_sequence(
+            request.skill.prompt,
+            None if image is None else image.pixels,
+            image_hash=None if image is None else image.digest,
+            adapter=request.adapter,
+            max_new_tokens=request.max_new_tokens,
+            cache_salt=request.cache_salt,
         )
+
+    def _run_wave(self, requests, wave: list[tuple[int, SequenceState]], out: list) -> None:
+        """Prefill a wave, then commit each sequence; anything left uncommitted (a failure, an
+        interrupt) is aborted, so nothing is held for a request that did not start."""
+        rt = self.runtime
+        try:
+            for i, s, hidden_C, logits in self._prefill_wave(wave, out):
+                try:
+                    rt.commit_sequence(s, hidden_C)  # aborts its own lease if it raises
+                except Exception as exc:
+                    out[i] = exc
+                    continue
+                image = requests[i].image
+                out[i] = Started(
+                    handle=s,
+                    logits_V=logits,
+                    hidden_C=hidden_C,
+                    input_tokens=s.prompt_length,
+                    cached_tokens=s.reused_page_count,
+                    vision_skipped=image is not None and not s.vision_encoded,
+                )
+        finally:
+            for i, s in wave:
+                if not isinstance(out[i], Started):
+                    rt.abort_sequence(s)  # a no-op for those already given back
+
+    def _prefill_wave(self, wave: list[tuple[int, SequenceState]], out: list) -> list:
+        """(index, state, hidden [C], RowLogits) per prefilled sequence: one batched call; if
+        that fails, each sequence alone, so a fault fails only the request it belongs to."""
+        rt = self.runtime
+        states = [s for _, s in wave]
+        try:
+            hidden_BC, logits_BV = rt.prefill_sequences(states)
+            rows = batch_rows(logits_BV)
+            return [(i, s, hidden_BC[b], rows[b]) for b, (i, s) in enumerate(wave)]
+        except Exception as exc:
+            if len(wave) == 1:
+                out[wave[0][0]] = exc
+                return []
+        done = []
+        for i, s in wave:
+            try:
+                hidden_C, logits_V = rt.prefill_sequence(s)
+            except Exception as exc:
+                out[i] = exc
+                continue
+            done.append((i, s, hidden_C, batch_rows(logits_V[None])[0]))
+        return done
 
     def decode(
         self, handles: Sequence[SequenceState], tokens: Sequence[PromptToken]

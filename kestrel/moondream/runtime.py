@@ -43,6 +43,7 @@ from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.image_input import image_hash_int, load_image
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.prefill import PrefillItem, prefill_batch
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.sequence import (
     PromptToken,
@@ -53,7 +54,7 @@ from kestrel.moondream.sequence import (
     check_request,
     validate_image_regions,
 )
-from kestrel.moondream.text import lm_head, text_forward
+from kestrel.moondream.text import lm_head
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.vision import encode_image
 from kestrel.moondream.weights import resolve_checkpoint
@@ -217,11 +218,24 @@ class MoondreamRuntime:
     def prefill_sequence(self, state: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute a prepared sequence's prompt positions ``skip .. prompt_len - 1`` into its
         private pages; returns the last position's hidden state [C] and logits [V]."""
-        if state.lease.phase is not LeasePhase.PREPARED or state.released:
-            raise SequenceError(f"sequence in batch row {state.batch_idx} is not prepared")
-        hidden_C = self._prefill(state, state.prompt, state.image, state.reused_page_count)
-        logits_V = lm_head(hidden_C[None], self.model.text)[0]
-        return hidden_C, logits_V
+        hidden_BC, logits_BV = self.prefill_sequences([state])
+        return hidden_BC[0], logits_BV[0]
+
+    def prefill_sequences(
+        self, states: Sequence[SequenceState]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prefill_sequence`` for several prepared sequences in batched forwards (similar
+        lengths share one; see ``prefill.py``): last hidden states [B, C] and logits [B, V]."""
+        if len({id(s) for s in states}) != len(states):
+            raise SequenceError("a sequence appears twice in one prefill")
+        for s in states:
+            if s.lease.phase is not LeasePhase.PREPARED or s.released:
+                raise SequenceError(f"sequence in batch row {s.batch_idx} is not prepared")
+        items = [self._prefill_item(s) for s in states]
+        hidden_BC = prefill_batch(
+            self.model, self.kv, self.page_table.page_table, items, self.attention_backend
+        )
+        return hidden_BC, lm_head(hidden_BC, self.model.text)
 
     def commit_sequence(self, state: SequenceState, hidden_C: torch.Tensor) -> None:
         """Insert the prefilled prompt into the cache and move the lock to it; the sequence is
@@ -342,9 +356,10 @@ class MoondreamRuntime:
         pixels = normalize_pixels(crops.crops, self.dtype, self.device)
         return encode_image(pixels, crops.tiling, self.model.vision, self.config.vision)
 
-    def _prefill(self, state: SequenceState, tokens, image, skip: int) -> torch.Tensor:
-        """Compute prompt positions skip..prompt_len-1; returns the last hidden state [C]."""
-        cfg = self.config
+    def _prefill_item(self, state: SequenceState) -> PrefillItem:
+        """The embeddings of a prepared sequence's uncached positions (running the vision
+        encoder on a miss of an image prompt), ready for ``prefill_batch``."""
+        cfg, tokens, image, skip = self.config, state.prompt, state.image, state.reused_page_count
         has_image = image is not None
         if skip == 0:
             parts = [embed_tokens([tokens[0]], self.model)]
@@ -358,32 +373,15 @@ class MoondreamRuntime:
             # [BOS][image block][text...]: cached text = skip - prefix_len.
             first = 1 + (skip - cfg.prefix_len) if has_image else skip
             x_TC = embed_tokens(list(tokens[first:]), self.model)
-        n = x_TC.shape[0]
-        if skip + n != state.prompt_length:
-            raise RuntimeError(f"prefill covers {skip}+{n} != prompt {state.prompt_length}")
-        dev = self.device
-        positions = torch.arange(skip, state.prompt_length, device=dev)
-        row = self.page_table.page_table[
-            state.batch_idx : state.batch_idx + 1, : state.prompt_length
-        ]
-        slots = row[0, skip:].to(torch.long)
-        bidir = None
-        if has_image and skip < cfg.prefix_len:  # a hit's queries all follow the image block
-            bidir = torch.tensor([[0, cfg.prefix_len]], dtype=torch.int32, device=dev)
-        hidden_1TC = text_forward(
-            x_TC[None],
-            self.model.text,
-            cfg.text,
-            positions_BT=positions[None],
-            kv=self.kv,
-            slot_mapping=slots,
-            page_table=row,
-            seqused_k=torch.tensor([state.prompt_length], dtype=torch.int32, device=dev),
-            bidir_regions=bidir,
-            lora=[state.adapter] if state.adapter is not None else None,
-            backend=self.attention_backend,
+        return PrefillItem(
+            x_TC=x_TC,
+            row=state.batch_idx,
+            skip=skip,
+            prompt_length=state.prompt_length,
+            # a hit's queries all follow the image block; a miss's BOS + image attend both ways
+            bidir_end=cfg.prefix_len if has_image and skip < cfg.prefix_len else 0,
+            adapter=state.adapter,
         )
-        return hidden_1TC[0, -1]
 
     def _count(self, state: SequenceState) -> None:
         c = self.counters

@@ -76,10 +76,11 @@ class ModelRunner(Protocol):
 
     def capacity(self) -> Capacity: ...
 
-    def start(self, request: Request) -> Started:
-        """Prefill a request (reusing its cached prefix). Raises RunnerOverloaded when it
-        cannot take the request now; anything else fails the request. Either way nothing is
-        held on failure."""
+    def start_many(self, requests: Sequence[Request]) -> list[Started | Exception]:
+        """Prefill admitted requests (reusing cached prefixes), batched as the runner sees
+        fit; one outcome per request, in order: ``Started``, ``RunnerOverloaded`` (cannot take
+        it now: retry later) or the exception that fails it. Nothing is held for a request
+        that did not start."""
         ...
 
     def decode(self, handles: Sequence[Any], tokens: Sequence[PromptToken]) -> tuple[Any, list]:

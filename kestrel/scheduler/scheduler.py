@@ -1,15 +1,16 @@
 """The scheduler: one loop that admits, prefills, decodes and retires.
 
-``step()`` is ``schedule`` (drop cancelled requests, admit what fits), ``run`` (prefill each
-admitted request, then one batched decode over every running sequence) and ``postprocess``
-(each sequence's skill decides its next token, text is streamed, finished sequences retire and
-release what they hold). It is a plain class, driven by the engine's thread or directly by
-tests; nothing here is thread-safe, and nothing here imports model code.
+``step()`` is ``schedule`` (drop cancelled requests, admit what fits), ``run`` (prefill the
+admitted requests, which the runner batches, then one batched decode over every running
+sequence) and ``postprocess`` (each sequence's skill decides its next token, text is streamed,
+finished sequences retire and release what they hold). It is a plain class, driven by the
+engine's thread or directly by tests; nothing here is thread-safe, and nothing here imports
+model code.
 
-Failure isolation: an exception while prefilling fails that request alone; one inside a decode
-step fails the sequences of that step; a skill that raises fails its own sequence. Every
-failure releases the sequence's handle before the caller hears of it, so nothing leaks.
-"""
+Failure isolation: an exception while prefilling fails that request alone (the runner retries a
+failed batched prefill one sequence at a time); one inside a decode step fails the sequences of
+that step; a skill that raises fails its own sequence. Every failure releases the sequence's
+handle before the caller hears of it, so nothing leaks."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.errors import CapacityError, InvalidInputError, KestrelError, ModelError
-from kestrel.scheduler.protocol import ModelRunner, Request, RunnerOverloaded
+from kestrel.scheduler.protocol import ModelRunner, Request, RunnerOverloaded, Started
 from kestrel.scheduler.state import RunningSet, SequenceRun, WaitQueue
 
 __all__ = ["Scheduler", "SchedulerCounters"]
@@ -128,32 +129,37 @@ class Scheduler:
 
     # ------------------------------------------------------------------ run
     def _prefill(self, admitted: list[Request]) -> None:
-        for i, request in enumerate(admitted):
-            t0 = self.clock()
-            try:
-                started = self.runner.start(request)
-            except RunnerOverloaded as exc:
-                rest = admitted[i:]
-                if not self.running:  # nothing running will free capacity: it cannot run
-                    self._fail(request, CapacityError(str(exc)))
-                    rest = admitted[i + 1 :]
-                for later in reversed(rest):
-                    self.waiting.push_front(later)
-                return
-            except Exception as exc:
-                self._fail(request, as_request_error(exc))
-                continue
-            run = SequenceRun(
-                request,
-                started.handle,
-                admitted_at=t0,
-                prefill_ms=(self.clock() - t0) * 1e3,
-                input_tokens=started.input_tokens,
-                cached_tokens=started.cached_tokens,
-            )
-            self.counters.vision_skipped += int(started.vision_skipped)
-            self.running.add(run)
-            self._advance(run, started.logits_V, started.hidden_C)
+        if not admitted:
+            return
+        t0 = self.clock()
+        outcomes = self.runner.start_many(admitted)
+        prefill_ms = (self.clock() - t0) * 1e3
+        overloaded: list[tuple[Request, RunnerOverloaded]] = []
+        for request, out in zip(admitted, outcomes, strict=True):
+            if isinstance(out, RunnerOverloaded):
+                overloaded.append((request, out))
+            elif isinstance(out, BaseException):
+                self._fail(request, as_request_error(out))
+            else:
+                self._begin(request, out, t0, prefill_ms)
+        if overloaded and not self.running:  # nothing running will free capacity
+            request, exc = overloaded.pop(0)
+            self._fail(request, CapacityError(str(exc)))
+        for request, _ in reversed(overloaded):
+            self.waiting.push_front(request)
+
+    def _begin(self, request: Request, started: Started, t0: float, prefill_ms: float) -> None:
+        run = SequenceRun(
+            request,
+            started.handle,
+            admitted_at=t0,
+            prefill_ms=prefill_ms,
+            input_tokens=started.input_tokens,
+            cached_tokens=started.cached_tokens,
+        )
+        self.counters.vision_skipped += int(started.vision_skipped)
+        self.running.add(run)
+        self._advance(run, started.logits_V, started.hidden_C)
 
     def _decode(self) -> None:
         batch = self.running.feeding()

@@ -155,7 +155,7 @@ def test_close_fails_pending_and_refuses_new(make_engine) -> None:
 
 class _Faults:
     """Raises from inside the model (its attention kernel, after the step's K/V were written to
-    their pages) on chosen prefill / decode calls of one runtime, so the failure paths really
+    their pages) on the prefill of chosen sequences / chosen decode calls of one runtime, so the failure paths really
     run with pages taken and partly written."""
 
     def __init__(self, monkeypatch, runtime) -> None:
@@ -164,17 +164,21 @@ class _Faults:
         self.fail_decode: set[int] = set()
         self._armed: str | None = None
         real_attention = kestrel_kernels.paged_attention
-        real_start, real_decode = runtime.start_sequence, runtime.decode_step
+        real_prefill, real_decode = runtime.prefill_sequences, runtime.decode_step
+        ordinal: dict[int, int] = {}  # id(sequence) -> 1, 2, ... in the order first prefilled
 
         def paged_attention(*args, **kw):
             if self._armed is not None:
                 raise RuntimeError(f"injected {self._armed} fault")
             return real_attention(*args, **kw)
 
-        def start_sequence(*args, **kw):
+        def prefill_sequences(states):
+            # a batched prefill fails when it holds a doomed sequence; the runner then retries
+            # each sequence alone, and only the doomed one fails again
             self.prefill_calls += 1
-            fail = self.prefill_calls in self.fail_prefill
-            return self._run("prefill", fail, real_start, args, kw)
+            numbers = [ordinal.setdefault(id(s), len(ordinal) + 1) for s in states]
+            fail = any(n in self.fail_prefill for n in numbers)
+            return self._run("prefill", fail, real_prefill, (states,), {})
 
         def decode_step(*args, **kw):
             self.decode_calls += 1
@@ -182,7 +186,7 @@ class _Faults:
             return self._run("decode", fail, real_decode, args, kw)
 
         monkeypatch.setattr(kestrel_kernels, "paged_attention", paged_attention)
-        monkeypatch.setattr(runtime, "start_sequence", start_sequence)
+        monkeypatch.setattr(runtime, "prefill_sequences", prefill_sequences)
         monkeypatch.setattr(runtime, "decode_step", decode_step)
 
     def _run(self, what: str, fail: bool, fn, args, kw):
@@ -208,6 +212,9 @@ def test_fault_in_prefill_fails_only_that_request(make_engine, images, monkeypat
             assert "injected prefill fault" in str(exc)
             outcomes.append("failed")
     assert outcomes == ["length", "failed", "length"]
+    # request 1 misses and encodes the image; 2 and 3 wait for its insert and are prefilled
+    # together as hits; that call fails, then each runs alone: 4 prefill calls
+    assert faults.prefill_calls == 4
     assert_idle(engine)
     _ok(engine)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import kestrel.moondream.prefill as prefill_mod
 import kestrel.moondream.runtime as runtime_mod
 from tests.integration.conftest import text_tokens
 from tests.integration.test_runtime_cache import conserved, query_prompt
@@ -22,7 +23,7 @@ POINTS = [
     ("prefix_cache", "lock"),
     ("page_table", "allocate_pages"),
     ("runtime", "_encode_image"),
-    ("module", "text_forward"),
+    ("prefill", "text_forward"),
     ("module", "lm_head"),
     ("prefix_cache", "insert"),
     ("page_table", "row_pages"),
@@ -47,8 +48,8 @@ def test_failure_releases_everything(make_runtime, model, images, monkeypatch, o
     free_before = rt.page_table.pages_available
     target = {"page_table": rt.page_table, "prefix_cache": rt.prefix_cache, "runtime": rt}
     with monkeypatch.context() as m:
-        if owner == "module":
-            m.setattr(runtime_mod, attr, _raise)
+        if owner in ("module", "prefill"):
+            m.setattr(runtime_mod if owner == "module" else prefill_mod, attr, _raise)
         else:
             m.setattr(target[owner], attr, _raise)
         if attr == "_encode_image" and hit:

@@ -47,6 +47,7 @@ class FakeRunner:
         self.fail_decode_call: int | None = None
         self.decode_calls = 0
         self.decode_batches: list[list[int]] = []
+        self.start_calls: list[list[int]] = []
         self._next = 0
 
     def capacity(self) -> Capacity:
@@ -64,6 +65,20 @@ class FakeRunner:
         self._next += 1
         self.held[self._next] = request.pages_needed
         return Started(self._next, "logits", "hidden", request.prompt_positions, 0, False)
+
+    def start_many(self, requests):
+        """One outcome per request; once one is refused as overloaded, so is the rest."""
+        self.start_calls.append([r.request_id for r in requests])
+        out = []
+        for request in requests:
+            if out and isinstance(out[-1], RunnerOverloaded):
+                out.append(RunnerOverloaded("no rows right now"))
+                continue
+            try:
+                out.append(self.start(request))
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     def decode(self, handles, tokens):
         self.decode_calls += 1
@@ -120,6 +135,9 @@ def test_batches_and_results() -> None:
         assert metrics.input_tokens == 10 and metrics.ttft_ms >= metrics.queue_ms >= 0
     assert max(len(b) for b in runner.decode_batches) == 4  # rows were shared
     assert runner.held == {} and s.counters.served == 6
+    # the four requests admitted in the first step reach the runner in one call, in order
+    assert runner.start_calls[0] == [r.request_id for r in reqs[:4]]
+    assert sorted(i for call in runner.start_calls for i in call) == [r.request_id for r in reqs]
 
 
 def test_head_of_line_waits_for_pages_and_never_fitting_fails_alone() -> None:

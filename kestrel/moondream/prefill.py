@@ -1,0 +1,132 @@
+"""Batched prefill: the prompts of several prepared sequences in as few decoder forwards as fit.
+
+Each sequence brings the input embeddings of its uncached positions ``skip .. prompt_len - 1``
+(``PrefillItem``). Sequences of similar length share one padded forward (``[B, T]`` with
+``seqused_q`` per row); a miss of 750 positions and a hit of 15 do not, because padding the
+hit to 750 would cost more than a second forward. ``group_by_length`` decides the split.
+
+Padding positions write no K/V (slot -1) and their outputs are ignored; each row attends over
+its own page-table row with the kernel's right-aligned causal rule, plus the BOS + image
+bidirectional block when a query falls inside it (a miss of an image prompt). The arithmetic
+per row is the single-sequence prefill's, so greedy answers do not change with batching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kestrel.moondream.lora import LoraAdapter
+from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.text import PagedKV, text_forward
+
+__all__ = ["MAX_PADDING", "PrefillItem", "group_by_length", "prefill_batch"]
+
+# A group's padded size may exceed its real positions by at most this fraction.
+MAX_PADDING = 0.25
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PrefillItem:
+    """One sequence's share of a batched prefill.
+
+    ``x_TC``: embeddings of positions ``skip .. prompt_length - 1``; ``row``: its batch row in
+    the page table; ``bidir_end``: end of the BOS + image bidirectional block when some query
+    lies inside it (0 = none); ``adapter``: its LoRA adapter or None.
+    """
+
+    x_TC: Tensor
+    row: int
+    skip: int
+    prompt_length: int
+    bidir_end: int = 0
+    adapter: LoraAdapter | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.x_TC.shape[0])
+
+
+def group_by_length(lengths: Sequence[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """Indices into ``lengths`` split into groups whose padded size (count x longest) stays
+    within ``1 + max_padding`` of their real positions; longest first, greedy."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            g = groups[-1]
+            longest = lengths[g[0]]
+            real = sum(lengths[j] for j in g) + lengths[i]
+            if longest * (len(g) + 1) <= (1 + max_padding) * real:
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def prefill_batch(
+    model: MoondreamModel,
+    kv: PagedKV,
+    page_table_RP: Tensor,
+    items: Sequence[PrefillItem],
+    backend: str,
+) -> Tensor:
+    """Compute every item's positions into its row's pages; returns the hidden state (before
+    post_ln) of each item's last prompt position, ``[len(items), dim]``, in item order."""
+    if not items:
+        raise ValueError("prefill_batch needs at least one item")
+    for it in items:
+        if it.n < 1 or it.skip + it.n != it.prompt_length:
+            raise ValueError(f"prefill covers {it.skip}+{it.n} != prompt {it.prompt_length}")
+    out = items[0].x_TC.new_empty(len(items), items[0].x_TC.shape[1])
+    for group in group_by_length([it.n for it in items]):
+        out[group] = _forward([items[i] for i in group], model, kv, page_table_RP, backend)
+    return out
+
+
+def _forward(
+    items: Sequence[PrefillItem], model: MoondreamModel, kv: PagedKV, page_table_RP: Tensor,
+    backend: str,
+) -> Tensor:  # fmt: skip
+    """One padded forward over ``items``: the last real position's hidden state per row."""
+    dev = items[0].x_TC.device
+    B, T = len(items), max(it.n for it in items)
+    n_B = torch.tensor([it.n for it in items], device=dev)
+    if B == 1:
+        x_BTC = items[0].x_TC[None]
+    else:
+        x_BTC = items[0].x_TC.new_zeros(B, T, items[0].x_TC.shape[1])
+        for b, it in enumerate(items):
+            x_BTC[b, : it.n] = it.x_TC
+    skip_B = torch.tensor([it.skip for it in items], device=dev)
+    positions_BT = skip_B[:, None] + torch.arange(T, device=dev)[None]  # padding: past the end
+    real_BT = torch.arange(T, device=dev)[None] < n_B[:, None]
+    max_k = max(it.prompt_length for it in items)
+    rows_B = torch.tensor([it.row for it in items], dtype=torch.long, device=dev)
+    pages_BK = page_table_RP.index_select(0, rows_B)[:, :max_k]
+    slots_BT = pages_BK.gather(1, torch.where(real_BT, positions_BT, 0)).to(torch.long)
+    slots = torch.where(real_BT, slots_BT, -1).reshape(-1)
+    bidir = None
+    if any(it.bidir_end for it in items):
+        bidir = torch.tensor(
+            [[0, it.bidir_end] for it in items], dtype=torch.int32, device=dev
+        )  # (0, 0) = no region for that row
+    adapters = [it.adapter for it in items]
+    hidden_BTC = text_forward(
+        x_BTC,
+        model.text,
+        model.config.text,
+        positions_BT=torch.where(real_BT, positions_BT, 0),
+        kv=kv,
+        slot_mapping=slots,
+        page_table=pages_BK,
+        seqused_k=torch.tensor([it.prompt_length for it in items], dtype=torch.int32, device=dev),
+        seqused_q=None if all(it.n == T for it in items) else n_B.to(torch.int32),
+        bidir_regions=bidir,
+        lora=adapters if any(a is not None for a in adapters) else None,
+        backend=backend,
+    )
+    return hidden_BTC[torch.arange(B, device=dev), n_B - 1]
