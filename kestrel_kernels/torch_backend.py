@@ -41,14 +41,28 @@ def build_attention_mask(
     Padding query rows are given key 0 so that SDPA never sees an all-masked row (which yields
     NaN); their output is zeroed afterwards.
     """
+    key_pos = torch.arange(k_max, device=seqused_k.device)[None, None, :]  # [1, 1, Kmax]
+    return _mask_for_keys(key_pos, q_len, seqused_k, seqused_q, bidir_regions, causal)
+
+
+def _mask_for_keys(
+    key_pos: Tensor,
+    q_len: int,
+    seqused_k: Tensor,
+    seqused_q: Tensor | None,
+    bidir_regions: Tensor | None,
+    causal: bool,
+) -> tuple[Tensor, Tensor]:
+    """``build_attention_mask`` over keys given by their logical position in each row
+    (``key_pos`` ``[B or 1, 1, N]``, -1 = not a key of that row)."""
     device = seqused_k.device
     k_len = seqused_k.long()[:, None, None]  # [B, 1, 1]
     q_used = k_len.new_full(k_len.shape, q_len) if seqused_q is None else seqused_q.long()
     q_used = q_used.reshape(-1, 1, 1)
     i = torch.arange(q_len, device=device)[None, :, None]  # [1, Lq, 1]
-    j = torch.arange(k_max, device=device)[None, None, :]  # [1, 1, Kmax]
+    j = key_pos
     pos = k_len - q_used + i  # absolute position of each query, [B, Lq, 1]
-    key_ok = j < k_len
+    key_ok = (j >= 0) & (j < k_len)
     visible = key_ok & (j <= pos) if causal else key_ok
     if causal and bidir_regions is not None:
         start = bidir_regions[:, 0].long()[:, None, None]
@@ -57,7 +71,8 @@ def build_attention_mask(
         in_region_k = (j >= start) & (j < end)
         visible = visible | (in_region_q & in_region_k & key_ok)
     real = (i < q_used).squeeze(-1)  # [B, Lq]
-    visible = torch.where(real[:, :, None], visible, j == 0)
+    first = torch.arange(j.shape[-1], device=device)[None, None, :] == 0
+    visible = torch.where(real[:, :, None], visible, first)
     return visible, real
 
 
@@ -109,11 +124,70 @@ def paged_attention_torch(
     k_max = int(seqused_k.max()) if shape.batch else 0
     if k_max == 0 or shape.q_len == 0:
         return torch.zeros_like(q)
+    out = _shared_page_attention(
+        q, k_cache, v_cache, page_table[:, :k_max], seqused_k, shape,
+        seqused_q, causal, bidir_regions, softmax_scale,
+    )  # fmt: skip
+    if out is not None:
+        return out
     k_BKHD, v_BKHD = _gather_pages(k_cache, v_cache, page_table[:, :k_max])
     mask_BLK, real_BL = build_attention_mask(
         shape.q_len, k_max, seqused_k, seqused_q, bidir_regions, causal
     )
     out = _grouped_sdpa(q, k_BKHD, v_BKHD, mask_BLK, shape.group, softmax_scale)
+    if seqused_q is not None:
+        out = torch.where(real_BL[:, :, None, None], out, out.new_zeros(()))
+    return out
+
+
+def _shared_page_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    pages_BK: Tensor,
+    seqused_k: Tensor,
+    shape: AttentionShape,
+    seqused_q: Tensor | None,
+    causal: bool,
+    bidir_regions: Tensor | None,
+    scale: float,
+) -> Tensor | None:
+    """Attention over each distinct page once, for batches whose rows share pages (questions
+    about one cached image, a shared system prompt); None when sharing is too low to pay.
+
+    Every query of the batch is scored against the union of the rows' pages, read once, and
+    masked by the key's logical position in the query's own row (-1 where the page is not in
+    that row). The per-row gather instead copies a shared prefix once per row, which on a CPU
+    costs more than the arithmetic. Same masking rule, so the same result up to float
+    summation order.
+    """
+    batch, q_len = shape.batch, shape.q_len
+    k_max = pages_BK.shape[1]
+    if batch < 2:
+        return None
+    uniq, inv_BK = torch.unique(pages_BK, return_inverse=True)
+    n_uniq = uniq.numel()
+    if 2 * n_uniq > batch * k_max or (q_len > 1 and n_uniq > 2 * k_max):
+        return None
+    j_BK = torch.arange(k_max, device=q.device).expand(batch, k_max)
+    valid_BK = j_BK < seqused_k.long()[:, None]
+    key_pos_BU = torch.full((batch, n_uniq), -1, dtype=torch.long, device=q.device)
+    key_pos_BU.scatter_reduce_(1, inv_BK, torch.where(valid_BK, j_BK, -1), reduce="amax")
+    hits_BU = torch.zeros_like(key_pos_BU).scatter_add_(1, inv_BK, valid_BK.long())
+    if bool((hits_BU > 1).any()):
+        return None  # a page twice in one row: keep the per-row reference path
+    mask_BLU, real_BL = _mask_for_keys(
+        key_pos_BU[:, None, :], q_len, seqused_k, seqused_q, bidir_regions, causal
+    )
+    g, hkv, d = shape.group, shape.kv_heads, shape.head_dim
+    m = batch * q_len * g
+    # every (row, query, head-in-group) becomes one query row of its KV head: [1, Hkv, M, D]
+    q_1HMD = q.view(batch, q_len, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(1, hkv, m, d)
+    k_1HUD = k_cache.index_select(0, uniq).transpose(0, 1)[None]
+    v_1HUD = v_cache.index_select(0, uniq).transpose(0, 1)[None]
+    mask_11MU = mask_BLU[:, :, None, :].expand(batch, q_len, g, n_uniq).reshape(1, 1, m, n_uniq)
+    out = F.scaled_dot_product_attention(q_1HMD, k_1HUD, v_1HUD, attn_mask=mask_11MU, scale=scale)
+    out = out.view(hkv, batch, q_len, g, d).permute(1, 2, 0, 3, 4).reshape(q.shape)
     if seqused_q is not None:
         out = torch.where(real_BL[:, :, None, None], out, out.new_zeros(()))
     return out

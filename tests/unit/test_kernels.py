@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kestrel_kernels as kk
+from kestrel_kernels import torch_backend
 from kestrel_kernels.contract import build_segment_plan
 from kestrel_kernels.torch_backend import paged_attention_segmented
 
@@ -132,6 +133,10 @@ CASES = {
     "region_crosses_chunk": dict(k_lens=[20, 20], q_lens=[8, 8], regions=[(10, 16), (14, 30)]),
     "region_before_chunk": dict(k_lens=[30, 16], q_lens=[5, 4], regions=[(0, 12), (2, 2)]),
     "region_after_all": dict(k_lens=[12], q_lens=[12], regions=[(12, 20)]),
+    "decode_shared": dict(k_lens=[30, 28, 33, 31], q_lens=None, q_len=1, share_prefix=25),
+    "shared_regions_padding": dict(
+        k_lens=[40, 38, 42], q_lens=[5, 3, 0], regions=[(0, 20)] * 3, share_prefix=30
+    ),
     "varlen_regions": dict(
         k_lens=[15, 31, 9, 22], q_lens=[15, 6, 2, 0], regions=[(0, 6), (20, 29), (9, 3), (1, 2)]
     ),
@@ -143,6 +148,32 @@ CASES = {
 def test_torch_backend_matches_naive(name: str, hkv: int) -> None:
     c = make_case(sum(map(ord, name)) + hkv, hkv=hkv, **CASES[name])
     assert_close(run(c), naive_attention(c))
+
+
+@pytest.mark.parametrize("name", ["shared_pages", "decode_shared", "shared_regions_padding"])
+def test_shared_page_path_runs_and_matches_naive(name: str, monkeypatch) -> None:
+    """Rows sharing pages take the read-each-page-once path; rows that share nothing, or a row
+    listing a page twice, take the per-row gather; every case matches the naive rule."""
+    taken = []
+    real = torch_backend._shared_page_attention
+
+    def spy(*args, **kw):
+        out = real(*args, **kw)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(torch_backend, "_shared_page_attention", spy)
+    c = make_case(11, hkv=2, **CASES[name])
+    assert_close(run(c), naive_attention(c))
+    assert taken == [True]
+    unshared = make_case(11, hkv=2, **{**CASES[name], "share_prefix": 0})
+    assert_close(run(unshared), naive_attention(unshared))
+    assert taken == [True, False]
+    twice = c.page_table.clone()
+    twice[1, 1] = twice[1, 0]  # the same page at two positions of one row
+    dup = Case(**{**vars(c), "page_table": twice})
+    assert_close(run(dup), naive_attention(dup))
+    assert taken == [True, False, False]
 
 
 @pytest.mark.parametrize("name", ["varlen", "append", "region_crosses_chunk", "decode"])
