@@ -8,6 +8,8 @@ kernel, so that ``paged_attention_segmented`` runs the exact orchestration of th
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -99,11 +101,42 @@ def _grouped_sdpa(
     return out.reshape(batch, q_len, q_heads, head_dim)
 
 
+class _Workspace(threading.local):
+    """Per-thread gather buffers, reused across calls on CPU.
+
+    A fresh multi-megabyte tensor per layer and step costs the kernel's page faults on first
+    touch (on a 2-core CPU, several times the copy itself); a buffer that only grows avoids
+    them. Only the calling thread uses its buffers, and only within one attention call.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, Tensor] = {}
+
+    def get(self, slot: str, like: Tensor, rows: int) -> Tensor:
+        # inference-mode tensors cannot be written outside inference mode, and vice versa
+        key = (slot, like.dtype, tuple(like.shape[1:]), torch.is_inference_mode_enabled())
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape[0] < rows:
+            buf = like.new_empty((max(rows, 1024), *like.shape[1:]))
+            self.buffers[key] = buf
+        return buf[:rows]
+
+
+_WORKSPACE = _Workspace()
+
+
 def _gather_pages(k_cache: Tensor, v_cache: Tensor, pages_BK: Tensor) -> tuple[Tensor, Tensor]:
-    """K/V of each row's positions, ``[B, K, Hkv, D]`` (index_select beats 2-D fancy indexing)."""
+    """K/V of each row's positions, ``[B, K, Hkv, D]`` (index_select beats 2-D fancy indexing).
+
+    On CPU the result lives in this thread's workspace: valid until its next gather."""
     flat = pages_BK.reshape(-1).long()
     shape = (*pages_BK.shape, *k_cache.shape[1:])
-    return k_cache.index_select(0, flat).view(shape), v_cache.index_select(0, flat).view(shape)
+    grad = torch.is_grad_enabled() and (k_cache.requires_grad or v_cache.requires_grad)
+    if k_cache.device.type != "cpu" or grad:
+        return k_cache.index_select(0, flat).view(shape), v_cache.index_select(0, flat).view(shape)
+    k = torch.index_select(k_cache, 0, flat, out=_WORKSPACE.get("k", k_cache, flat.numel()))
+    v = torch.index_select(v_cache, 0, flat, out=_WORKSPACE.get("v", v_cache, flat.numel()))
+    return k.view(shape), v.view(shape)
 
 
 def paged_attention_torch(

@@ -1,0 +1,89 @@
+"""Decode throughput against batch size: tokens/s of one batched decode step at B = 1..16.
+
+    python scripts/bench_decode.py [--model DIR] [--steps 16] [--batches 1,2,4,8,16] [--json]
+
+B sequences are prefilled (image prompts of ~750 positions: an image and a short question),
+then ``--steps`` decode steps run over all B at once through the runtime (the step the
+engine's scheduler runs). Two layouts: every row asks about the same image (its 729 image
+positions are one cached prefix that all rows share: the batch image-QA case) and every row
+about its own image (nothing shared). Tokens/s = B x steps / time; the ratio to B = 1 is
+taken in the same run. Default model: the random-weight bench checkpoint (Moondream-2
+structure, 729 image tokens, sized for a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from timing import bench_model
+
+from kestrel.moondream.runtime import MoondreamRuntime
+from kestrel.prefix_cache.tokens import TextToken
+
+
+def prompt(rt: MoondreamRuntime, question: str) -> list[TextToken]:
+    t = rt.config.tokenizer
+    q = t.templates["query"]
+    ids = [t.bos_id, *q["prefix"], *rt.tokenizer.encode(question), *q["suffix"]]
+    return [TextToken(i) for i in ids]
+
+
+def tokens_per_s(rt: MoondreamRuntime, images: list, batch: int, steps: int) -> float:
+    states = []
+    for b in range(batch):
+        s, _ = rt.start_sequence(
+            prompt(rt, f"question {b}?"), images[b % len(images)], max_new_tokens=steps + 2
+        )
+        states.append(s)
+    feed = [TextToken(11)] * batch
+    rt.decode_step(states, feed)  # warm-up step
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        rt.decode_step(states, feed)
+    elapsed = time.perf_counter() - t0
+    for s in states:
+        rt.release_sequence(s)
+    return batch * steps / elapsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=Path.home() / ".cache/kestrel-bench/cpu")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--batches", default="1,2,4,8,16")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    rt = MoondreamRuntime.from_pretrained(
+        bench_model(args.model), device="cpu", dtype=torch.float32,
+        max_batch_size=max(batches), kv_cache_pages=max(batches) * 900 + 64,
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    own = [rng.integers(0, 256, (378, 378, 3), dtype=np.uint8) for _ in range(max(batches))]
+    layouts = {"same image": own[:1], "own image": own}
+    res: dict[str, dict[int, float]] = {name: {} for name in layouts}
+    with torch.inference_mode():
+        for name, imgs in layouts.items():
+            for b in batches:
+                res[name][b] = tokens_per_s(rt, imgs, b, args.steps)
+    if args.json:
+        print(json.dumps({f"{n} B={b}": round(v, 1) for n, r in res.items() for b, v in r.items()}))
+        return
+    print(f"\n{args.steps} decode steps per batch, ~750-position image prompts, CPU float32\n")
+    print("| batch | same image: tokens/s | vs B=1 | own image: tokens/s | vs B=1 |")
+    print("|---|---|---|---|---|")
+    for b in batches:
+        same, own_ = res["same image"], res["own image"]
+        print(
+            f"| {b} | {same[b]:.1f} | {same[b] / same[1]:.2f}x | {own_[b]:.1f} | "
+            f"{own_[b] / own_[1]:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
