@@ -1,10 +1,13 @@
-"""``kestrel batch``: answer many image questions into a resumable JSONL file."""
+"""``kestrel batch``: answer many image questions into a resumable JSONL file; with ``--ray``,
+on a Ray cluster (``kestrel.distributed``, imported only then: it needs ``kestrel[ray]``)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kestrel import batch
+from kestrel.errors import KestrelError
 
 from . import common
 
@@ -22,7 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--images", metavar="DIR", help="folder of images (searched recursively)")
     source.add_argument("--questions", metavar="FILE", help="one question per line")
     source.add_argument("--input", metavar="FILE", help='JSONL of {"id", "image", "question"}')
-    parser.add_argument("--out", metavar="FILE", required=True, help="JSONL results (appended)")
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        required=True,
+        help="JSONL results (appended); with --ray a folder of JSONL files, or of Parquet files "
+        "when it ends with .parquet",
+    )
     parser.add_argument(
         "--max-in-flight",
         type=common.positive_int,
@@ -39,15 +48,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_ray_options(parser)
     common.add_engine_options(parser)
     common.add_generation_options(parser)
     parser.set_defaults(run=run)
+
+
+def _add_ray_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Ray (needs kestrel[ray]; see docs/distributed.md)")
+    group.add_argument(
+        "--ray",
+        action="store_true",
+        help="run on a Ray cluster: one engine per replica, questions routed by image",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="join this Ray cluster (default: $RAY_ADDRESS, else start a local instance)",
+    )
+    group.add_argument(
+        "--replicas",
+        type=common.positive_int,
+        default=None,
+        metavar="N",
+        help="engine replicas (default: one per GPU, else one per 4 CPUs)",
+    )
+    group.add_argument(
+        "--routing",
+        choices=("image", "random"),
+        default="image",
+        help="image: all questions about an image go to one replica (default); random: Ray's "
+        "plain shuffle, for comparison",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     requests = _requests(args)  # bad input fails here, before the model loads
     adapters = [_named_path(spec) for spec in args.load_adapter]
     max_in_flight = args.max_in_flight or 4 * args.max_batch_size
+    if args.ray:
+        return _run_ray(args, requests, adapters, max_in_flight)
     with common.open_engine(args) as engine:
         for name, path in adapters:
             engine.load_adapter(name, path)
@@ -64,6 +105,36 @@ def run(args: argparse.Namespace) -> int:
         common.print_json(summary.to_dict())
     else:
         print(batch.format_summary(summary))
+    return 0
+
+
+def _run_ray(args, requests, adapters: list[tuple[str, str]], max_in_flight: int) -> int:
+    try:
+        from kestrel import distributed
+    except ImportError as exc:  # as `kestrel serve` without its extra: exit status 1
+        why = exc.__cause__ or exc
+        raise KestrelError(f'--ray needs Ray Data: pip install "kestrel[ray]" ({why})') from None
+    if args.adapter is not None:
+        if not Path(args.adapter).expanduser().exists():
+            raise common.UsageError(f"no such adapter file or folder: {args.adapter}")
+        adapters = [*adapters, (common.ADAPTER, str(Path(args.adapter).expanduser()))]
+    replica = distributed.ReplicaOptions(
+        model=args.model,
+        engine=common.engine_kwargs(args),
+        adapters=tuple(adapters),
+        settings=common.settings_from_args(args),
+        adapter=common.adapter_name(args),
+        max_in_flight=max_in_flight,
+    )
+    options = distributed.RayBatchOptions(
+        replicas=args.replicas, routing=args.routing, progress=not args.no_progress
+    )
+    with distributed.ray_session(args.ray_address):
+        summary = distributed.run_ray_batch(requests, args.out, replica, options)
+    if args.json:
+        common.print_json(summary.to_dict())
+    else:
+        print(distributed.format_ray_summary(summary))
     return 0
 
 

@@ -155,8 +155,8 @@ def test_close_fails_pending_and_refuses_new(make_engine) -> None:
 
 class _Faults:
     """Raises from inside the model (its attention kernel, after the step's K/V were written to
-    their pages) on the prefill of chosen sequences / chosen decode calls of one runtime, so the failure paths really
-    run with pages taken and partly written."""
+    their pages) on the prefill of chosen sequences / chosen decode calls of one runtime, so the
+    failure paths really run with pages taken and partly written."""
 
     def __init__(self, monkeypatch, runtime) -> None:
         self.prefill_calls = self.decode_calls = 0

@@ -1,0 +1,155 @@
+"""The replica: one :class:`~kestrel.Engine` per Ray actor, answering a batch of rows at once.
+
+Ray Data builds a pool of these (``map_batches(Replica, compute=ActorPoolStrategy(size=N))``)
+and hands each one whole blocks. A call sorts its block by routing key, so the rows of one image
+are consecutive, decodes each image once, and keeps up to ``max_in_flight`` requests submitted
+to the engine, whose scheduler batches them (an image's first question encodes it, the others
+reuse its cached KV). Each row's record is exactly ``kestrel batch``'s line plus ``replica``;
+a bad image or a failed request gives an error record, never a failed call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from kestrel.batch import BatchRequest
+from kestrel.batch_output import error_record, result_record
+from kestrel.errors import EngineClosedError, KestrelError
+
+from .rows import request_of, table_of_records
+
+__all__ = ["CrashOnce", "Replica", "ReplicaOptions"]
+
+
+@dataclass(frozen=True, slots=True)
+class CrashOnce:
+    """Fault injection (tests, drills): the first replica to have answered ``after_rows`` rows
+    kills its own process in the middle of its batch. ``marker`` is a file every replica can
+    see; creating it is the claim, so this fires once per job, restarted replicas included."""
+
+    after_rows: int
+    marker: str
+
+    def claim(self) -> bool:
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaOptions:
+    """How each replica builds its engine and asks its questions: the CLI's engine options
+    (``engine``: Engine keyword arguments), adapters to load (name, path), the generation
+    settings and default adapter of every request, and the in-flight bound per call."""
+
+    model: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    adapters: tuple[tuple[str, str], ...] = ()
+    settings: dict[str, Any] | None = None
+    adapter: str | None = None
+    max_in_flight: int = 64
+    threads: int | None = None  # torch intra-op threads (CPU replicas)
+    crash: CrashOnce | None = None
+
+
+class Replica:
+    """A Ray Data callable class: ``Replica(options)(block) -> output rows``."""
+
+    def __init__(self, options: ReplicaOptions) -> None:
+        import ray
+        import torch
+
+        from kestrel.engine import Engine
+
+        if options.threads is not None:
+            torch.set_num_threads(options.threads)
+        self.engine = Engine(options.model, **options.engine)
+        for name, path in options.adapters:
+            self.engine.load_adapter(name, path)
+        self.options = options
+        self.name = f"{ray.util.get_node_ip_address()}:{os.getpid()}"
+        self.answered = 0  # rows recorded by this process (for CrashOnce)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = sorted(batch.to_pylist(), key=lambda r: (r["key"], r["path"] or ""))
+        records: list[dict[str, Any]] = []
+
+        def record(line: dict[str, Any]) -> None:
+            records.append({**line, "replica": self.name})
+            self._answered_one()
+
+        _Feed(self.engine, record, self.options).run(rows)
+        return table_of_records(records)
+
+    def _answered_one(self) -> None:
+        self.answered += 1
+        crash = self.options.crash
+        if crash is not None and self.answered >= crash.after_rows and crash.claim():
+            os._exit(17)  # as abrupt as a lost node: no cleanup, no reply
+
+
+class _Feed:
+    """Up to ``max_in_flight`` requests submitted at once; each recorded as it finishes."""
+
+    def __init__(
+        self, engine: Any, record: Callable[[dict[str, Any]], None], options: ReplicaOptions
+    ) -> None:
+        self.engine, self.record, self.options = engine, record, options
+        self.in_flight: dict[Future, BatchRequest] = {}
+
+    def run(self, rows: list[dict[str, Any]]) -> None:
+        try:
+            for path, group in itertools.groupby(rows, key=lambda r: r["path"]):
+                requests = [request_of(r) for r in group]
+                try:  # decoded once for all of this image's questions
+                    image = None if path is None else self.engine.prepare_image(path)
+                except KestrelError as exc:
+                    for r in requests:
+                        self.record(error_record(r, exc))
+                    continue
+                for r in requests:
+                    while len(self.in_flight) >= self.options.max_in_flight:
+                        self._collect()
+                    self._submit(image, r)
+            while self.in_flight:
+                self._collect()
+        finally:  # interrupted: drop what is still queued in the engine
+            for future in self.in_flight:
+                future.cancel()
+
+    def _submit(self, image: Any, request: BatchRequest) -> None:
+        try:
+            future = self.engine.submit_query(
+                image,
+                request.question,
+                settings=self.options.settings,
+                adapter=request.adapter or self.options.adapter,
+            )
+        except EngineClosedError:
+            raise
+        except KestrelError as exc:  # this request's own fault (its prompt too long, ...)
+            self.record(error_record(request, exc))
+        else:
+            self.in_flight[future] = request
+
+    def _collect(self) -> None:
+        finished, _ = wait(self.in_flight, return_when=FIRST_COMPLETED)
+        for future in finished:
+            request = self.in_flight.pop(future)
+            try:
+                self.record(result_record(request, future.result()))
+            except EngineClosedError:
+                raise  # not the request's fault: the call fails and Ray retries the block
+            except KestrelError as exc:
+                self.record(error_record(request, exc))
