@@ -1,6 +1,6 @@
 """Train kestrel-tiny, a small Moondream 2 on synthetic scenes, and its French-colours LoRA.
 
-    python scripts/train_tiny.py [--steps 11000] [--adapter-steps 1600] [--threads 1]
+    python scripts/train_tiny.py [--steps 18000] [--adapter-steps 1600] [--threads 2]
 
 Phase 1 trains every weight of a Moondream-architecture model (vision tower, projection, text
 decoder, region heads; sizes in ``tiny_data.make_config``) with the project's own functions
@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("kestrel/assets/tiny"))
     p.add_argument("--state-dir", type=Path, default=Path("bench_out/tiny_train"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=11000)
+    p.add_argument("--steps", type=int, default=18000)
     p.add_argument("--adapter-steps", type=int, default=1600)
     p.add_argument("--batch", type=int, default=8, help="images per step")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--adapter-rank", type=int, default=8)
     p.add_argument("--redo-adapter", action="store_true", help="retrain the adapter only")
     p.add_argument("--sigma", type=float, default=24.0, help="coord/size label spread in bins")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--aux-weight", type=float, default=1.0, help="patch-class auxiliary loss")
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--vocab", type=int, default=512)
