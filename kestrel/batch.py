@@ -42,6 +42,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "BatchRequest",
     "BatchSummary",
+    "RequestFeed",
     "completed_ids",
     "error_record",
     "format_summary",
@@ -49,6 +50,8 @@ __all__ = [
     "requests_from_jsonl",
     "result_record",
     "run_batch",
+    "summary_rows",
+    "two_columns",
 ]
 
 IMAGE_EXTENSIONS = frozenset(
@@ -241,7 +244,7 @@ def run_batch(
             bar.set_postfix(errors=tally.errors, refresh=False)
             bar.update(1)
 
-        _Feed(engine, record, max_in_flight, settings=settings, adapter=adapter).run(
+        RequestFeed(engine, record, max_in_flight, settings=settings, adapter=adapter).run(
             _group_by_image(todo)
         )
     wall_s = time.perf_counter() - start
@@ -257,8 +260,10 @@ def _group_by_image(requests: Iterable[BatchRequest]) -> list[tuple[Path | None,
     return list(groups.items())
 
 
-class _Feed:
-    """Keeps up to ``max_in_flight`` requests submitted and records each as it finishes."""
+class RequestFeed:
+    """Keeps up to ``max_in_flight`` requests submitted and records each as it finishes; each
+    image is decoded once for its group of questions. Used by ``run_batch`` and by each Ray
+    replica (``kestrel.distributed``)."""
 
     def __init__(self, engine: Engine, record: Callable[[dict[str, Any]], None],
                  max_in_flight: int, **kwargs: Any) -> None:  # fmt: skip
@@ -337,13 +342,11 @@ def _summarize(
     )
 
 
-def format_summary(summary: BatchSummary) -> str:
-    """A small two-column table for a terminal."""
-
-    s = summary
+def summary_rows(s: Any) -> list[tuple[str, str]]:
+    """The rows every batch summary shares (``BatchSummary`` and the Ray job's summary)."""
     p50, p99 = ("-" if v is None else f"{v:.1f}" for v in (s.ttft_p50_ms, s.ttft_p99_ms))
     hits = f"{s.hit_rate:.1%} ({s.cached_tokens:,} of {s.input_tokens:,} input tokens cached)"
-    rows = [
+    return [
         ("requests", f"{s.requests} (+{s.skipped} already done, skipped)"),
         ("errors", str(s.errors)),
         ("wall time", f"{s.wall_s:.2f} s"),
@@ -351,9 +354,23 @@ def format_summary(summary: BatchSummary) -> str:
         ("output tokens/s", f"{s.output_tokens_per_s:.1f}"),
         ("TTFT p50 / p99", f"{p50} / {p99} ms"),
         ("prefix hit rate", hits),
-        ("vision encodes skipped", str(s.vision_encodes_skipped)),
-        ("prefill tokens saved", f"{s.prefill_tokens_saved:,}"),
-        ("cache evictions", f"{s.evictions:,} pages"),
     ]
+
+
+def two_columns(rows: list[tuple[str, str]]) -> str:
+    """A small two-column table for a terminal."""
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def format_summary(summary: BatchSummary) -> str:
+    """The closing summary of ``kestrel batch``."""
+    s = summary
+    return two_columns(
+        [
+            *summary_rows(s),
+            ("vision encodes skipped", str(s.vision_encodes_skipped)),
+            ("prefill tokens saved", f"{s.prefill_tokens_saved:,}"),
+            ("cache evictions", f"{s.evictions:,} pages"),
+        ]
+    )

@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
-from kestrel.batch import BatchRequest
-from kestrel.batch_output import error_record, result_record
-from kestrel.errors import EngineClosedError, KestrelError
+from kestrel.batch import RequestFeed
 
 from .rows import request_of, table_of_records
 
@@ -89,7 +85,15 @@ class Replica:
             records.append({**line, "replica": self.name})
             self._answered_one()
 
-        _Feed(self.engine, record, self.options).run(rows)
+        groups = [
+            (path, [request_of(r) for r in group])
+            for path, group in itertools.groupby(rows, key=lambda r: r["path"])
+        ]
+        opts = self.options
+        feed = RequestFeed(
+            self.engine, record, opts.max_in_flight, settings=opts.settings, adapter=opts.adapter
+        )
+        feed.run(groups)
         return table_of_records(records)
 
     def _answered_one(self) -> None:
@@ -97,59 +101,3 @@ class Replica:
         crash = self.options.crash
         if crash is not None and self.answered >= crash.after_rows and crash.claim():
             os._exit(17)  # as abrupt as a lost node: no cleanup, no reply
-
-
-class _Feed:
-    """Up to ``max_in_flight`` requests submitted at once; each recorded as it finishes."""
-
-    def __init__(
-        self, engine: Any, record: Callable[[dict[str, Any]], None], options: ReplicaOptions
-    ) -> None:
-        self.engine, self.record, self.options = engine, record, options
-        self.in_flight: dict[Future, BatchRequest] = {}
-
-    def run(self, rows: list[dict[str, Any]]) -> None:
-        try:
-            for path, group in itertools.groupby(rows, key=lambda r: r["path"]):
-                requests = [request_of(r) for r in group]
-                try:  # decoded once for all of this image's questions
-                    image = None if path is None else self.engine.prepare_image(path)
-                except KestrelError as exc:
-                    for r in requests:
-                        self.record(error_record(r, exc))
-                    continue
-                for r in requests:
-                    while len(self.in_flight) >= self.options.max_in_flight:
-                        self._collect()
-                    self._submit(image, r)
-            while self.in_flight:
-                self._collect()
-        finally:  # interrupted: drop what is still queued in the engine
-            for future in self.in_flight:
-                future.cancel()
-
-    def _submit(self, image: Any, request: BatchRequest) -> None:
-        try:
-            future = self.engine.submit_query(
-                image,
-                request.question,
-                settings=self.options.settings,
-                adapter=request.adapter or self.options.adapter,
-            )
-        except EngineClosedError:
-            raise
-        except KestrelError as exc:  # this request's own fault (its prompt too long, ...)
-            self.record(error_record(request, exc))
-        else:
-            self.in_flight[future] = request
-
-    def _collect(self) -> None:
-        finished, _ = wait(self.in_flight, return_when=FIRST_COMPLETED)
-        for future in finished:
-            request = self.in_flight.pop(future)
-            try:
-                self.record(result_record(request, future.result()))
-            except EngineClosedError:
-                raise  # not the request's fault: the call fails and Ray retries the block
-            except KestrelError as exc:
-                self.record(error_record(request, exc))

@@ -15,6 +15,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kestrel.batch import summary_rows, two_columns
+
 __all__ = ["RaySummary", "ReplicaSummary", "Tally", "format_ray_summary"]
 
 
@@ -174,16 +176,8 @@ def _replica(name: str, c: _Counts) -> ReplicaSummary:
 def format_ray_summary(summary: RaySummary) -> str:
     """The two-column table of ``kestrel batch``, with a line per replica."""
     s = summary
-    p50, p99 = ("-" if v is None else f"{v:.1f}" for v in (s.ttft_p50_ms, s.ttft_p99_ms))
-    hits = f"{s.hit_rate:.1%} ({s.cached_tokens:,} of {s.input_tokens:,} input tokens cached)"
     rows = [
-        ("requests", f"{s.requests} (+{s.skipped} already done, skipped)"),
-        ("errors", str(s.errors)),
-        ("wall time", f"{s.wall_s:.2f} s"),
-        ("requests/s", f"{s.requests_per_s:.2f}"),
-        ("output tokens/s", f"{s.output_tokens_per_s:.1f}"),
-        ("TTFT p50 / p99", f"{p50} / {p99} ms"),
-        ("prefix hit rate", hits),
+        *summary_rows(s),
         ("vision encodes", str(s.vision_encodes)),
         ("vision encodes skipped", str(s.vision_encodes_skipped)),
         ("routing", f"{s.routing}, {len(s.replicas)} replicas served"),
@@ -196,5 +190,4 @@ def format_ray_summary(summary: RaySummary) -> str:
         )
         for r in s.replicas
     ]
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    return two_columns(rows)
