@@ -52,7 +52,6 @@ class PageCounts(dict):
 class MoondreamRunner:
     def __init__(self, runtime: MoondreamRuntime) -> None:
         self.runtime = runtime
-        self.evicted_pages = 0
 
     def capacity(self) -> Capacity:
         rt = self.runtime
