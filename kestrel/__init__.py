@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kestrel.engine import Engine
+from kestrel.engine.streams import AsyncTextStream, TextStream
 from kestrel.errors import (
     CapacityError,
     EngineClosedError,
@@ -24,7 +25,6 @@ from kestrel.results import (
     RequestMetrics,
 )
 from kestrel.skills.settings import Settings, parse_settings
-from kestrel.streams import AsyncTextStream, TextStream
 
 __version__ = "0.1.0"
 

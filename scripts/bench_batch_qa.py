@@ -24,7 +24,7 @@ import numpy as np
 from timing import bench_model, instrument, measure, table
 
 from kestrel import Engine
-from kestrel.moondream import EagerMoondream
+from kestrel.reference.eager import EagerMoondream
 
 QUESTIONS = [
     "What is in the picture?",

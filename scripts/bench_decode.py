@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from timing import bench_model
 
-from kestrel.moondream.runtime import MoondreamRuntime
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tokens import TextToken
 
 
 def prompt(rt: MoondreamRuntime, question: str) -> list[TextToken]:

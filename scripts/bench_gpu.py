@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 import kestrel_kernels
+from kestrel.images import image_digest, load_image
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
-from kestrel.moondream.image_input import image_digest, load_image
-from kestrel.moondream.random_weights import random_model
-from kestrel.moondream.runtime import MoondreamRuntime
 from kestrel.moondream.vision import encode_image
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.reference.random_weights import random_model
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tokens import TextToken
 
 PUBLISHED_REQ_S = {1: 42.0, 64: 57.0}  # Kestrel, H100, Moondream 2, ChartQA short answers
 DATASHEET_TB_S = {"H100": 3.35, "H200": 4.8}  # HBM bandwidth, SXM parts

@@ -30,9 +30,9 @@ import torch
 
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.random_checkpoint import write_random_checkpoint
-from kestrel.moondream.runtime import MoondreamRuntime
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.reference.random_checkpoint import write_random_checkpoint
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tokens import TextToken
 
 BENCH_CONFIG = {
     "text": {"dim": 512, "ff_dim": 2048, "n_layers": 4, "n_heads": 8, "n_kv_heads": 8},

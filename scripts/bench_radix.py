@@ -52,7 +52,7 @@ class Impl:
     name = "kestrel (this)"
 
     def __init__(self, n_pages: int) -> None:
-        from kestrel.kv_cache import PageTable
+        from kestrel.kv.page_table import PageTable
         from kestrel.prefix_cache import CacheNamespace, ImageToken, RadixPrefixCache, TextToken
 
         self.pt = PageTable(n_pages, max_batch_size=4)

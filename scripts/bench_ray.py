@@ -2,7 +2,7 @@
 
     python scripts/bench_ray.py [--images 24] [--questions 8] [--replicas 2] [--repeat 2] [--json]
 
-The workload: 24 distinct synthetic scenes (``kestrel.synthetic``, an unseen seed) written as
+The workload: 24 distinct synthetic scenes (``kestrel.tiny.synthetic``, an unseen seed) written as
 PNG files x 8 questions, greedy answers from the bundled tiny model (the default), CPU. Measured
 in one run:
 - ``kestrel batch --ray`` on a local Ray instance with 2 replicas, image routing;
@@ -29,7 +29,7 @@ from pathlib import Path
 from kestrel import Engine
 from kestrel.batch import requests_from_folder, run_batch
 from kestrel.distributed import RayBatchOptions, ReplicaOptions, ray_session, run_ray_batch
-from kestrel.synthetic import make_scene
+from kestrel.tiny.synthetic import make_scene
 
 QUESTIONS = (
     "How many shapes are there?",

@@ -17,8 +17,8 @@ import time
 from tqdm import tqdm
 
 from kestrel import Engine, synthetic
-from kestrel.engine_setup import DEFAULT_MODEL_DIR
-from kestrel.tiny_eval import evaluate
+from kestrel.engine.setup import DEFAULT_MODEL_DIR
+from kestrel.tiny.eval import evaluate
 
 
 def main() -> None:

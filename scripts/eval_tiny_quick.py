@@ -1,6 +1,6 @@
 """Quick accuracy of kestrel-tiny through the eager reference path (no Engine needed).
 
-    python scripts/eval_tiny_quick.py [--model kestrel/assets/tiny] [--seed 1] [--n 100]
+    python scripts/eval_tiny_quick.py [--model kestrel/tiny/assets/model] [--seed 1] [--n 100]
     python scripts/eval_tiny_quick.py --state bench_out/tiny_train   # a checkpoint mid-training
 
 Metrics as in ``synthetic``: query exact match (``normalize_answer``), point = every true centre
@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kestrel import synthetic
-from kestrel.moondream import EagerMoondream, MoondreamModel, MoondreamTokenizer, load_adapter
+from kestrel.moondream import MoondreamModel, MoondreamTokenizer, load_adapter
+from kestrel.reference.eager import EagerMoondream
+from kestrel.tiny import synthetic
 
 
 def export_state(state_dir: Path, out: Path) -> Path:
@@ -29,7 +30,7 @@ def export_state(state_dir: Path, out: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).parent))
     import tiny_data
 
-    from kestrel.moondream.random_checkpoint import config_to_dict
+    from kestrel.reference.random_checkpoint import config_to_dict
 
     saved = torch.load(state_dir / "state.pt", weights_only=False)
     tok = MoondreamTokenizer.from_file(state_dir / "tokenizer.json")
@@ -72,7 +73,7 @@ def evaluate(model_dir: Path, seed: int, n: int, adapter: Path | None = None) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", type=Path, default=Path("kestrel/assets/tiny"))
+    p.add_argument("--model", type=Path, default=Path("kestrel/tiny/assets/model"))
     p.add_argument("--state", type=Path, default=None, help="training state dir instead")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--n", type=int, default=100)

@@ -1,8 +1,8 @@
-"""Write the sample scenes `kestrel demo` ships with: kestrel/assets/demo/*.png + scenes.json.
+"""Write the sample scenes `kestrel demo` ships with: kestrel/tiny/assets/demo/*.png + scenes.json.
 
     python scripts/make_demo_assets.py
 
-Scenes come from ``kestrel.synthetic`` (seed DEMO_SEED, never the training stream). The JSON
+Scenes come from ``kestrel.tiny.synthetic`` (seed DEMO_SEED, never the training stream). The JSON
 keeps, per scene, the questions with their true answers and the point / detect objects with
 their true centers and boxes, so the demo can show what the model got right.
 """
@@ -10,13 +10,12 @@ their true centers and boxes, so the demo can show what the model got right.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-from kestrel import synthetic
+from kestrel.tiny import DEMO_DIR, synthetic
 
 DEMO_SEED = 2026
 N_SCENES = 6
-OUT = Path(__file__).resolve().parents[1] / "kestrel" / "assets" / "demo"
+OUT = DEMO_DIR
 
 
 def scene_entry(scene: synthetic.Scene, name: str) -> dict:

@@ -15,10 +15,10 @@ import time
 import numpy as np
 import torch
 
-from kestrel.moondream.eager import EagerMoondream
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.vision import encode_image
+from kestrel.reference.eager import EagerMoondream
 
 
 class _NoTokenizer:
@@ -69,7 +69,7 @@ def main() -> None:
     enc = eager.encode_embeddings(img_emb, crops.tiling)
     t_prefix = _time(lambda: eager.encode_embeddings(img_emb, crops.tiling), args.repeats)
 
-    from kestrel.moondream.eager import _Seq
+    from kestrel.reference.eager import _Seq
 
     ids = torch.arange(16, device=model.device) % cfg.text.vocab_size
     emb = model.text.wte[ids]

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import kestrel_kernels
-from kestrel.kv_cache import PageTable
+from kestrel.kv.page_table import PageTable
 from kestrel.moondream import image_crops, region, text, vision
-from kestrel.moondream.heads import ModelHeads
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
+from kestrel.runtime.heads import ModelHeads
 
 __all__ = ["TIMERS", "bench_model", "instrument", "measure", "table"]
 
@@ -98,7 +98,7 @@ def bench_model(path: Path) -> Path:
     import shutil
 
     from kestrel.moondream.config import MoondreamConfig
-    from kestrel.moondream.random_checkpoint import write_random_checkpoint
+    from kestrel.reference.random_checkpoint import write_random_checkpoint
 
     fixture = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny-a"
     tok = MoondreamConfig.from_json_file(fixture / "config.json").tokenizer

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kestrel import synthetic
 from kestrel.moondream.config import (
     MoondreamConfig,
     RegionConfig,
@@ -21,9 +20,10 @@ from kestrel.moondream.config import (
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.region import coord_to_bin, coord_token, size_to_bin, size_token
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.moondream.train_forward import NO_TARGET, Segment
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.reference.train_forward import NO_TARGET, Segment
 from kestrel.skills import prompts
+from kestrel.tiny import synthetic
+from kestrel.tokens import TextToken
 
 # Moondream's special-token layout: ids 0-9 (bos = eos = 0; id 8 reserved).
 SPECIALS = (

@@ -4,7 +4,7 @@
 
 Phase 1 trains every weight of a Moondream-architecture model (vision tower, projection, text
 decoder, region heads; sizes in ``tiny_data.make_config``) with the project's own functions
-(``kestrel.moondream.train_forward``): cross-entropy on answer tokens and on the continue/stop
+(``kestrel.reference.train_forward``): cross-entropy on answer tokens and on the continue/stop
 decisions, Gaussian-smoothed cross-entropy on coordinate and size bins, plus a training-only
 patch-class and patch-position probe on the image embeddings (see ``Trainer``). Phase 2
 freezes the model and trains a rank-8 LoRA that answers colour questions in French.
@@ -32,13 +32,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kestrel import synthetic
 from kestrel.moondream.lora import LORA_MODULES, LoraAdapter
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.random_checkpoint import config_to_dict
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.moondream.train_forward import image_embeddings, pack, packed_loss
 from kestrel.moondream.weights import expected_shapes
+from kestrel.reference.random_checkpoint import config_to_dict
+from kestrel.reference.train_forward import image_embeddings, pack, packed_loss
+from kestrel.tiny import synthetic
 
 PHASES = ("base", "adapter")
 ADAPTER_DIR = "lora-french"
@@ -46,7 +46,7 @@ ADAPTER_DIR = "lora-french"
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("kestrel/assets/tiny"))
+    p.add_argument("--out", type=Path, default=Path("kestrel/tiny/assets/model"))
     p.add_argument("--state-dir", type=Path, default=Path("bench_out/tiny_train"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=18000)

@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kestrel.demo import run_demo
+    from kestrel.tiny.demo import run_demo
 
     with common.open_engine(args) as engine:
         s = run_demo(engine, args.out)

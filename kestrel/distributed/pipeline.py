@@ -26,7 +26,7 @@ from typing import Any
 import ray
 import ray.data
 
-from kestrel.batch import BatchRequest
+from kestrel.batch.requests import BatchRequest
 from kestrel.errors import InvalidInputError, KestrelError, UnknownAdapterError
 from kestrel.skills import parse_settings
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from kestrel.batch import RequestFeed
+from kestrel.batch.run import RequestFeed
 
 from .rows import request_of, table_of_records
 

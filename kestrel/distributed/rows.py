@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from kestrel.batch import BatchRequest
+from kestrel.batch.requests import BatchRequest
 from kestrel.errors import KestrelError
 from kestrel.images import prepare_image
 from kestrel.results import RequestMetrics

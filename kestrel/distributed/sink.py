@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from ray.data.block import Block, BlockAccessor
 from ray.data.datasource import BlockBasedFileDatasink, WriteResult
 
-from kestrel.batch_output import completed_ids, open_for_append
+from kestrel.batch.output import completed_ids, open_for_append
 from kestrel.errors import InvalidInputError
 
 from .rows import record_of

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kestrel.batch import summary_rows, two_columns
+from kestrel.batch.tally import Counts, summary_rows, two_columns
 
 __all__ = ["RaySummary", "ReplicaSummary", "Tally", "format_ray_summary"]
 
@@ -61,54 +61,25 @@ class RaySummary:
 
 
 @dataclass(slots=True)
-class _Counts:
-    requests: int = 0
-    errors: int = 0
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    vision_encodes: int = 0
-    vision_encodes_skipped: int = 0
-
-    def add(self, record: dict[str, Any]) -> None:
-        self.requests += 1
-        metrics = record.get("metrics")
-        if metrics is None:
-            self.errors += 1
-            return
-        self.input_tokens += metrics["input_tokens"]
-        self.cached_tokens += metrics["cached_tokens"]
-        self.output_tokens += metrics["output_tokens"]
-        if record.get("image") is not None:
-            hit = metrics["cached_tokens"] > 0
-            self.vision_encodes_skipped += hit
-            self.vision_encodes += not hit
-
-    def merge(self, other: _Counts) -> None:
-        for name in self.__slots__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-@dataclass(slots=True)
 class Tally:
     """Counts per replica and a TTFT histogram; mergeable across write tasks, and of a fixed
     size whatever the number of rows (the driver merges one per write task)."""
 
-    replicas: dict[str, _Counts] = field(default_factory=dict)
+    replicas: dict[str, Counts] = field(default_factory=dict)
     ttft: Counter[int] = field(default_factory=Counter)  # log-spaced bin -> answered rows
 
     def add(self, record: dict[str, Any]) -> None:
-        self.replicas.setdefault(record.get("replica") or "?", _Counts()).add(record)
-        if record.get("metrics") is not None:
-            self.ttft[_ttft_bin(record["metrics"]["ttft_ms"])] += 1
+        metrics = self.replicas.setdefault(record.get("replica") or "?", Counts()).add(record)
+        if metrics is not None:
+            self.ttft[_ttft_bin(metrics["ttft_ms"])] += 1
 
     def merge(self, other: Tally) -> None:
         for name, counts in other.replicas.items():
-            self.replicas.setdefault(name, _Counts()).merge(counts)
+            self.replicas.setdefault(name, Counts()).merge(counts)
         self.ttft.update(other.ttft)
 
     def summary(self, *, skipped: int, wall_s: float, routing: str) -> RaySummary:
-        total = _Counts()
+        total = Counts()
         for counts in self.replicas.values():
             total.merge(counts)
         per_s = 1.0 / wall_s if wall_s > 0 else 0.0
@@ -124,7 +95,7 @@ class Tally:
             input_tokens=total.input_tokens,
             cached_tokens=total.cached_tokens,
             output_tokens=total.output_tokens,
-            hit_rate=_rate(total),
+            hit_rate=total.hit_rate,
             vision_encodes=total.vision_encodes,
             vision_encodes_skipped=total.vision_encodes_skipped,
             routing=routing,
@@ -156,18 +127,14 @@ def _percentile(hist: Counter[int], q: float) -> float | None:
     raise AssertionError("unreachable")
 
 
-def _rate(c: _Counts) -> float:
-    return c.cached_tokens / c.input_tokens if c.input_tokens else 0.0
-
-
-def _replica(name: str, c: _Counts) -> ReplicaSummary:
+def _replica(name: str, c: Counts) -> ReplicaSummary:
     return ReplicaSummary(
         replica=name,
         requests=c.requests,
         errors=c.errors,
         input_tokens=c.input_tokens,
         cached_tokens=c.cached_tokens,
-        hit_rate=_rate(c),
+        hit_rate=c.hit_rate,
         vision_encodes=c.vision_encodes,
         vision_encodes_skipped=c.vision_encodes_skipped,
     )

@@ -1,16 +1,14 @@
-"""The Moondream 2 model: config, checkpoint loading, tokenizer, image crops, the model as plain
-weight containers plus functions, the eager reference path and the cached runtime."""
+"""The Moondream 2 model and nothing else: config, checkpoint loading (Hugging Face layouts,
+the hub), tokenizer, image crops, the model as plain weight containers plus functions (vision,
+text, rope, region, LoRA), sampling. It imports no layer above it: no runtime, cache, skills or
+engine."""
 
 from __future__ import annotations
 
 from .config import MoondreamConfig, RegionConfig, TextConfig, TokenizerConfig, VisionConfig
-from .eager import EagerMoondream
-from .image_crops import OverlapCrops, normalize_pixels, overlap_crops, select_tiling
-from .image_input import ImageError, image_digest, image_hash_int, load_image
+from .image_crops import CropError, OverlapCrops, normalize_pixels, overlap_crops, select_tiling
 from .lora import LoraAdapter, load_adapter
 from .model import MoondreamModel
-from .runtime import MoondreamRuntime, RuntimeCounters
-from .sequence import SequenceError, SequenceState
 from .tokenizer import MoondreamTokenizer, StreamDecoder, TokenizerError
 from .weights import (
     CheckpointError,
@@ -25,18 +23,13 @@ from .weights import (
 __all__ = [
     "CheckpointError",
     "CheckpointWarning",
-    "EagerMoondream",
-    "ImageError",
+    "CropError",
     "LoraAdapter",
     "MoondreamConfig",
     "MoondreamModel",
-    "MoondreamRuntime",
     "MoondreamTokenizer",
     "OverlapCrops",
     "RegionConfig",
-    "RuntimeCounters",
-    "SequenceError",
-    "SequenceState",
     "StreamDecoder",
     "TextConfig",
     "TokenizerConfig",
@@ -44,11 +37,8 @@ __all__ = [
     "VisionConfig",
     "checkpoint_dtype",
     "expected_shapes",
-    "image_digest",
-    "image_hash_int",
     "load_adapter",
     "load_config",
-    "load_image",
     "load_state_dict",
     "normalize_pixels",
     "overlap_crops",

@@ -21,9 +21,12 @@ import pyvips
 import torch
 
 from .config import VisionConfig
-from .image_input import ImageError
 
-__all__ = ["OverlapCrops", "normalize_pixels", "overlap_crops", "select_tiling"]
+__all__ = ["CropError", "OverlapCrops", "normalize_pixels", "overlap_crops", "select_tiling"]
+
+
+class CropError(ValueError):
+    """Pixels the crop pipeline cannot take (wrong type, bands or dtype)."""
 
 
 def select_tiling(height: int, width: int, crop_size: int, max_crops: int) -> tuple[int, int]:
@@ -70,15 +73,15 @@ class OverlapCrops:
 def _as_vips(image: np.ndarray | pyvips.Image) -> pyvips.Image:
     if isinstance(image, pyvips.Image):
         if image.format != "uchar" or image.bands != 3:
-            raise ImageError(
+            raise CropError(
                 f"overlap_crops needs a 3-band uchar image, got {image.bands} band(s) of "
                 f"{image.format!r}; pass it through load_image first"
             )
         return image
     if not isinstance(image, np.ndarray):
-        raise ImageError(f"overlap_crops takes a numpy array or pyvips image, not {type(image)}")
+        raise CropError(f"overlap_crops takes a numpy array or pyvips image, not {type(image)}")
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or image.size == 0:
-        raise ImageError(
+        raise CropError(
             f"overlap_crops needs a non-empty H x W x 3 uint8 array, got {image.dtype} "
             f"{image.shape}; pass it through load_image first"
         )
@@ -143,7 +146,7 @@ def normalize_pixels(
     else:
         crops = crops_u8
     if crops.dtype != torch.uint8 or crops.ndim != 4 or crops.shape[-1] != 3:
-        raise ImageError(
+        raise CropError(
             f"expected uint8 crops [N, H, W, 3], got {crops.dtype} {tuple(crops.shape)}"
         )
     x_NHWC = crops.to(device=device)

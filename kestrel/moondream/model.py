@@ -266,7 +266,7 @@ class MoondreamModel:
 
         ``dtype=None`` picks float32 on CPU, bfloat16 on CUDA, else the checkpoint's dtype.
         """
-        from kestrel.moondream import weights as loader
+        import kestrel.moondream.weights as loader
 
         device = torch.device(device)
         ckpt = loader.resolve_checkpoint(name_or_path, revision=revision)

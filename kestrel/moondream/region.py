@@ -25,7 +25,7 @@ from torch import Tensor
 from kestrel.moondream.config import RegionConfig
 from kestrel.moondream.model import MoondreamModel, RegionWeights
 from kestrel.moondream.text import embed_text, linear
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 
 __all__ = [
     "SpatialRefError",

@@ -11,13 +11,7 @@ Modules, bottom up (each imports only those above it): ``tokens``, ``namespace``
 
 from __future__ import annotations
 
-from .base import BasePrefixCache, CacheIntegrityError, CacheLockError, InsertError
-from .eviction import LRUEvictionPolicy
-from .lease import CacheLease, LeaseError, LeasePhase
-from .namespace import CacheNamespace
-from .node import CacheStats, InsertResult, MatchResult, TreeNode
-from .radix_cache import RadixPrefixCache
-from .tokens import (
+from kestrel.tokens import (
     CacheToken,
     CoordToken,
     ImageToken,
@@ -26,6 +20,13 @@ from .tokens import (
     cache_keys,
     kv_length,
 )
+
+from .base import BasePrefixCache, CacheIntegrityError, CacheLockError, InsertError
+from .eviction import LRUEvictionPolicy
+from .lease import CacheLease, LeaseError, LeasePhase
+from .namespace import CacheNamespace
+from .node import CacheStats, InsertResult, MatchResult, TreeNode
+from .radix_cache import RadixPrefixCache
 
 __all__ = [
     "BasePrefixCache",

@@ -14,7 +14,7 @@ Page ownership (page_size is 1, so a page is one KV position)
     * batch-private: mapped by exactly one batch row and owned by nobody else.
 
     The page table's pool keeps every page's state (one byte per page, see
-    ``kestrel/page_pool.py``). ``insert`` moves batch-private pages to cache-owned through
+    ``kestrel/kv/pool.py``). ``insert`` moves batch-private pages to cache-owned through
     ``page_table.claim_pages``; ``evict`` moves cache-owned pages back to the free pool
     through ``page_table.evict_pages``; ``PageTable.erase(row, cached_page_count)`` frees only
     the row's pages after its leading ``cached_page_count`` (which must be cache-owned). A
@@ -79,16 +79,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from kestrel.page_pool import CacheIntegrityError
+from kestrel.kv.pool import CacheIntegrityError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     import numpy as np
 
+    from kestrel.tokens import CacheToken
+
     from .namespace import CacheNamespace
     from .node import InsertResult, MatchResult, TreeNode
-    from .tokens import CacheToken
 
 __all__ = ["BasePrefixCache", "CacheIntegrityError", "CacheLockError", "InsertError"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kestrel.page_pool import PageState
+from kestrel.kv.pool import PageState
 
 from .base import CacheIntegrityError, InsertError
 from .node import EMPTY_PAGES, token_keys, token_kv_length

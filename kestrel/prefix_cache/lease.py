@@ -1,6 +1,6 @@
 """CacheLease: one request's hold on the KV pool and the prefix cache, the protocol written once.
 
-The runtime (``kestrel/moondream/runtime.py``) and the property test's model-free runtime
+The runtime (``kestrel/runtime/runtime.py``) and the property test's model-free runtime
 (``tests/unit/cache_protocol.py``) both drive this object, so the hypothesis state machine
 checks the code that serves requests. It owns no model code:
 
@@ -27,12 +27,12 @@ from .node import miss, token_kv_length
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from kestrel.kv_cache import PageTable
+    from kestrel.kv.page_table import PageTable
+    from kestrel.tokens import CacheToken
 
     from .base import BasePrefixCache
     from .namespace import CacheNamespace
     from .node import MatchResult, TreeNode
-    from .tokens import CacheToken
 
 __all__ = ["CacheLease", "LeaseError", "LeasePhase"]
 

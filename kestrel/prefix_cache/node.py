@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kestrel.page_pool import EMPTY_PAGES
-
-from .tokens import CoordToken, SizeToken, TextToken
+from kestrel.kv.pool import EMPTY_PAGES
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from kestrel.tokens import CacheToken
+
     from .namespace import CacheNamespace
-    from .tokens import CacheToken
 
 __all__ = [
     "BAD_TOKENS",

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kestrel.page_pool import PageState, PageTableError, as_pages
+from kestrel.kv.pool import PageState, PageTableError, as_pages
 
 from .base import BasePrefixCache, CacheLockError, InsertError
 from .eviction import LRUEvictionPolicy
@@ -46,15 +46,14 @@ from .node import (
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from kestrel.kv_cache import PageTable
-
-    from .tokens import CacheToken
+    from kestrel.kv.page_table import PageTable
+    from kestrel.tokens import CacheToken
 
 __all__ = ["CacheStats", "InsertResult", "MatchResult", "RadixPrefixCache", "TreeNode"]
 
 
 class RadixPrefixCache(BasePrefixCache):
-    """Namespaced radix tree over a :class:`~kestrel.kv_cache.PageTable` (page_size 1)."""
+    """Namespaced radix tree over a :class:`~kestrel.kv.page_table.PageTable` (page_size 1)."""
 
     def __init__(self, page_table: PageTable) -> None:
         if getattr(page_table, "page_size", 1) != 1:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect, Request
 
-from kestrel.moondream.image_input import DEFAULT_MAX_PIXELS
+from kestrel.images import DEFAULT_MAX_PIXELS
 from kestrel.server.errors import ApiError
 
 __all__ = [

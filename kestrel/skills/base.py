@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 
 if TYPE_CHECKING:
     from kestrel.moondream.config import TokenizerConfig

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kestrel.errors import InvalidInputError
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 
 if TYPE_CHECKING:
     from kestrel.moondream.config import TokenizerConfig

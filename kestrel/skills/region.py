@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken
 from kestrel.skills.base import PromptToken, Skill, SkillOps
 from kestrel.skills.prompts import detect_prompt, point_prompt
+from kestrel.tokens import CoordToken, SizeToken
 
 __all__ = ["DetectSkill", "PointSkill", "RegionSkill", "RegionTrace", "box_dict", "point_dict"]
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kestrel.prefix_cache.tokens import TextToken
 from kestrel.skills.base import PromptToken, Skill, SkillOps
 from kestrel.skills.grounding import GroundingChunk, grounding_chunks
 from kestrel.skills.prompts import caption_prompt, query_prompt
 from kestrel.skills.settings import Settings
+from kestrel.tokens import TextToken
 
 if TYPE_CHECKING:
     from kestrel.moondream.config import TokenizerConfig

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.moondream.eager import EagerMoondream
 from kestrel.moondream.lora import LoraAdapter, load_adapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
+from kestrel.reference.eager import EagerMoondream
 from tests.conformance.golden import OBSERVED, Golden, load_golden
 from tests.conftest import fixture_dir
 

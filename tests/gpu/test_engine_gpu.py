@@ -16,9 +16,9 @@ import pytest
 from PIL import Image
 
 from kestrel import Engine, synthetic
-from kestrel.engine_setup import DEFAULT_MODEL_DIR
-from kestrel.moondream.eager import EagerMoondream
-from kestrel.tiny_eval import evaluate
+from kestrel.engine.setup import DEFAULT_MODEL_DIR
+from kestrel.reference.eager import EagerMoondream
+from kestrel.tiny.eval import evaluate
 from kestrel_kernels import fa_backend
 from tests.conftest import fixture_dir
 from tests.integration.conftest import FIXTURE_MODEL, assert_idle

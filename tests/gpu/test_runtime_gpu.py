@@ -24,10 +24,10 @@ from PIL import Image
 
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.random_weights import random_model
-from kestrel.moondream.runtime import MoondreamRuntime
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.reference.random_weights import random_model
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
 from tests.conftest import fixture_dir
 

@@ -8,8 +8,8 @@ import torch
 from PIL import Image
 
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.runtime import MoondreamRuntime
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tokens import TextToken
 from tests.conftest import fixture_dir
 
 

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-import kestrel.moondream.prefill as prefill_mod
-from kestrel.moondream.prefill import MAX_PADDING, group_by_length
+import kestrel.runtime.prefill as prefill_mod
+from kestrel.runtime.prefill import MAX_PADDING, group_by_length
 from tests.integration.conftest import GREEDY, assert_idle, scheduler_paused, text_tokens
 from tests.integration.test_runtime_cache import conserved, query_prompt
 

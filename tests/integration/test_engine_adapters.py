@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from kestrel import CapacityError, UnknownAdapterError
 from kestrel.errors import InvalidInputError
 from kestrel.moondream.lora import LoraAdapter
-from kestrel.prefix_cache.tokens import TextToken
 from kestrel.skills import prompts
+from kestrel.tokens import TextToken
 from tests.conftest import fixture_dir
 from tests.integration.conftest import GREEDY, scheduler_paused
 

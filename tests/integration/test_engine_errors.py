@@ -120,7 +120,7 @@ def test_model_loading_errors(tmp_path, monkeypatch) -> None:
         Engine(tmp_path / "missing")
     with pytest.raises(ModelLoadError, match="cannot load model"):
         Engine("someone/not-a-local-model", device="cpu")
-    monkeypatch.setattr("kestrel.engine_setup.DEFAULT_MODEL_DIR", tmp_path / "absent")
+    monkeypatch.setattr("kestrel.engine.setup.DEFAULT_MODEL_DIR", tmp_path / "absent")
     with pytest.raises(ModelLoadError, match="embedded"):
         Engine()
     with pytest.raises(InvalidInputError, match="dtype"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel.moondream.eager import EagerMoondream
+from kestrel.reference.eager import EagerMoondream
 from tests.integration.conftest import FIXTURE_MODEL, assert_idle  # noqa: F401
 
 CASES = [

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.moondream.runtime import MoondreamRuntime
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tokens import TextToken
 from tests.integration.conftest import text_tokens
 
 ATOL = 1e-4  # float32; cached and uncached paths differ only in reduction order
@@ -188,14 +188,16 @@ def test_page_conservation_many_sequences(make_runtime, model):
 
 
 def test_errors_are_clear(make_runtime, model, images):
-    from kestrel.moondream.sequence import SequenceError
+    from kestrel.errors import InvalidInputError
+    from kestrel.runtime.sequence import SequenceError
 
     cfg = model.config
     rt = make_runtime()
     with pytest.raises(SequenceError, match="BOS"):
         rt.start_sequence(text_tokens([5, 6]))
-    with pytest.raises(SequenceError, match="without an image"):
-        rt.start_sequence(text_tokens([cfg.tokenizer.bos_id, 6]), image_hash=b"x" * 32)
+    with pytest.raises(InvalidInputError, match="bad image"):
+        rt.start_sequence(text_tokens([cfg.tokenizer.bos_id, 6]), b"not an image")
+    rt.check_integrity()  # a bad image is refused before anything is taken
     with pytest.raises(SequenceError, match="context"):
         rt.start_sequence(text_tokens([cfg.tokenizer.bos_id, 6]), max_new_tokens=5000)
     with pytest.raises(SequenceError, match="at least one token after BOS"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import kestrel.moondream.prefill as prefill_mod
-import kestrel.moondream.runtime as runtime_mod
+import kestrel.runtime.prefill as prefill_mod
+import kestrel.runtime.runtime as runtime_mod
 from tests.integration.conftest import text_tokens
 from tests.integration.test_runtime_cache import conserved, query_prompt
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.moondream.eager import EagerMoondream
 from kestrel.moondream.lora import load_adapter
 from kestrel.moondream.region import (
     coord_token,
@@ -20,11 +19,12 @@ from kestrel.moondream.region import (
     spatial_ref_tokens,
 )
 from kestrel.moondream.sampling import suppress
-from kestrel.moondream.sequence import cacheable_prefix
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.reference.eager import EagerMoondream
+from kestrel.runtime.sequence import cacheable_prefix
 from kestrel.skills import prompts
 from kestrel.skills.text import answer_suppressed_ids
+from kestrel.tokens import TextToken
 from tests.conftest import fixture_dir
 
 ATOL = 1e-4

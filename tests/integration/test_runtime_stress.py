@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.tokens import TextToken
 from tests.integration.conftest import text_tokens
 from tests.integration.test_runtime_cache import conserved
 

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from kestrel import Engine, synthetic
-from kestrel.engine_setup import DEFAULT_MODEL_DIR
-from kestrel.tiny_eval import evaluate, report, score, submit_case
+from kestrel.engine.setup import DEFAULT_MODEL_DIR
+from kestrel.tiny.eval import evaluate, report, score, submit_case
 from tests.integration.conftest import assert_idle
 
 SEED, N = 11, 24  # never the training stream

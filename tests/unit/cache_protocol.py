@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kestrel.kv_cache import PageTable
+from kestrel.kv.page_table import PageTable
 from kestrel.prefix_cache import (
     CacheLease,
     CacheNamespace,

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kestrel.kv_cache import BatchSlotsExhausted, PagePoolExhausted, PageTable
+from kestrel.kv.page_table import BatchSlotsExhausted, PagePoolExhausted, PageTable
 from kestrel.prefix_cache import RadixPrefixCache
 
 from .cache_protocol import FAIL_POINTS, FakeRuntime, InjectedFailure, Prompt, check_all

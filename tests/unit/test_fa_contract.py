@@ -20,11 +20,11 @@ import pytest
 import torch
 
 import kestrel_kernels as kk
-from kestrel.moondream.cuda_graphs import DecodeGraphs
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import coord_token, size_token
-from kestrel.moondream.runtime import MoondreamRuntime
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.runtime.cuda_graphs import DecodeGraphs
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
 from kestrel_kernels.torch_backend import varlen_paged_attention_torch
 from tests.conftest import fixture_dir
@@ -225,7 +225,7 @@ def _generate(rt: MoondreamRuntime, prompts: list, image, steps: int) -> list[to
     """Prefill each prompt (same image: the second one hits), then decode them as one batch."""
     states, logits = [], []
     for tokens in prompts:
-        state, row = rt.start_sequence(tokens, image, image_hash=b"\x07" * 32, max_new_tokens=steps)
+        state, row = rt.start_sequence(tokens, image, max_new_tokens=steps)
         states.append(state)
         logits.append(row)
     last = [int(row.argmax()) for row in logits]

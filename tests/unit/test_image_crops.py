@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
+from kestrel.images import ImageError, load_image
 from kestrel.moondream.config import VisionConfig
 from kestrel.moondream.image_crops import (
     OverlapCrops,
@@ -19,7 +20,6 @@ from kestrel.moondream.image_crops import (
     overlap_crops,
     select_tiling,
 )
-from kestrel.moondream.image_input import ImageError, load_image
 from kestrel.moondream.weights import load_config
 
 

@@ -12,7 +12,7 @@ import pytest
 import pyvips
 from PIL import Image
 
-from kestrel.moondream.image_input import (
+from kestrel.images import (
     DEFAULT_MAX_PIXELS,
     ImageError,
     image_digest,

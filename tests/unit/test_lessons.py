@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel.kv_cache import PagePoolExhausted
+from kestrel.kv.page_table import PagePoolExhausted
 from kestrel.prefix_cache import ImageToken, TextToken
 
 from .cache_protocol import (

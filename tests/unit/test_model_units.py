@@ -20,7 +20,6 @@ from kestrel.moondream.region import (
 )
 from kestrel.moondream.rope import apply_rope, rope_cos_sin
 from kestrel.moondream.sampling import SamplingError, apply_top_p, sample, suppress
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
 from kestrel.skills.prompts import (
     PromptError,
     caption_prompt,
@@ -29,6 +28,7 @@ from kestrel.skills.prompts import (
     query_prompt,
     token_ids,
 )
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 from tests.conftest import fixture_dir
 
 FIX = fixture_dir()
@@ -263,7 +263,7 @@ def test_model_from_state_dict_errors_and_counts(cfg):
 
 
 def _run_rows(model, x_BTC, lora):
-    from kestrel.kv_cache import PagedKVCache
+    from kestrel.kv.page_table import PagedKVCache
     from kestrel.moondream.text import text_forward
 
     t = model.config.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.kv_cache import (
+from kestrel.kv.page_table import (
     BatchSlotsExhausted,
     DoubleFreeError,
     PagedKVCache,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel.kv_cache import PageState, PageTableError
+from kestrel.kv.page_table import PageState, PageTableError
 from kestrel.prefix_cache import (
     CacheIntegrityError,
     CacheLockError,

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("ray")
 
-from kestrel.batch import BatchRequest
-from kestrel.batch_output import error_record, result_record
+from kestrel.batch.output import error_record, result_record
+from kestrel.batch.requests import BatchRequest
 from kestrel.distributed.rows import image_items, record_of, table_of_records
 from kestrel.distributed.summary import Tally, format_ray_summary
 from kestrel.errors import InvalidInputError

@@ -9,9 +9,9 @@ from concurrent.futures import CancelledError, Future
 import pytest
 
 from kestrel.errors import CapacityError, ModelError
-from kestrel.prefix_cache.tokens import TextToken
 from kestrel.scheduler import Capacity, Request, RunnerOverloaded, Scheduler, Started
 from kestrel.skills.base import Skill
+from kestrel.tokens import TextToken
 
 
 class CountSkill(Skill):

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from kestrel.errors import InvalidInputError
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
 from kestrel.skills import (
     CaptionSkill,
     DetectSkill,
@@ -16,6 +15,7 @@ from kestrel.skills import (
     Settings,
     parse_settings,
 )
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 
 EOS, ANSWER, THINKING, COORD, SIZE = 0, 3, 4, 5, 6
 

@@ -1,12 +1,12 @@
-"""kestrel.synthetic: deterministic scenes whose answers and targets match their pixels."""
+"""kestrel.tiny.synthetic: deterministic scenes whose answers and targets match their pixels."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kestrel import synthetic
-from kestrel.synthetic import COLORS, SHAPES, make_scene, scenes
+from kestrel.tiny import synthetic
+from kestrel.tiny.synthetic import COLORS, SHAPES, make_scene, scenes
 
 SCENES = list(scenes(7, 60))
 

@@ -3,17 +3,14 @@ its adapter answers colours in French, and the training forward is the inference
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-import kestrel
-from kestrel import synthetic
-from kestrel.moondream import EagerMoondream, MoondreamModel, MoondreamTokenizer, load_adapter
+from kestrel.moondream import MoondreamModel, MoondreamTokenizer, load_adapter
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.text import lm_head
-from kestrel.moondream.train_forward import (
+from kestrel.reference.eager import EagerMoondream
+from kestrel.reference.train_forward import (
     NO_TARGET,
     Segment,
     dense_text_forward,
@@ -21,9 +18,10 @@ from kestrel.moondream.train_forward import (
     image_embeddings,
     pack,
 )
-from kestrel.prefix_cache.tokens import TextToken
+from kestrel.tiny import MODEL_DIR, synthetic
+from kestrel.tokens import TextToken
 
-TINY = Path(kestrel.__file__).parent / "assets" / "tiny"
+TINY = MODEL_DIR
 ADAPTER = TINY / "lora-french"
 SEED = 424242  # an evaluation stream (never synthetic.TRAIN_SEED)
 

@@ -17,9 +17,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from kestrel.engine_setup import read_adapter
-from kestrel.errors import CapacityError, InvalidInputError, UnknownAdapterError
-from kestrel.moondream.lora import LoraAdapter
+from kestrel.errors import CapacityError, InvalidInputError, ModelLoadError, UnknownAdapterError
+from kestrel.moondream.lora import LoraAdapter, load_adapter
 from kestrel.moondream.model import MoondreamModel
 
 __all__ = ["DEFAULT_MAX_ADAPTERS", "AdapterRegistry"]
@@ -70,3 +69,12 @@ class AdapterRegistry:
             loaded = ", ".join(self.names()) or "none"
             raise UnknownAdapterError(f"no adapter named {name!r} is loaded (loaded: {loaded})")
         return found
+
+
+def read_adapter(name: str, path: str | Path, model: MoondreamModel) -> LoraAdapter:
+    if not isinstance(name, str) or not name or "@" in name:
+        raise InvalidInputError(f"adapter name must be a non-empty string without '@': {name!r}")
+    try:
+        return load_adapter(path, model.config, name=name, device=model.device, dtype=model.dtype)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load adapter {name!r} from {path}: {exc}") from exc

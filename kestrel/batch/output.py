@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kestrel.batch import BatchRequest
+    from kestrel.batch.requests import BatchRequest
     from kestrel.results import QueryResult
 
 __all__ = ["completed_ids", "error_record", "open_for_append", "result_record"]

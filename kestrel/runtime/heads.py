@@ -18,7 +18,7 @@ from kestrel.moondream.region import (
     spatial_ref_tokens,
 )
 from kestrel.moondream.sampling import greedy, sample, suppress
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken
+from kestrel.tokens import CoordToken, SizeToken
 
 __all__ = ["ModelHeads", "RowLogits", "batch_rows"]
 

@@ -2,7 +2,7 @@
 
 Shared by ``scripts/eval_tiny.py``, ``kestrel demo`` and the oracle tests. Every request of an
 evaluation is submitted at once (the engine batches them) and scored with the rules of
-``kestrel.synthetic``: a query is right on an exact match of the normalized answer; a point
+``kestrel.tiny.synthetic``: a query is right on an exact match of the normalized answer; a point
 request when every true center has its own predicted point within 0.05; a detect request when
 every true box has its own predicted box with IoU >= 0.5 (counts must agree).
 """
@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel import synthetic
+from kestrel.tiny import synthetic
 
 __all__ = ["EvalReport", "Outcome", "evaluate", "submit_case"]
 

@@ -18,19 +18,19 @@ from typing import Any
 
 import torch
 
-from kestrel.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry
-from kestrel.engine_async import AsyncTwins
-from kestrel.engine_loop import SchedulerLoop
-from kestrel.engine_setup import load_runtime
+from kestrel.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry
+from kestrel.engine.aio import AsyncTwins
+from kestrel.engine.requests import Draft, RequestFactory, salted
+from kestrel.engine.setup import load_runtime
+from kestrel.engine.streams import AsyncTextStream, TextStream
 from kestrel.errors import EngineClosedError
-from kestrel.frontend import Draft, RequestFactory, salted
 from kestrel.images import PreparedImage, prepare_image
-from kestrel.moondream.heads import ModelHeads
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.results import EngineStats
-from kestrel.runner import MoondreamRunner
+from kestrel.runtime.heads import ModelHeads
+from kestrel.runtime.runner import MoondreamRunner
 from kestrel.scheduler import Request, Scheduler
-from kestrel.streams import AsyncTextStream, TextStream
+from kestrel.scheduler.loop import SchedulerLoop
 
 __all__ = ["Engine"]
 

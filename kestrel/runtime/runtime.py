@@ -34,18 +34,25 @@ from pathlib import Path
 
 import torch
 
-from kestrel.kv_cache import PagedKVCache, PageTable
+from kestrel.images import PreparedImage, image_hash_int, prepare_image
+from kestrel.kv.page_table import PagedKVCache, PageTable
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.moondream.cuda_graphs import DecodeGraphs, graphs_supported
-from kestrel.moondream.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
-from kestrel.moondream.decode import decode_eager
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
-from kestrel.moondream.image_input import image_hash_int, load_image
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.prefill import PrefillItem, prefill_batch
 from kestrel.moondream.region import embed_tokens
-from kestrel.moondream.sequence import (
+from kestrel.moondream.text import lm_head
+from kestrel.moondream.tokenizer import MoondreamTokenizer
+from kestrel.moondream.vision import encode_image
+from kestrel.moondream.weights import resolve_checkpoint
+from kestrel.prefix_cache.lease import CacheLease, LeasePhase
+from kestrel.prefix_cache.namespace import CacheNamespace
+from kestrel.prefix_cache.radix_cache import RadixPrefixCache
+from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
+from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
+from kestrel.runtime.decode import decode_eager
+from kestrel.runtime.prefill import PrefillItem, prefill_batch
+from kestrel.runtime.sequence import (
     PromptToken,
     SequenceError,
     SequenceState,
@@ -54,13 +61,6 @@ from kestrel.moondream.sequence import (
     check_request,
     validate_image_regions,
 )
-from kestrel.moondream.text import lm_head
-from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.moondream.vision import encode_image
-from kestrel.moondream.weights import resolve_checkpoint
-from kestrel.prefix_cache.lease import CacheLease, LeasePhase
-from kestrel.prefix_cache.namespace import CacheNamespace
-from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
 
@@ -172,9 +172,8 @@ class MoondreamRuntime:
     def prepare_sequence(
         self,
         tokens: Sequence[PromptToken],
-        image=None,
+        image: object = None,
         *,
-        image_hash: bytes | None = None,
         adapter: LoraAdapter | None = None,
         max_new_tokens: int = 256,
         cache_salt: str | None = None,
@@ -184,10 +183,12 @@ class MoondreamRuntime:
 
         Same arguments as ``start_sequence``. Follow with ``prefill_sequence`` and
         ``commit_sequence``, or ``abort_sequence`` on failure."""
-        image_hash = check_request(self.config, tokens, image, image_hash, max_new_tokens)
+        check_request(self.config, tokens, image is not None, max_new_tokens)
+        if image is not None and not isinstance(image, PreparedImage):
+            image = prepare_image(image)  # decoded and hashed once; the engine passes it so
         cfg = self.config
         image_kv = cfg.image_tokens if image is not None else 0
-        hash_int = image_hash_int(image_hash) if image_hash is not None else None
+        hash_int = image_hash_int(image.digest) if image is not None else None
         namespace = CacheNamespace(adapter.lora_id if adapter else None, hash_int, cache_salt)
         cache_tokens = build_cache_tokens(tokens, hash_int, image_kv)
         image_regions = [(1, 1 + image_kv)] if image is not None else []
@@ -256,9 +257,8 @@ class MoondreamRuntime:
     def start_sequence(
         self,
         tokens: Sequence[PromptToken],
-        image=None,
+        image: object = None,
         *,
-        image_hash: bytes | None = None,
         adapter: LoraAdapter | None = None,
         max_new_tokens: int = 256,
         cache_salt: str | None = None,
@@ -266,13 +266,13 @@ class MoondreamRuntime:
         """Prefill a prompt (reusing its cached prefix) and return its state and last logits [V].
 
         ``tokens`` starts with ``TextToken(bos_id)``; for an image prompt the image's KV block is
-        placed right after BOS. ``image_hash`` is the image's SHA-256 digest (computed when
-        omitted). ``cache_salt`` puts the prompt in a namespace of its own (tenant isolation).
+        placed right after BOS. ``image`` is a :class:`~kestrel.images.PreparedImage` (pixels
+        and their digest), or anything ``prepare_image`` takes. ``cache_salt`` puts the prompt
+        in a namespace of its own (tenant isolation).
         Prepare, prefill and commit in one call.
         """
         state = self.prepare_sequence(
-            tokens, image, image_hash=image_hash, adapter=adapter,
-            max_new_tokens=max_new_tokens, cache_salt=cache_salt,
+            tokens, image, adapter=adapter, max_new_tokens=max_new_tokens, cache_salt=cache_salt,
         )  # fmt: skip
         try:
             hidden_C, logits_V = self.prefill_sequence(state)
@@ -350,9 +350,9 @@ class MoondreamRuntime:
                 raise AssertionError(f"row {s.batch_idx} maps {mapped} != {s.max_length}")
 
     # ------------------------------------------------------------------ internals
-    def _encode_image(self, image) -> torch.Tensor:
-        """Vision encoder: image -> [image_tokens, dim]."""
-        crops = overlap_crops(load_image(image), self.config.vision)
+    def _encode_image(self, image: PreparedImage) -> torch.Tensor:
+        """Vision encoder: the prepared pixels (never decoded again) -> [image_tokens, dim]."""
+        crops = overlap_crops(image.pixels, self.config.vision)
         pixels = normalize_pixels(crops.crops, self.dtype, self.device)
         return encode_image(pixels, crops.tiling, self.model.vision, self.config.vision)
 

@@ -16,11 +16,10 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from kestrel import synthetic
+from kestrel.tiny import DEMO_DIR, synthetic
 
 __all__ = ["DEMO_DIR", "DemoSummary", "draw_results", "load_scenes", "run_demo"]
 
-DEMO_DIR = Path(__file__).parent / "assets" / "demo"
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
 SCALE = 3  # the drawing upscales the small scenes
 

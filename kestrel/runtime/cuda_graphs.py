@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 
 import kestrel_kernels
-from kestrel.moondream.decode import decode_static
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import PagedKV
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+from kestrel.runtime.decode import decode_static
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 
 __all__ = ["DecodeGraphs", "bucket_sizes", "graphs_supported"]
 

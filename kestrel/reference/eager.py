@@ -25,31 +25,31 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kestrel.moondream.eager_types import (
-    Box,
-    ContextOverflowError,
-    EncodedImage,
-    Phase,
-    Point,
-    QueryResult,
-    ReasoningResult,
-    RegionResult,
-    RegionStep,
-)
-from kestrel.moondream.heads import ModelHeads
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import embed_text, lm_head, text_forward
 from kestrel.moondream.vision import encode_image as vision_encode
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+from kestrel.reference.types import (
+    Box,
+    ContextOverflowError,
+    EncodedImage,
+    Phase,
+    Point,
+    QueryTrace,
+    ReasoningResult,
+    RegionResult,
+    RegionStep,
+)
+from kestrel.runtime.heads import ModelHeads
 from kestrel.skills.base import Skill
 from kestrel.skills.prompts import token_ids
 from kestrel.skills.region import DetectSkill, PointSkill, RegionSkill
 from kestrel.skills.settings import Settings
 from kestrel.skills.text import CaptionSkill, QuerySkill, TextPhase
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 
-__all__ = ["EagerMoondream", "EncodedImage", "QueryResult", "RegionResult"]
+__all__ = ["EagerMoondream", "EncodedImage", "QueryTrace", "RegionResult"]
 
 _Token = TextToken | CoordToken | SizeToken
 
@@ -68,7 +68,7 @@ class EagerMoondream:
     ``tokenizer``: ``encode(text) -> list[int]``, ``decode(ids) -> str``)."""
 
     def __init__(self, model: MoondreamModel, tokenizer, *, backend: str = "auto") -> None:
-        from kestrel.kv_cache import PagedKVCache
+        from kestrel.kv.page_table import PagedKVCache
 
         self.model = model
         self.tokenizer = tokenizer
@@ -156,9 +156,9 @@ class EagerMoondream:
         )
 
     def encode_image(self, image, *, adapter: LoraAdapter | None = None) -> EncodedImage:
-        """Any image ``kestrel.moondream.image_input.load_image`` accepts -> EncodedImage."""
+        """Any image ``kestrel.images.load_image`` accepts -> EncodedImage."""
+        from kestrel.images import load_image
         from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
-        from kestrel.moondream.image_input import load_image
 
         m = self.model
         crops = overlap_crops(load_image(image), m.config.vision)
@@ -218,7 +218,7 @@ class EagerMoondream:
         top_p: float = 1.0,
         adapter: LoraAdapter | None = None,
         record: bool = False,
-    ) -> QueryResult:
+    ) -> QueryTrace:
         """Answer ``question`` about ``image`` (None = text-only). ``record`` keeps per-step
         logits (row 0 = prefill) in the phases."""
         settings = Settings(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
@@ -228,21 +228,21 @@ class EagerMoondream:
         )  # fmt: skip
         return self._text_result(skill, self._run(skill, image, adapter))
 
-    def caption(self, image, length: str = "normal", **kw) -> QueryResult:
+    def caption(self, image, length: str = "normal", **kw) -> QueryTrace:
         """Caption ``image``; same keywords as ``query`` minus reasoning / spatial_refs."""
         adapter, record = kw.pop("adapter", None), kw.pop("record", False)
         settings = Settings(**{"max_tokens": 768, "temperature": 0.0, "top_p": 1.0, **kw})
         skill = CaptionSkill(self._ops, length, settings, record=record)
         return self._text_result(skill, self._run(skill, image, adapter))
 
-    def _text_result(self, skill: QuerySkill | CaptionSkill, prompt_ids) -> QueryResult:
+    def _text_result(self, skill: QuerySkill | CaptionSkill, prompt_ids) -> QueryTrace:
         phase = _phase(skill.answer)
         thought = None
         if isinstance(skill, QuerySkill) and skill.reasoning is not None:
             text, grounding = skill.reasoning_output()
             r = skill.reasoning
             thought = ReasoningResult(text, tuple(r.tokens), grounding, _phase(r))
-        return QueryResult(
+        return QueryTrace(
             answer=skill.answer_text(),
             token_ids=phase.token_ids,
             finish_reason="eos" if phase.finish_reason == "stop" else phase.finish_reason,

@@ -7,7 +7,7 @@ page_size is 1: a page is one KV position, and logical page ``i`` of a row is it
 ``[max_batch_size + 1, max_seq_len]`` on ``device``, padding entries 0), which kernels read; on
 the CPU the two share memory.
 
-Page states live in the :class:`~kestrel.page_pool.PagePool` (free / private / cached, one byte
+Page states live in the :class:`~kestrel.kv.pool.PagePool` (free / private / cached, one byte
 per page); who moves pages between them is described in ``kestrel/prefix_cache/base.py``. This
 class owns the pool and the batch rows, and asks the attached prefix cache to evict when the
 pool runs dry. Pages travel as 1-D int32 arrays; ``get_pages`` returns a list for callers that
@@ -17,14 +17,13 @@ want plain ints.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from kestrel.kv_storage import PagedKVCache
-from kestrel.page_integrity import check_page_table
-from kestrel.page_pool import (
+from kestrel.kv.integrity import check_page_table
+from kestrel.kv.pool import (
     EMPTY_PAGES,
     CacheIntegrityError,
     DoubleFreeError,
@@ -33,13 +32,12 @@ from kestrel.page_pool import (
     PageTableError,
     as_pages,
 )
-
-if TYPE_CHECKING:
-    from kestrel.prefix_cache.base import BasePrefixCache
+from kestrel.kv.storage import PagedKVCache
 
 __all__ = [
     "BatchSlotsExhausted",
     "CacheIntegrityError",
+    "CacheOwner",
     "DoubleFreeError",
     "PagePoolExhausted",
     "PageState",
@@ -47,6 +45,24 @@ __all__ = [
     "PageTableError",
     "PagedKVCache",
 ]
+
+
+class CacheOwner(Protocol):
+    """What the page table asks of the prefix cache attached to it (the cache owns the
+    CACHED pages and gives them back when evicting). Defined here, below the cache, so the
+    KV layer never imports the cache."""
+
+    page_table: PageTable
+
+    @property
+    def total_cached_pages(self) -> int: ...
+
+    def reclaimable_page_count(self) -> int: ...
+
+    def evict(self, needed_pages: int) -> int: ...
+
+    def check_integrity(self) -> None: ...
+
 
 _FREE, _PRIVATE, _CACHED, _PADDING = (int(s) for s in PageState)
 
@@ -95,7 +111,7 @@ class PageTable:
             self.page_table = torch.zeros(
                 (max_batch_size + 1, max_seq_len), dtype=torch.int32, device=self.device
             )
-        self.prefix_cache: BasePrefixCache | None = None
+        self.prefix_cache: CacheOwner | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -204,7 +220,7 @@ class PageTable:
         self._free_rows.append(batch_idx)
 
     # ------------------------------------------------------------- pages
-    def set_prefix_cache(self, cache: BasePrefixCache | None) -> None:
+    def set_prefix_cache(self, cache: CacheOwner | None) -> None:
         """Attach the cache that ``allocate_pages`` evicts from when the pool is short."""
         if cache is not None and getattr(cache, "page_table", self) is not self:
             raise PageTableError("the prefix cache was built over a different PageTable")
@@ -367,5 +383,5 @@ class PageTable:
             self.check_pages()
 
     def check_pages(self) -> None:
-        """The page-table half of ``check_integrity`` (see ``kestrel/page_integrity.py``)."""
+        """The page-table half of ``check_integrity`` (see ``kestrel/kv/integrity.py``)."""
         check_page_table(self)

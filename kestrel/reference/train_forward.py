@@ -29,7 +29,7 @@ from kestrel.moondream.region import decode_coordinate, decode_size, encode_coor
 from kestrel.moondream.rope import apply_rope, rope_cos_sin
 from kestrel.moondream.text import embed_text, layer_norm, linear, lm_head
 from kestrel.moondream.vision import pooled_local_features, vision_encoder, vision_projection
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken, TextToken
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 
 __all__ = [
     "PackedBatch",

@@ -1,6 +1,6 @@
 """Synthetic scenes: simple coloured shapes with questions, captions and region targets.
 
-The tiny bundled model (``kestrel/assets/tiny``) is trained on these scenes, and the eval, the
+The tiny bundled model (``kestrel/tiny/assets/model``) is trained on these scenes, and the eval, the
 demo and the oracle tests draw unseen ones from other seeds. Everything is a pure function of
 ``(seed, index)``: ``make_scene(seed, i)`` always gives the same pixels and the same questions.
 

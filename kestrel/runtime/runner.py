@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from kestrel.kv_cache import BatchSlotsExhausted, PagePoolExhausted
-from kestrel.moondream.heads import RowLogits, batch_rows
-from kestrel.moondream.runtime import MoondreamRuntime
-from kestrel.moondream.sequence import SequenceState
+from kestrel.kv.page_table import BatchSlotsExhausted, PagePoolExhausted
 from kestrel.prefix_cache.node import token_kv_length
+from kestrel.runtime.heads import RowLogits, batch_rows
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.runtime.sequence import SequenceState
 from kestrel.scheduler.protocol import Capacity, Request, RunnerOverloaded, Started
 from kestrel.skills.base import PromptToken
 
@@ -100,11 +100,9 @@ class MoondreamRunner:
         return wave, deferred
 
     def _prepare(self, request: Request) -> SequenceState:
-        image = request.image
         return self.runtime.prepare_sequence(
             request.skill.prompt,
-            None if image is None else image.pixels,
-            image_hash=None if image is None else image.digest,
+            request.image,
             adapter=request.adapter,
             max_new_tokens=request.max_new_tokens,
             cache_salt=request.cache_salt,

@@ -10,16 +10,35 @@ which then calls this. Raises CacheIntegrityError.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 
-from kestrel.page_pool import EMPTY_PAGES, CacheIntegrityError, PageState
+from kestrel.kv.pool import EMPTY_PAGES, CacheIntegrityError, PagePool, PageState
 
-if TYPE_CHECKING:
-    from kestrel.kv_cache import PageTable
+__all__ = ["PageRows", "check_page_table"]
 
-__all__ = ["check_page_table"]
+
+class PageRows(Protocol):
+    """The page table as this check reads it (its public accessors; ``PageTable`` is one)."""
+
+    pool: PagePool
+    prefix_cache: Any
+    page_table: torch.Tensor
+    max_batch_size: int
+    n_pages: int
+
+    def host_rows(self) -> np.ndarray: ...
+
+    def row_lengths(self) -> tuple[int, ...]: ...
+
+    def row_pages(self, batch_idx: int, start: int = 0, end: int | None = None) -> np.ndarray: ...
+
+    def active_batch_indices(self) -> list[int]: ...
+
+    def free_batch_rows(self) -> tuple[int, ...]: ...
+
 
 _FREE, _PRIVATE, _CACHED, _PADDING = (int(s) for s in PageState)
 
@@ -28,7 +47,7 @@ def _fail(msg: str) -> None:
     raise CacheIntegrityError(msg)
 
 
-def check_page_table(pt: PageTable) -> None:
+def check_page_table(pt: PageRows) -> None:
     pt.pool.check()
     states = pt.pool.states()
     if pt.prefix_cache is None and np.count_nonzero(states == _CACHED):
@@ -69,7 +88,7 @@ def _check_row(b: int, row: np.ndarray, states: np.ndarray) -> np.ndarray:
     return row[n_head:]
 
 
-def _check_private(pt: PageTable, states: np.ndarray, private: list[np.ndarray]) -> None:
+def _check_private(pt: PageRows, states: np.ndarray, private: list[np.ndarray]) -> None:
     mapped = np.concatenate(private) if private else EMPTY_PAGES
     dup = pt.pool.duplicate_of(mapped)
     if dup is not None:

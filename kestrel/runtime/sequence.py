@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kestrel.moondream.image_input import image_digest
 from kestrel.prefix_cache.namespace import CacheNamespace
-from kestrel.prefix_cache.tokens import CoordToken, ImageToken, SizeToken, TextToken
+from kestrel.tokens import CoordToken, ImageToken, SizeToken, TextToken
 
 if TYPE_CHECKING:
     import torch
 
+    from kestrel.images import PreparedImage
     from kestrel.moondream.config import MoondreamConfig
     from kestrel.moondream.lora import LoraAdapter
     from kestrel.prefix_cache.lease import CacheLease
@@ -59,7 +59,7 @@ class SequenceState:
     image_regions: list[tuple[int, int]] = field(default_factory=list)
     cache_tokens: list = field(default_factory=list)
     prompt: tuple[PromptToken, ...] = ()
-    image: object | None = None
+    image: PreparedImage | None = None
     vision_encoded: bool = False
     released: bool = False
 
@@ -145,11 +145,10 @@ def cacheable_prefix(cache_tokens: Sequence, coord_bins: int, size_bins: int) ->
 def check_request(
     config: MoondreamConfig,
     tokens: Sequence[PromptToken],
-    image: object,
-    image_hash: bytes | None,
+    has_image: bool,
     max_new_tokens: int,
-) -> bytes | None:
-    """Validate a ``start_sequence`` request; returns the image digest (computed if omitted)."""
+) -> None:
+    """Validate a ``start_sequence`` request (before anything is decoded or taken)."""
     if not tokens or not isinstance(tokens[0], TextToken):
         raise SequenceError("a prompt must start with TextToken(bos_id)")
     if tokens[0].token_id != config.tokenizer.bos_id:
@@ -165,20 +164,11 @@ def check_request(
         raise SequenceError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise SequenceError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if image is None:
-        if image_hash is not None:
-            raise SequenceError("image_hash was given without an image")
-    else:
-        if len(tokens) < 2:
-            raise SequenceError("an image prompt needs at least one token after BOS")
-        if image_hash is None:
-            image_hash = image_digest(image)
-        elif not isinstance(image_hash, bytes) or len(image_hash) < 16:
-            raise SequenceError("image_hash must be the image's SHA-256 digest (bytes)")
-    prompt = len(tokens) + (config.image_tokens if image is not None else 0)
+    if has_image and len(tokens) < 2:
+        raise SequenceError("an image prompt needs at least one token after BOS")
+    prompt = len(tokens) + (config.image_tokens if has_image else 0)
     if prompt + max_new_tokens > config.text.max_context:
         raise SequenceError(
             f"prompt ({prompt} positions) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"model context of {config.text.max_context}"
         )
-    return image_hash

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kestrel.prefix_cache.tokens import CoordToken, SizeToken
 from kestrel.skills.grounding import GroundingChunk
+from kestrel.tokens import CoordToken, SizeToken
 
 __all__ = [
     "Box",
@@ -16,7 +16,7 @@ __all__ = [
     "GroundingChunk",
     "Phase",
     "Point",
-    "QueryResult",
+    "QueryTrace",
     "ReasoningResult",
     "RegionResult",
     "RegionStep",
@@ -63,7 +63,11 @@ class ReasoningResult:
 
 
 @dataclass(frozen=True, slots=True)
-class QueryResult:
+class QueryTrace:
+    """What the eager path generated for a query or caption, with the logits of every decision
+    (the oracle the cached runtime is compared against; the Engine returns
+    :class:`kestrel.results.QueryResult`)."""
+
     answer: str
     token_ids: tuple[int, ...]
     finish_reason: str  # "eos", "max_tokens" or "length"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.kv_storage import PagedKVCache
+from kestrel.kv.storage import PagedKVCache
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import text_forward
 from kestrel.moondream.vision import encode_image

@@ -11,13 +11,12 @@ from pathlib import Path
 import torch
 
 from kestrel.errors import InvalidInputError, ModelLoadError
-from kestrel.moondream.lora import LoraAdapter, load_adapter
-from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.runtime import MoondreamRuntime
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tiny import MODEL_DIR
 
-__all__ = ["DEFAULT_MODEL_DIR", "load_runtime", "read_adapter", "resolve_device", "resolve_dtype"]
+__all__ = ["DEFAULT_MODEL_DIR", "load_runtime", "resolve_device", "resolve_dtype"]
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "tiny"
+DEFAULT_MODEL_DIR = MODEL_DIR  # the embedded kestrel-tiny
 
 _DTYPES = {
     "float32": torch.float32,
@@ -102,12 +101,3 @@ def load_runtime(
     if rt.tokenizer is None:
         raise ModelLoadError(f"model {str(source)!r} has no tokenizer")
     return rt, str(source)
-
-
-def read_adapter(name: str, path: str | Path, model: MoondreamModel) -> LoraAdapter:
-    if not isinstance(name, str) or not name or "@" in name:
-        raise InvalidInputError(f"adapter name must be a non-empty string without '@': {name!r}")
-    try:
-        return load_adapter(path, model.config, name=name, device=model.device, dtype=model.dtype)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot load adapter {name!r} from {path}: {exc}") from exc
