@@ -12,9 +12,10 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 
-from kestrel.images import ImageError, load_image
+from kestrel.images import load_image
 from kestrel.moondream.config import VisionConfig
 from kestrel.moondream.image_crops import (
+    CropError,
     OverlapCrops,
     normalize_pixels,
     overlap_crops,
@@ -120,9 +121,9 @@ def test_overlap_crops_validates_input(vision: VisionConfig) -> None:
         np.zeros((10, 10, 4), np.uint8),
         np.zeros((0, 10, 3), np.uint8),
     ):
-        with pytest.raises(ImageError, match="load_image"):
+        with pytest.raises(CropError, match="load_image"):
             overlap_crops(bad, vision)
-    with pytest.raises(ImageError, match="3-band"):
+    with pytest.raises(CropError, match="3-band"):
         overlap_crops(pyvips.Image.black(8, 8, bands=1), vision)
 
 
@@ -161,5 +162,5 @@ def test_normalize_channel_order_and_input_kinds(vision: VisionConfig) -> None:
     readonly = overlap_crops(np.zeros((50, 50, 3), np.uint8), vision).crops
     assert torch.equal(normalize_pixels(readonly, torch.float32), -torch.ones(2, 3, 378, 378))
     assert torch.equal(normalize_pixels(torch.from_numpy(crops), torch.float32), x)
-    with pytest.raises(ImageError, match="uint8 crops"):
+    with pytest.raises(CropError, match="uint8 crops"):
         normalize_pixels(crops.astype(np.float32), torch.float32)
