@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from kestrel.batch.output import completed_ids, error_record, open_for_append, result_record
 from kestrel.batch.requests import BatchRequest, check_unique
-from kestrel.batch.tally import Counts, summary_rows, two_columns
+from kestrel.batch.tally import Counts, RunFigures, run_figures, summary_rows, two_columns
 from kestrel.errors import EngineClosedError, InvalidInputError, KestrelError, UnknownAdapterError
 from kestrel.results import EngineStats, QueryResult
 from kestrel.skills import parse_settings
@@ -40,30 +40,14 @@ __all__ = ["BatchSummary", "RequestFeed", "format_summary", "run_batch"]
 
 # ---------------------------------------------------------------------------- the run
 @dataclass(frozen=True, slots=True)
-class BatchSummary:
-    """What one :func:`run_batch` call did. Token counts and TTFT cover this call's answered
-    requests; ``hit_rate`` is token-weighted (cached / input positions); the three engine
-    counters are their change during this call; ``engine`` is the final snapshot."""
+class BatchSummary(RunFigures):
+    """What one :func:`run_batch` call did (the shared :class:`RunFigures` first); the three
+    engine counters are their change during this call; ``engine`` is the final snapshot."""
 
-    requests: int  # run by this call: answers + errors
-    skipped: int  # already in the output file
-    errors: int
-    wall_s: float
-    requests_per_s: float
-    output_tokens_per_s: float
-    ttft_p50_ms: float | None
-    ttft_p99_ms: float | None
-    input_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    hit_rate: float
     vision_encodes_skipped: int
     prefill_tokens_saved: int
     evictions: int
     engine: EngineStats
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def run_batch(
@@ -188,20 +172,8 @@ def _summarize(
 ) -> BatchSummary:
     ttft = np.asarray(ttft_ms, dtype=np.float64)
     p50, p99 = (float(v) for v in np.percentile(ttft, [50, 99])) if ttft.size else (None, None)
-    per_s = 1.0 / wall_s if wall_s > 0 else 0.0
     return BatchSummary(
-        requests=tally.requests,
-        skipped=skipped,
-        errors=tally.errors,
-        wall_s=wall_s,
-        requests_per_s=tally.requests * per_s,
-        output_tokens_per_s=tally.output_tokens * per_s,
-        ttft_p50_ms=p50,
-        ttft_p99_ms=p99,
-        input_tokens=tally.input_tokens,
-        cached_tokens=tally.cached_tokens,
-        output_tokens=tally.output_tokens,
-        hit_rate=tally.hit_rate,
+        **run_figures(tally, skipped=skipped, wall_s=wall_s, ttft_ms=(p50, p99)),
         vision_encodes_skipped=after.vision_encodes_skipped - before.vision_encodes_skipped,
         prefill_tokens_saved=after.prefill_tokens_saved - before.prefill_tokens_saved,
         evictions=after.evictions - before.evictions,

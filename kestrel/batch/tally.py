@@ -8,10 +8,10 @@ image's cached KV (a vision encode skipped).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Counts", "summary_rows", "two_columns"]
+__all__ = ["Counts", "RunFigures", "run_figures", "summary_rows", "two_columns"]
 
 
 @dataclass(slots=True)
@@ -52,7 +52,51 @@ class Counts:
         return self.cached_tokens / self.input_tokens if self.input_tokens else 0.0
 
 
-def summary_rows(s: Any) -> list[tuple[str, str]]:
+@dataclass(frozen=True, slots=True)
+class RunFigures:
+    """The figures every batch summary opens with (``BatchSummary``, the Ray job's summary).
+    Token counts and TTFT cover the run's answered requests; ``hit_rate`` is token-weighted
+    (cached / input positions)."""
+
+    requests: int  # run by this call: answers + errors
+    skipped: int  # already in the output file
+    errors: int
+    wall_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    hit_rate: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_figures(
+    c: Counts, *, skipped: int, wall_s: float, ttft_ms: tuple[float | None, float | None]
+) -> dict[str, Any]:
+    """The :class:`RunFigures` fields of a run counted in ``c`` (``ttft_ms``: p50, p99)."""
+    per_s = 1.0 / wall_s if wall_s > 0 else 0.0
+    return {
+        "requests": c.requests,
+        "skipped": skipped,
+        "errors": c.errors,
+        "wall_s": wall_s,
+        "requests_per_s": c.requests * per_s,
+        "output_tokens_per_s": c.output_tokens * per_s,
+        "ttft_p50_ms": ttft_ms[0],
+        "ttft_p99_ms": ttft_ms[1],
+        "input_tokens": c.input_tokens,
+        "cached_tokens": c.cached_tokens,
+        "output_tokens": c.output_tokens,
+        "hit_rate": c.hit_rate,
+    }
+
+
+def summary_rows(s: RunFigures) -> list[tuple[str, str]]:
     """The rows every batch summary shares (``BatchSummary`` and the Ray job's summary)."""
     p50, p99 = ("-" if v is None else f"{v:.1f}" for v in (s.ttft_p50_ms, s.ttft_p99_ms))
     hits = f"{s.hit_rate:.1%} ({s.cached_tokens:,} of {s.input_tokens:,} input tokens cached)"

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from kestrel.batch.tally import Counts, summary_rows, two_columns
+from kestrel.batch.tally import Counts, RunFigures, run_figures, summary_rows, two_columns
 
 __all__ = ["RaySummary", "ReplicaSummary", "Tally", "format_ray_summary"]
 
@@ -35,29 +35,15 @@ class ReplicaSummary:
 
 
 @dataclass(frozen=True, slots=True)
-class RaySummary:
-    """What one Ray batch job did (its own rows only; ``skipped`` were already in the output).
-    ``hit_rate`` is token-weighted over every replica's answered rows."""
+class RaySummary(RunFigures):
+    """What one Ray batch job did (its own rows only; ``skipped`` were already in the output):
+    the shared :class:`RunFigures`, token-weighted over every replica's answered rows, then
+    the vision encodes and each replica's share."""
 
-    requests: int
-    skipped: int
-    errors: int
-    wall_s: float
-    requests_per_s: float
-    output_tokens_per_s: float
-    ttft_p50_ms: float | None
-    ttft_p99_ms: float | None
-    input_tokens: int
-    cached_tokens: int
-    output_tokens: int
-    hit_rate: float
     vision_encodes: int
     vision_encodes_skipped: int
     routing: str
     replicas: tuple[ReplicaSummary, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -82,20 +68,9 @@ class Tally:
         total = Counts()
         for counts in self.replicas.values():
             total.merge(counts)
-        per_s = 1.0 / wall_s if wall_s > 0 else 0.0
+        ttft = (_percentile(self.ttft, 0.50), _percentile(self.ttft, 0.99))
         return RaySummary(
-            requests=total.requests,
-            skipped=skipped,
-            errors=total.errors,
-            wall_s=wall_s,
-            requests_per_s=total.requests * per_s,
-            output_tokens_per_s=total.output_tokens * per_s,
-            ttft_p50_ms=_percentile(self.ttft, 0.50),
-            ttft_p99_ms=_percentile(self.ttft, 0.99),
-            input_tokens=total.input_tokens,
-            cached_tokens=total.cached_tokens,
-            output_tokens=total.output_tokens,
-            hit_rate=total.hit_rate,
+            **run_figures(total, skipped=skipped, wall_s=wall_s, ttft_ms=ttft),
             vision_encodes=total.vision_encodes,
             vision_encodes_skipped=total.vision_encodes_skipped,
             routing=routing,
