@@ -1,19 +1,31 @@
-"""Caller-side images: decode to RGB pixels and hash them once, before a request reaches the
-scheduler.
+"""Caller-side images: decode to RGB pixels as people see them and hash them once, before a
+request reaches the scheduler.
 
 Accepted inputs: ``PIL.Image.Image`` (any mode), numpy arrays (H x W, or H x W x C with C in
-1..4, dtype uint8), ``pyvips.Image`` (1..4 bands, uchar), encoded bytes (PNG, JPEG, ... anything
-PIL reads) and ``str`` / ``pathlib.Path`` file paths. Colour conversion follows PIL's
-``convert("RGB")``, which is what the reference applies: alpha is dropped (not composited), gray
-is replicated, palettes are looked up. EXIF orientation is not applied (the reference does not).
+1..4; uint8, uint16 or float), ``pyvips.Image`` (1..4 bands), encoded bytes (PNG, JPEG, ...
+anything PIL reads) and ``str`` / ``pathlib.Path`` file paths. What happens to each kind of image
+(docs/images.md):
+
+- EXIF orientation (paths, bytes, PIL images carrying EXIF, pyvips images) is applied, so every
+  coordinate the model returns is in the picture a viewer shows; ``exif_orientation=False``
+  keeps the stored orientation. An unreadable EXIF block counts as upright.
+- 16-bit pixels (PIL ``I;16`` / ``I`` modes, uint16 arrays, vips ``ushort``) are scaled
+  0..65535 -> 0..255 (rounded), never clipped; float pixels (PIL ``F``, float arrays) are read as
+  0..1 and anything else (NaN, infinity, values outside 0..1) is refused.
+- Alpha (RGBA, LA, PA, palettes or RGB / L with a transparent colour, 2- and 4-channel arrays) is
+  composited on ``background`` (white by default); ``background=None`` drops it instead, as
+  PIL's ``convert("RGB")`` and the Moondream reference do.
+- Animated images (GIF, APNG, WebP) use their first frame. Everything else (gray, bilevel,
+  palette, CMYK, YCbCr) follows PIL's ``convert("RGB")``.
 
 The pixel limit is checked from the header (encoded inputs, lazily loaded PIL images, pyvips
 images) or the array shape before any full decode, so an oversized upload costs no decode.
 
 The cache identity of an image is the SHA-256 of its decoded RGB pixels (with dtype and shape),
-so the same pixels hit the cache whatever container they came in: a PNG file, its bytes, a PIL
-image or a numpy array. The runtime takes the :class:`PreparedImage` as it is: its pixels go
-straight to the crop pipeline on a miss, nothing is decoded twice.
+taken after all of the above: the same picture hits the cache whatever container it came in (a
+PNG file, its bytes, a PIL image, a numpy array, a JPEG stored sideways with an orientation tag),
+and the same bytes always hash alike. The runtime takes the :class:`PreparedImage` as it is: its
+pixels go straight to the crop pipeline on a miss, nothing is decoded twice.
 """
 
 from __future__ import annotations
@@ -21,6 +33,8 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +46,7 @@ from kestrel.errors import InvalidInputError
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
+    "WHITE",
     "ImageError",
     "ImageInput",
     "PreparedImage",
@@ -42,13 +57,53 @@ __all__ = [
 ]
 
 DEFAULT_MAX_PIXELS = 50_000_000
+WHITE = (255, 255, 255)
 _READ_CHUNK = 1 << 20
+_ORIENTATION_TAG = 0x0112  # EXIF "Orientation"
+_WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")  # 16/32-bit gray, float gray
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
 
 ImageInput = Any  # PIL.Image.Image | np.ndarray | pyvips.Image | bytes | str | os.PathLike
 
 
 class ImageError(ValueError):
     """An image that cannot be used: unreadable, empty, too large, or of an unsupported kind."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """How to decode: apply the EXIF orientation or not; the colour alpha is composited on
+    (None: alpha dropped)."""
+
+    exif_orientation: bool = True
+    background: tuple[int, int, int] | None = WHITE
+
+
+def _options(exif_orientation: bool, background: Sequence[int] | None) -> _Options:
+    if background is None:
+        return _Options(bool(exif_orientation), None)
+    colour = tuple(background)
+    if len(colour) != 3 or not all(
+        isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c <= 255
+        for c in colour
+    ):
+        raise ValueError(
+            f"background must be an (r, g, b) tuple of ints in 0..255, got {background!r}"
+        )
+    return _Options(bool(exif_orientation), (int(colour[0]), int(colour[1]), int(colour[2])))
+
+
+# EXIF orientation -> the array operation that shows the picture upright (H x W x C arrays).
+_ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    1: lambda a: a,
+    2: lambda a: a[:, ::-1],  # mirrored left-right
+    3: lambda a: a[::-1, ::-1],  # upside down
+    4: lambda a: a[::-1],  # mirrored top-bottom
+    5: lambda a: a.transpose(1, 0, 2),  # transposed
+    6: lambda a: np.rot90(a, -1),  # stored 90 degrees counter-clockwise: turn it clockwise
+    7: lambda a: a[::-1, ::-1].transpose(1, 0, 2),  # transversed
+    8: lambda a: np.rot90(a, 1),  # stored 90 degrees clockwise: turn it counter-clockwise
+}
 
 
 def _check_size(width: int, height: int, max_pixels: int, what: str) -> None:
@@ -61,20 +116,62 @@ def _check_size(width: int, height: int, max_pixels: int, what: str) -> None:
         )
 
 
-def _from_pil(image: Image.Image, max_pixels: int, what: str = "image") -> np.ndarray:
+def _exif_orientation(image: Image.Image) -> int:
+    try:
+        value = image.getexif().get(_ORIENTATION_TAG, 1)
+    except Exception:  # a broken EXIF block (any parser error) says nothing: upright
+        return 1
+    return value if isinstance(value, int) and value in _ORIENT else 1
+
+
+@contextmanager
+def _first_frame(image: Image.Image) -> Iterator[None]:
+    """Animated images: decode frame 0, then put a caller's image back on its own frame."""
+    frame = image.tell() if getattr(image, "is_animated", False) else 0
+    if frame:
+        image.seek(0)
+    try:
+        yield
+    finally:
+        if frame:
+            image.seek(frame)
+
+
+def _pil_array(image: Image.Image, opts: _Options, what: str) -> np.ndarray:
+    if image.mode in _WIDE_MODES:
+        array = np.asarray(image)
+        if image.mode == "I":  # 32-bit ints: PIL's mode for 16-bit files on some versions
+            if array.size and (int(array.min()) < 0 or int(array.max()) > 65535):
+                raise ImageError(f"{what} is 32-bit with values outside 0..65535")
+            array = array.astype(np.uint16)
+        return _array_rgb(array, opts, what)
+    if opts.background is not None and (image.mode in _ALPHA_MODES or "transparency" in image.info):
+        return _array_rgb(np.asarray(image.convert("RGBA")), opts, what)
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
+    return np.asarray(rgb, dtype=np.uint8)
+
+
+def _from_pil(
+    image: Image.Image, max_pixels: int, opts: _Options, what: str = "image"
+) -> np.ndarray:
     _check_size(image.width, image.height, max_pixels, what)
     try:
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
-        out = np.asarray(rgb, dtype=np.uint8)
+        with _first_frame(image):
+            out = _pil_array(image, opts, what)
+            orientation = _exif_orientation(image) if opts.exif_orientation else 1
+    except ImageError:
+        raise
     except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt pixel data
         raise ImageError(f"cannot decode {what}: {exc}") from exc
-    return np.array(out, dtype=np.uint8, order="C", copy=True)
+    return np.array(_ORIENT[orientation](out), dtype=np.uint8, order="C", copy=True)
 
 
-def _open_encoded(source: io.BytesIO | Path, max_pixels: int, what: str) -> np.ndarray:
+def _open_encoded(
+    source: io.BytesIO | Path, max_pixels: int, opts: _Options, what: str
+) -> np.ndarray:
     try:
         with Image.open(source) as image:  # reads the header only
-            return _from_pil(image, max_pixels, what)
+            return _from_pil(image, max_pixels, opts, what)
     except Image.DecompressionBombError as exc:
         raise ImageError(f"{what} is too large to decode safely: {exc}") from exc
     except ImageError:
@@ -83,43 +180,78 @@ def _open_encoded(source: io.BytesIO | Path, max_pixels: int, what: str) -> np.n
         raise ImageError(f"cannot decode {what} as an image: {exc}") from exc
 
 
-def _from_array(array: np.ndarray, max_pixels: int) -> np.ndarray:
+def _to_uint8(array: np.ndarray, what: str) -> np.ndarray:
+    """uint8 as is; uint16 scaled 65535 -> 255 (rounded); float read as 0..1."""
+    if array.dtype == np.uint8:
+        return array
+    if array.dtype.kind == "u" and array.dtype.itemsize == 2:  # either byte order
+        return ((array.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+    if array.dtype.kind == "f":
+        if not np.isfinite(array).all():
+            raise ImageError(f"{what} ({array.dtype}) holds NaN or infinite values")
+        low, high = float(array.min()), float(array.max())
+        if low < 0.0 or high > 1.0:
+            raise ImageError(
+                f"{what} is {array.dtype} with values in [{low:g}, {high:g}]; float images are "
+                "read as 0..1 (divide by 255 first if it holds 0..255)"
+            )
+        return np.rint(array.astype(np.float32) * 255.0).astype(np.uint8)
+    raise ImageError(
+        f"{what} has dtype {array.dtype}; expected uint8 (0..255), uint16 (0..65535) or "
+        "float (0..1)"
+    )
+
+
+def _composite(rgb: np.ndarray, alpha: np.ndarray, background: tuple[int, int, int]) -> np.ndarray:
+    """``rgb`` over ``background`` by ``alpha`` (H x W x 1), rounded; opaque pixels unchanged."""
+    a = alpha.astype(np.uint16)
+    colour = np.asarray(background, dtype=np.uint16)
+    return ((rgb.astype(np.uint16) * a + colour * (255 - a) + 127) // 255).astype(np.uint8)
+
+
+def _array_rgb(array: np.ndarray, opts: _Options, what: str = "image array") -> np.ndarray:
     if array.size == 0:
-        raise ImageError(f"image array is empty (shape {array.shape})")
-    if array.dtype != np.uint8:
-        raise ImageError(
-            f"image array has dtype {array.dtype}; expected uint8 in 0..255 "
-            "(convert with np.clip(x, 0, 255).astype(np.uint8) if it holds that range)"
-        )
+        raise ImageError(f"{what} is empty (shape {array.shape})")
     if array.ndim == 2:
         array = array[:, :, None]
     if array.ndim != 3 or array.shape[2] not in (1, 2, 3, 4):
         raise ImageError(
-            f"image array has shape {array.shape}; expected H x W or H x W x C with C in 1..4"
+            f"{what} has shape {array.shape}; expected H x W or H x W x C with C in 1..4"
         )
-    height, width, channels = array.shape
-    _check_size(width, height, max_pixels, "image array")
-    # Gray (+ alpha): replicate the gray channel; RGB(A): keep RGB. Alpha is dropped, as PIL does.
+    array = _to_uint8(array, what)
+    channels = array.shape[2]
+    # Gray (+ alpha): replicate the gray channel; RGB(A): keep RGB.
     rgb = np.repeat(array[:, :, :1], 3, axis=2) if channels <= 2 else array[:, :, :3]
+    if channels in (2, 4) and opts.background is not None:
+        rgb = _composite(rgb, array[:, :, channels - 1 :], opts.background)
+    return rgb
+
+
+def _from_array(array: np.ndarray, max_pixels: int, opts: _Options) -> np.ndarray:
+    if array.ndim >= 2 and array.size:
+        _check_size(array.shape[1], array.shape[0], max_pixels, "image array")
+    rgb = _array_rgb(array, opts)
     return np.array(rgb, dtype=np.uint8, order="C", copy=True)
 
 
-def _from_vips(image: Any, max_pixels: int) -> np.ndarray:
+def _from_vips(image: Any, max_pixels: int, opts: _Options) -> np.ndarray:
     _check_size(image.width, image.height, max_pixels, "pyvips image")
-    if image.format != "uchar":
+    if image.format not in ("uchar", "ushort", "float", "double"):
         raise ImageError(
-            f"pyvips image has format {image.format!r}; expected 8-bit 'uchar' "
-            "(convert first, e.g. image.colourspace('srgb') or image.cast('uchar'))"
+            f"pyvips image has format {image.format!r}; expected 'uchar' (0..255), 'ushort' "
+            "(0..65535) or 'float' (0..1); convert first, e.g. image.cast('uchar')"
         )
     if image.interpretation == "cmyk":
         raise ImageError("pyvips image is CMYK; convert it with image.colourspace('srgb') first")
     if image.bands not in (1, 2, 3, 4):
         raise ImageError(f"pyvips image has {image.bands} bands; expected 1 to 4")
     try:
+        if opts.exif_orientation and image.get_typeof("orientation"):
+            image = image.autorot()  # applies and then drops the orientation tag
         array = image.numpy()
     except Exception as exc:  # libvips reports decode failures as pyvips.Error
         raise ImageError(f"cannot decode pyvips image: {exc}") from exc
-    return _from_array(np.asarray(array), max_pixels)
+    return _from_array(np.asarray(array), max_pixels, opts)
 
 
 def _is_vips(image: Any) -> bool:
@@ -136,27 +268,36 @@ def _path_of(image: str | os.PathLike[str]) -> Path:
     return path
 
 
-def load_image(image: ImageInput, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Decode/convert ``image`` to a new C-contiguous H x W x 3 uint8 RGB array.
+def load_image(
+    image: ImageInput,
+    *,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    exif_orientation: bool = True,
+    background: Sequence[int] | None = WHITE,
+) -> np.ndarray:
+    """Decode/convert ``image`` to a new C-contiguous H x W x 3 uint8 RGB array, upright
+    (unless ``exif_orientation=False``) with alpha composited on ``background`` (None: dropped).
 
     The result never shares memory with the input. Raises ImageError for an unsupported type,
-    corrupt or empty data, a missing file, a wrong dtype or shape, or more than ``max_pixels``.
+    corrupt or empty data, a missing file, a wrong dtype, value range or shape, or more than
+    ``max_pixels``; ValueError for a bad ``background``.
     """
+    opts = _options(exif_orientation, background)
     if isinstance(image, Image.Image):
-        return _from_pil(image, max_pixels)
+        return _from_pil(image, max_pixels, opts)
     if isinstance(image, np.ndarray):
-        return _from_array(image, max_pixels)
+        return _from_array(image, max_pixels, opts)
     if isinstance(image, (bytes, bytearray, memoryview)):
         if len(image) == 0:
             raise ImageError("image bytes are empty")
-        return _open_encoded(io.BytesIO(bytes(image)), max_pixels, "image bytes")
+        return _open_encoded(io.BytesIO(bytes(image)), max_pixels, opts, "image bytes")
     if isinstance(image, (str, os.PathLike)):
         path = _path_of(image)
-        return _open_encoded(path, max_pixels, f"image file {path}")
+        return _open_encoded(path, max_pixels, opts, f"image file {path}")
     if _is_vips(image):
-        return _from_vips(image, max_pixels)
+        return _from_vips(image, max_pixels, opts)
     raise ImageError(
-        f"unsupported image type {type(image).__name__}: pass a PIL image, a numpy uint8 array, "
+        f"unsupported image type {type(image).__name__}: pass a PIL image, a numpy array, "
         "a pyvips image, encoded bytes, or a file path"
     )
 
@@ -186,7 +327,7 @@ def image_digest(image: ImageInput) -> bytes:
         return h.digest()
     if isinstance(image, np.ndarray):
         return _digest_array(image)
-    if isinstance(image, Image.Image) or _is_vips(image):
+    if isinstance(image, Image.Image) or _is_vips(image):  # decoded with the default options
         return _digest_array(load_image(image, max_pixels=2**62))
     raise ImageError(f"unsupported image type {type(image).__name__}")
 
@@ -215,15 +356,24 @@ class PreparedImage:
         return int(self.pixels.shape[0])
 
 
-def prepare_image(image: object, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> PreparedImage:
-    """Decode ``image`` (path, bytes, PIL, numpy, pyvips) and hash its pixels.
+def prepare_image(
+    image: object,
+    *,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    exif_orientation: bool = True,
+    background: Sequence[int] | None = WHITE,
+) -> PreparedImage:
+    """Decode ``image`` (path, bytes, PIL, numpy, pyvips) as :func:`load_image` does and hash
+    its pixels. A :class:`PreparedImage` is returned as it is (the options do not apply again).
 
     Raises :class:`~kestrel.errors.InvalidInputError` for anything that is not a usable image
-    (unreadable, corrupt, empty, over ``max_pixels``, unsupported type)."""
+    (unreadable, corrupt, empty, over ``max_pixels``, unsupported type or value range)."""
     if isinstance(image, PreparedImage):
         return image
+    options = {"exif_orientation": exif_orientation, "background": background}
+    _options(**options)  # a bad background is the caller's bug, not a bad image: ValueError
     try:
-        pixels = load_image(image, max_pixels=max_pixels)
+        pixels = load_image(image, max_pixels=max_pixels, **options)
     except ImageError as exc:
         raise InvalidInputError(f"bad image: {exc}") from exc
     except (OSError, ValueError, MemoryError) as exc:  # decoder errors PIL does not wrap

@@ -67,6 +67,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--no-prefix-cache", action="store_true", help="disable prefix (KV) reuse across requests"
     )
     group.add_argument("--attention-backend", default="auto", metavar="NAME")
+    group.add_argument(
+        "--keep-exif-orientation", action="store_true",
+        help="read images in their stored orientation instead of turning them upright by their "
+        "EXIF orientation tag (coordinates then refer to the stored pixels)",
+    )  # fmt: skip
 
 
 def add_generation_options(parser: argparse.ArgumentParser, *, objects: bool = False) -> None:
@@ -147,6 +152,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_batch_size": args.max_batch_size,
         "enable_prefix_cache": not args.no_prefix_cache,
         "attention_backend": args.attention_backend,
+        "exif_orientation": not args.keep_exif_orientation,
     }
 
 

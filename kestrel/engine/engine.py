@@ -41,6 +41,8 @@ class Engine(AsyncTwins):
     ``model``: a checkpoint directory or a Hugging Face repo id (None: the embedded default).
     ``device="auto"`` picks CUDA when available; ``dtype`` is a ``torch.dtype`` or its name
     (None: bfloat16 on CUDA, float32 on CPU). ``max_adapters`` bounds the loaded LoRA adapters.
+    Images are turned upright by their EXIF orientation unless ``exif_orientation=False``
+    (docs/images.md says what happens to each kind of image).
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -57,6 +59,7 @@ class Engine(AsyncTwins):
         enable_prefix_cache: bool = True,
         attention_backend: str = "auto",
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
+        exif_orientation: bool = True,
     ) -> None:
         self.runtime, self.model_path = load_runtime(
             model,
@@ -69,6 +72,7 @@ class Engine(AsyncTwins):
         )
         self.config = self.runtime.config
         self.max_batch_size = max_batch_size
+        self.exif_orientation = exif_orientation
         self._factory = RequestFactory(
             ModelHeads(self.runtime.model, self.runtime.tokenizer), self.config
         )
@@ -96,7 +100,7 @@ class Engine(AsyncTwins):
     # ------------------------------------------------------------------ images and adapters
     def prepare_image(self, image: object) -> PreparedImage:
         """Decode and hash once; pass the result as ``image`` to any call."""
-        return prepare_image(image)
+        return prepare_image(image, exif_orientation=self.exif_orientation)
 
     def load_adapter(self, name: str, path: str | Path) -> str:
         """Load a LoRA adapter (``.safetensors``, reference ``final.pt``, or a folder of one)
@@ -117,7 +121,7 @@ class Engine(AsyncTwins):
         return self._adapters.get(name)
 
     def _image(self, image: object) -> PreparedImage | None:
-        return None if image is None else prepare_image(image)
+        return None if image is None else self.prepare_image(image)
 
     # ------------------------------------------------------------------ submission
     def submit_query(

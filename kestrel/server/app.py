@@ -126,7 +126,10 @@ class _Server:
             ex.holds_slot = True
             body = await read_body(request, self.limits.max_body_bytes)
             pixels = self.limits.max_image_pixels
-            call = await asyncio.to_thread(parse_call, skill, body, max_pixels=pixels)
+            upright = getattr(self.engine, "exif_orientation", True)
+            call = await asyncio.to_thread(
+                parse_call, skill, body, max_pixels=pixels, exif_orientation=upright
+            )
             outcome = await until_disconnected(request.receive, _start(self.engine, call))
         except (ClientGone, ClientDisconnect):
             ex.finish(CLIENT_CLOSED)

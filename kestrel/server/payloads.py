@@ -114,12 +114,13 @@ def decode_data_url(url: str) -> bytes:
     return data
 
 
-def _image(obj: Mapping[str, Any], max_pixels: int) -> PreparedImage | None:
+def _image(obj: Mapping[str, Any], max_pixels: int, exif_orientation: bool) -> PreparedImage | None:
     url = _typed(obj, "image_url", (str,), "a data URL string")
     if url is None:
         return None
     try:
-        return prepare_image(decode_data_url(url), max_pixels=max_pixels)
+        data = decode_data_url(url)
+        return prepare_image(data, max_pixels=max_pixels, exif_orientation=exif_orientation)
     except InvalidInputError as exc:  # not an image, corrupt, or over the pixel limit
         raise ApiError(400, "invalid_image", str(exc)) from None
 
@@ -137,8 +138,9 @@ def _spatial_refs(obj: Mapping[str, Any]) -> tuple[tuple[float, ...], ...] | Non
     return tuple(out)
 
 
-def parse_call(skill: str, body: bytes, *, max_pixels: int) -> Call:
-    """Validate the body of a ``POST /v1/<skill>``; raises :class:`ApiError` (400)."""
+def parse_call(skill: str, body: bytes, *, max_pixels: int, exif_orientation: bool = True) -> Call:
+    """Validate the body of a ``POST /v1/<skill>``; raises :class:`ApiError` (400). The image
+    is decoded upright by its EXIF orientation unless ``exif_orientation`` is False."""
     obj = _load_object(body)
     unknown = sorted(set(obj) - _FIELDS[skill])
     if unknown:
@@ -165,5 +167,7 @@ def parse_call(skill: str, body: bytes, *, max_pixels: int) -> Call:
         reasoning=bool(_typed(obj, "reasoning", (bool,), "true or false")),
         length=_typed(obj, "length", (str,), "a string") or "normal",
         spatial_refs=refs,
-        image=_image(obj, max_pixels),  # last: the costly part, once the rest is known good
+        image=_image(
+            obj, max_pixels, exif_orientation
+        ),  # last: the costly part, once the rest is known good
     )
