@@ -31,7 +31,8 @@ BAD_IMAGES = [
     b"this is not an image",
     b"",
     "/no/such/image.png",
-    np.zeros((4, 4, 3), dtype=np.float32),
+    np.full((4, 4, 3), 255.0, dtype=np.float32),  # float images are read as 0..1
+    np.zeros((4, 4, 3), dtype=np.int32),
     np.zeros((0, 10, 3), dtype=np.uint8),
     object(),
 ]
