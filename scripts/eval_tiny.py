@@ -16,8 +16,9 @@ import time
 
 from tqdm import tqdm
 
-from kestrel import Engine, synthetic
+from kestrel import Engine
 from kestrel.engine.setup import DEFAULT_MODEL_DIR
+from kestrel.tiny import synthetic
 from kestrel.tiny.eval import evaluate
 
 

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from kestrel import Engine, synthetic
+from kestrel import Engine
 from kestrel.engine.setup import DEFAULT_MODEL_DIR
 from kestrel.reference.eager import EagerMoondream
+from kestrel.tiny import synthetic
 from kestrel.tiny.eval import evaluate
 from kestrel_kernels import fa_backend
 from tests.conftest import fixture_dir

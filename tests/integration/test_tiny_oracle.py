@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from kestrel import Engine, synthetic
+from kestrel import Engine
 from kestrel.engine.setup import DEFAULT_MODEL_DIR
+from kestrel.tiny import synthetic
 from kestrel.tiny.eval import evaluate, report, score, submit_case
 from tests.integration.conftest import assert_idle
 
