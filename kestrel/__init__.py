@@ -17,6 +17,7 @@ from kestrel.errors import (
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.results import (
     CaptionResult,
+    ChatResult,
     DetectResult,
     EngineStats,
     PointResult,
@@ -32,6 +33,7 @@ __all__ = [
     "AsyncTextStream",
     "CapacityError",
     "CaptionResult",
+    "ChatResult",
     "DetectResult",
     "Engine",
     "EngineClosedError",

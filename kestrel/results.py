@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "CaptionResult",
+    "ChatResult",
     "DetectResult",
     "EngineStats",
     "PointResult",
@@ -57,6 +58,26 @@ class QueryResult:
     finish_reason: str
     tokens: tuple[int, ...]  # generated ids of the answer
     metrics: RequestMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class ChatResult:
+    """The assistant's reply to a conversation: ``content`` (the answer), ``reasoning`` (with
+    ``reasoning=True``), and :attr:`message`, the reply in the OpenAI message shape."""
+
+    content: str
+    reasoning: Reasoning | None
+    finish_reason: str
+    tokens: tuple[int, ...]  # generated ids of the answer
+    metrics: RequestMetrics
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """``{"role": "assistant", "content", "reasoning"?}`` (a new dict on every call)."""
+        out: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning is not None:
+            out["reasoning"] = self.reasoning.to_dict()
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ request then goes to the scheduler like any other, and its future is bridged int
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["AsyncTwins"]
@@ -39,6 +39,22 @@ class AsyncTwins:
             reasoning,
             spatial_refs,
             cache_salt,
+        )
+        return await self._await(draft, stream)
+
+    async def achat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+        reasoning: bool = False,
+        stream: bool = False,
+    ) -> Any:
+        """``await engine.achat(messages)`` -> ChatResult (or an AsyncTextStream)."""
+        draft = await asyncio.to_thread(
+            self._draft_chat, messages, settings, adapter, cache_salt, reasoning
         )
         return await self._await(draft, stream)
 

@@ -20,6 +20,7 @@ import torch
 
 from kestrel.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry
 from kestrel.engine.aio import AsyncTwins
+from kestrel.engine.chat import ChatCalls
 from kestrel.engine.requests import Draft, RequestFactory, salted
 from kestrel.engine.setup import load_runtime
 from kestrel.engine.streams import AsyncTextStream, TextStream
@@ -35,8 +36,8 @@ from kestrel.scheduler.loop import SchedulerLoop
 __all__ = ["Engine"]
 
 
-class Engine(AsyncTwins):
-    """Serve a Moondream 2 checkpoint: ``query``, ``caption``, ``point``, ``detect``.
+class Engine(AsyncTwins, ChatCalls):
+    """Serve a Moondream 2 checkpoint: ``query``, ``caption``, ``point``, ``detect``, ``chat``.
 
     ``model``: a checkpoint directory or a Hugging Face repo id (None: the embedded default).
     ``device="auto"`` picks CUDA when available; ``dtype`` is a ``torch.dtype`` or its name

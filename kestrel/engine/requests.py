@@ -17,6 +17,7 @@ from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.region import SpatialRefError
 from kestrel.results import (
     CaptionResult,
+    ChatResult,
     DetectResult,
     PointResult,
     QueryResult,
@@ -25,6 +26,8 @@ from kestrel.results import (
 )
 from kestrel.skills import (
     CaptionSkill,
+    ChatSkill,
+    ChatTurn,
     DetectSkill,
     PointSkill,
     QuerySkill,
@@ -66,22 +69,31 @@ def salted(draft: Draft, cache_salt: object) -> Draft:
     return replace(draft, cache_salt=cache_salt)
 
 
-def _query_result(skill: QuerySkill, metrics: RequestMetrics) -> QueryResult:
-    reasoning = None
+def _reasoning(skill: QuerySkill) -> Reasoning | None:
     out = skill.reasoning_output()
-    if out is not None:
-        text, chunks = out
-        grounding = tuple(
-            {
-                "start_idx": c.start_idx,
-                "end_idx": c.end_idx,
-                "points": [{"x": x, "y": y} for x, y in c.points],
-            }
-            for c in chunks
-        )
-        reasoning = Reasoning(text, grounding)
+    if out is None:
+        return None
+    text, chunks = out
+    grounding = tuple(
+        {
+            "start_idx": c.start_idx,
+            "end_idx": c.end_idx,
+            "points": [{"x": x, "y": y} for x, y in c.points],
+        }
+        for c in chunks
+    )
+    return Reasoning(text, grounding)
+
+
+def _query_result(skill: QuerySkill, metrics: RequestMetrics) -> QueryResult:
     return QueryResult(
-        skill.answer_text(), reasoning, skill.finish_reason, skill.output_tokens(), metrics
+        skill.answer_text(), _reasoning(skill), skill.finish_reason, skill.output_tokens(), metrics
+    )
+
+
+def _chat_result(skill: ChatSkill, metrics: RequestMetrics) -> ChatResult:
+    return ChatResult(
+        skill.answer_text(), _reasoning(skill), skill.finish_reason, skill.output_tokens(), metrics
     )
 
 
@@ -131,6 +143,19 @@ class RequestFactory:
         except SpatialRefError as exc:
             raise InvalidInputError(str(exc)) from exc
         return self._draft(skill, image, adapter, _query_result)
+
+    def chat(
+        self,
+        turns: Sequence[ChatTurn],
+        image: PreparedImage | None,
+        settings: object,
+        adapter: Any,
+        *,
+        reasoning: bool,
+    ) -> Draft:
+        """A conversation (validated turns, see :mod:`kestrel.engine.chat`) awaiting a reply."""
+        skill = ChatSkill(self.ops, turns, parse_settings(settings), reasoning=bool(reasoning))
+        return self._draft(skill, image, adapter, _chat_result)
 
     def caption(self, image: PreparedImage | None, length: object, settings, adapter) -> Draft:
         if image is None:

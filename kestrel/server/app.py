@@ -14,6 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from starlette.routing import Route
 from kestrel import __version__
 from kestrel.errors import KestrelError
 from kestrel.results import RequestMetrics
+from kestrel.server.chat import ChatCall, chat_response, parse_chat, start_chat
 from kestrel.server.errors import CLIENT_CLOSED, ApiError, from_exception
 from kestrel.server.limits import (
     DEFAULT_MAX_BODY_BYTES,
@@ -95,6 +97,20 @@ def _start(engine: Any, call: Call) -> Awaitable[Any]:
     return engine.adetect(call.image, call.text, **common)
 
 
+def _respond(call: Call, outcome: Any, ex: _Exchange) -> Response:
+    """A skill's answer: its JSON body, or its event stream."""
+    if call.stream:
+        return EventStream(outcome, skill=call.skill, request_id=ex.request_id, finish=ex.finish)
+    ex.finish(200, outcome.metrics)
+    headers = {"X-Request-ID": ex.request_id}
+    return JSONResponse(result_body(call.skill, outcome, ex.request_id), headers=headers)
+
+
+Parse = Callable[..., Any]  # (body, *, max_pixels) -> a validated call, in a worker thread
+Start = Callable[[Any, Any], Awaitable[Any]]  # (engine, call) -> the engine's coroutine
+Respond = Callable[[Any, Any, _Exchange], Response]  # (call, outcome, exchange) -> response
+
+
 class _Server:
     def __init__(self, engine: Any, limits: ServerLimits, api_key: ApiKey | None) -> None:
         self.engine = engine
@@ -105,6 +121,8 @@ class _Server:
         # Request ids: unique per app (a random prefix per start, then a counter).
         self.id_prefix = secrets.token_hex(4)
         self.ids = itertools.count(1)
+        model = getattr(engine, "model_path", None)
+        self.model_name = Path(model).name if model else "moondream"
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is not None:
@@ -112,14 +130,29 @@ class _Server:
 
     # ------------------------------------------------------------------ model routes
     async def skill(self, request: Request, skill: str) -> Response:
-        ex = _Exchange(self, skill)
+        return await self._serve(request, skill, partial(parse_call, skill), _start, _respond)
+
+    async def chat(self, request: Request) -> Response:
+        def respond(call: ChatCall, outcome: Any, ex: _Exchange) -> Response:
+            return chat_response(
+                call, outcome, request_id=ex.request_id, model=self.model_name, finish=ex.finish
+            )
+
+        return await self._serve(request, "chat", parse_chat, start_chat, respond)
+
+    async def _serve(
+        self, request: Request, route: str, parse: Parse, start: Start, respond: Respond
+    ) -> Response:
+        ex = _Exchange(self, route)
         try:
-            return await self._skill(request, skill, ex)
+            return await self._model_call(request, ex, parse, start, respond)
         except BaseException:  # cancelled at shutdown, or a bug: still give the slot back
             ex.finish(CLIENT_CLOSED)
             raise
 
-    async def _skill(self, request: Request, skill: str, ex: _Exchange) -> Response:
+    async def _model_call(
+        self, request: Request, ex: _Exchange, parse: Parse, start: Start, respond: Respond
+    ) -> Response:
         try:
             self._authorize(request)
             self.gate.enter(self.limits.retry_after_s)
@@ -127,10 +160,8 @@ class _Server:
             body = await read_body(request, self.limits.max_body_bytes)
             pixels = self.limits.max_image_pixels
             upright = getattr(self.engine, "exif_orientation", True)
-            call = await asyncio.to_thread(
-                parse_call, skill, body, max_pixels=pixels, exif_orientation=upright
-            )
-            outcome = await until_disconnected(request.receive, _start(self.engine, call))
+            call = await asyncio.to_thread(parse, body, max_pixels=pixels, exif_orientation=upright)
+            outcome = await until_disconnected(request.receive, start(self.engine, call))
         except (ClientGone, ClientDisconnect):
             ex.finish(CLIENT_CLOSED)
             return Response(status_code=CLIENT_CLOSED)  # nobody is there to read it
@@ -138,11 +169,7 @@ class _Server:
             _log_failure(exc, ex)
             await drain_body(request)
             return ex.fail(from_exception(exc))
-        if call.stream:
-            return EventStream(outcome, skill=skill, request_id=ex.request_id, finish=ex.finish)
-        ex.finish(200, outcome.metrics)
-        headers = {"X-Request-ID": ex.request_id}
-        return JSONResponse(result_body(skill, outcome, ex.request_id), headers=headers)
+        return respond(call, outcome, ex)
 
     # ------------------------------------------------------------------ introspection routes
     async def health(self, request: Request) -> Response:
@@ -229,6 +256,7 @@ def create_app(
     server = _Server(engine, limits, ApiKey(api_key) if api_key is not None else None)
     routes = [Route(f"/v1/{s}", _skill_endpoint(server, s), methods=["POST"]) for s in SKILLS]
     routes += [
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/health", server.health, methods=["GET"]),
         Route("/v1/stats", server.stats, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),

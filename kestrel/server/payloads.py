@@ -26,7 +26,7 @@ from kestrel.errors import InvalidInputError
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.server.errors import ApiError
 
-__all__ = ["SKILLS", "Call", "parse_call"]
+__all__ = ["SKILLS", "Call", "decode_data_url", "load_object", "parse_call", "typed"]
 
 SKILLS = ("query", "caption", "point", "detect")
 _COMMON = frozenset({"image_url", "settings", "adapter", "cache_salt", "model", "stream"})
@@ -67,7 +67,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _load_object(body: bytes) -> dict[str, Any]:
+def load_object(body: bytes) -> dict[str, Any]:
     if not body:
         raise ApiError(400, "invalid_json", "the request body is empty; send a JSON object")
     try:
@@ -87,7 +87,7 @@ def _kind(value: Any) -> str:
     )
 
 
-def _typed(obj: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> Any:
+def typed(obj: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) -> Any:
     """``obj[key]`` (None when absent or null), which must be one of ``types``."""
     value = obj.get(key)
     bad_bool = isinstance(value, bool) and bool not in types
@@ -115,7 +115,7 @@ def decode_data_url(url: str) -> bytes:
 
 
 def _image(obj: Mapping[str, Any], max_pixels: int, exif_orientation: bool) -> PreparedImage | None:
-    url = _typed(obj, "image_url", (str,), "a data URL string")
+    url = typed(obj, "image_url", (str,), "a data URL string")
     if url is None:
         return None
     try:
@@ -126,7 +126,7 @@ def _image(obj: Mapping[str, Any], max_pixels: int, exif_orientation: bool) -> P
 
 
 def _spatial_refs(obj: Mapping[str, Any]) -> tuple[tuple[float, ...], ...] | None:
-    refs = _typed(obj, "spatial_refs", (list,), "a list of [x, y] or [x0, y0, x1, y1] lists")
+    refs = typed(obj, "spatial_refs", (list,), "a list of [x, y] or [x0, y0, x1, y1] lists")
     if not refs:
         return None
     out = []
@@ -141,7 +141,7 @@ def _spatial_refs(obj: Mapping[str, Any]) -> tuple[tuple[float, ...], ...] | Non
 def parse_call(skill: str, body: bytes, *, max_pixels: int, exif_orientation: bool = True) -> Call:
     """Validate the body of a ``POST /v1/<skill>``; raises :class:`ApiError` (400). The image
     is decoded upright by its EXIF orientation unless ``exif_orientation`` is False."""
-    obj = _load_object(body)
+    obj = load_object(body)
     unknown = sorted(set(obj) - _FIELDS[skill])
     if unknown:
         allowed = ", ".join(sorted(_FIELDS[skill]))
@@ -150,22 +150,22 @@ def parse_call(skill: str, body: bytes, *, max_pixels: int, exif_orientation: bo
         if obj.get(key) is None:
             raise _invalid(f"'{key}' is required for /{skill}")
     text_key = "question" if skill == "query" else "object"
-    stream = bool(_typed(obj, "stream", (bool,), "true or false"))
+    stream = bool(typed(obj, "stream", (bool,), "true or false"))
     if stream and skill not in _STREAMS:
         raise _invalid(f'/{skill} does not stream; send "stream": false or leave it out')
     refs = _spatial_refs(obj)
     if refs is not None and skill == "point":
         raise _invalid("spatial_refs is not supported for /point by this server")
-    _typed(obj, "model", (str,), "a string")
+    typed(obj, "model", (str,), "a string")
     return Call(
         skill=skill,
-        text=_typed(obj, text_key, (str,), "a string") if skill != "caption" else None,
-        settings=_typed(obj, "settings", (dict,), "an object"),
-        adapter=_typed(obj, "adapter", (str,), "a string"),
-        cache_salt=_typed(obj, "cache_salt", (str,), "a string"),
+        text=typed(obj, text_key, (str,), "a string") if skill != "caption" else None,
+        settings=typed(obj, "settings", (dict,), "an object"),
+        adapter=typed(obj, "adapter", (str,), "a string"),
+        cache_salt=typed(obj, "cache_salt", (str,), "a string"),
         stream=stream,
-        reasoning=bool(_typed(obj, "reasoning", (bool,), "true or false")),
-        length=_typed(obj, "length", (str,), "a string") or "normal",
+        reasoning=bool(typed(obj, "reasoning", (bool,), "true or false")),
+        length=typed(obj, "length", (str,), "a string") or "normal",
         spatial_refs=refs,
         image=_image(
             obj, max_pixels, exif_orientation

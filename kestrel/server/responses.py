@@ -153,18 +153,30 @@ class EventStream:
             return
         headers = [*_SSE_HEADERS, (b"x-request-id", self.request_id.encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        tail = b""
         try:
             if first is not None:
-                await self._event(send, {"chunk": first})
+                await self._event(send, self.delta_event(first))
             async for delta in chunks:
-                await self._event(send, {"chunk": delta})
+                await self._event(send, self.delta_event(delta))
             result = await self.stream.result()
         except KestrelError as exc:
             err = from_exception(exc)
             self._outcome = (err.status, None)
             await self._event(send, error_body(err, self.request_id))
         else:
-            body = result_body(self.skill, result, self.request_id, text=False)
+            for payload in self.final_events(result):
+                await self._event(send, payload)
             self._outcome = (200, result.metrics)
-            await self._event(send, {"completed": True, **body})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            tail = self.TAIL
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    # The event shapes (the chat completions stream overrides them).
+    TAIL = b""  # sent after the last event of a successful stream
+
+    def delta_event(self, delta: str) -> dict[str, Any]:
+        return {"chunk": delta}
+
+    def final_events(self, result: Any) -> list[dict[str, Any]]:
+        body = result_body(self.skill, result, self.request_id, text=False)
+        return [{"completed": True, **body}]

@@ -8,6 +8,7 @@ operations come in through :class:`SkillOps`; nothing here imports model code.
 from __future__ import annotations
 
 from kestrel.skills.base import PromptToken, Skill, SkillOps, TextSink
+from kestrel.skills.chat import ChatSkill, ChatTurn, chat_prompt
 from kestrel.skills.grounding import GroundingChunk, grounding_chunks
 from kestrel.skills.prompts import PromptError
 from kestrel.skills.region import DetectSkill, PointSkill, RegionSkill, box_dict, point_dict
@@ -17,6 +18,8 @@ from kestrel.skills.text import CaptionSkill, QuerySkill, TextPhase
 __all__ = [
     "DEFAULT_SETTINGS",
     "CaptionSkill",
+    "ChatSkill",
+    "ChatTurn",
     "DetectSkill",
     "GroundingChunk",
     "PointSkill",
@@ -30,6 +33,7 @@ __all__ = [
     "TextPhase",
     "TextSink",
     "box_dict",
+    "chat_prompt",
     "grounding_chunks",
     "parse_settings",
     "point_dict",

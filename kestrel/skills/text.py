@@ -159,7 +159,7 @@ class QuerySkill(_AnswerSkill):
         super().__init__(ops, settings, record)
         tok = ops.tokens
         spatial = ops.spatial_tokens(spatial_refs or ())
-        self.prompt = query_prompt(tok, ops.encode, question, spatial=spatial, reasoning=reasoning)
+        self.prompt = self._build_prompt(question, spatial, reasoning)
         self.reasoning: TextPhase | None = None
         if reasoning:
             self.reasoning = TextPhase(
@@ -174,6 +174,13 @@ class QuerySkill(_AnswerSkill):
         self._answering = not reasoning
         # reasoning tokens + one answer marker + answer tokens
         self.max_feeds = settings.max_tokens * (2 if reasoning else 1) + int(reasoning)
+
+    def _build_prompt(
+        self, question: str, spatial: Sequence[PromptToken], reasoning: bool
+    ) -> list[PromptToken]:
+        """The prompt this skill prefills (the chat skill renders a whole conversation)."""
+        tok = self.ops.tokens
+        return query_prompt(tok, self.ops.encode, question, spatial=spatial, reasoning=reasoning)
 
     def advance(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
         if self._answering:

@@ -1,0 +1,235 @@
+"""``POST /v1/chat/completions``: the OpenAI chat completions protocol over ``Engine.achat``.
+
+The body is ``{"model", "messages", "stream"?, "stream_options"?: {"include_usage"},
+"max_tokens" | "max_completion_tokens"?, "temperature"?, "top_p"?, "seed"?, "reasoning"?}`` plus
+Kestrel's ``"adapter"`` and ``"cache_salt"``. Any ``model`` string is accepted (one model is
+served; the reply names it). Fields the server cannot honour (``tools``, ``response_format``,
+``n`` > 1, ...) are a 400 naming the field. Image parts must be ``data:image/...;base64,``
+URLs; they are decoded here, in a worker thread, under the server's pixel limit. Everything
+else about the messages is the engine's to check (:mod:`kestrel.engine.chat`).
+
+The answer is a ``chat.completion`` object, or ``chat.completion.chunk`` server-sent events
+ending in ``data: [DONE]``. ``usage`` counts KV positions: ``prompt_tokens`` includes the
+image's block, ``prompt_tokens_details.cached_tokens`` the positions reused from the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse, Response
+
+from kestrel.engine.chat import MAX_IMAGES
+from kestrel.errors import InvalidInputError
+from kestrel.images import prepare_image
+from kestrel.results import ChatResult, RequestMetrics
+from kestrel.server.errors import ApiError
+from kestrel.server.payloads import decode_data_url, load_object, typed
+from kestrel.server.responses import EventStream
+
+__all__ = ["ChatCall", "chat_response", "parse_chat", "start_chat"]
+
+_FIELDS = frozenset({
+    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+    "temperature", "top_p", "seed", "reasoning", "adapter", "cache_salt", "user",
+})  # fmt: skip
+# Accepted only at the value that changes nothing (what some clients always send).
+_NEUTRAL: dict[str, Any] = {
+    "n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
+    "parallel_tool_calls": True, "stop": None, "tool_choice": "none",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ChatCall:
+    """A validated chat completions request; image parts hold decoded PreparedImages."""
+
+    messages: list[Any]
+    settings: dict[str, Any]
+    adapter: str | None
+    cache_salt: str | None
+    reasoning: bool
+    stream: bool
+    include_usage: bool
+
+
+def _invalid(message: str) -> ApiError:
+    return ApiError(400, "invalid_request", message)
+
+
+def _check_fields(obj: Mapping[str, Any]) -> None:
+    for key, value in obj.items():
+        if key in _FIELDS or (key in _NEUTRAL and value in (None, _NEUTRAL[key])):
+            continue
+        if key in _NEUTRAL:
+            raise _invalid(f"'{key}' = {value!r:.40} is not supported by this server")
+        raise _invalid(f"'{key}' is not supported by this server; supported: {sorted(_FIELDS)}")
+
+
+def _settings(obj: Mapping[str, Any]) -> dict[str, Any]:
+    limit = typed(obj, "max_completion_tokens", (int,), "an integer")
+    legacy = typed(obj, "max_tokens", (int,), "an integer")
+    if limit is not None and legacy is not None and limit != legacy:
+        raise _invalid("'max_tokens' and 'max_completion_tokens' disagree; send one")
+    raw = {
+        "max_tokens": limit if limit is not None else legacy,
+        "temperature": typed(obj, "temperature", (int, float), "a number"),
+        "top_p": typed(obj, "top_p", (int, float), "a number"),
+        "seed": typed(obj, "seed", (int,), "an integer"),
+    }
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def _image_parts(messages: list[Any]) -> list[dict[str, Any]]:
+    """The ``image_url`` parts of user messages (the only place images are decoded)."""
+    found = []
+    for m in messages:
+        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), list):
+            found += [p for p in m["content"] if isinstance(p, dict) and "type" in p]
+    for part in found:
+        if part["type"] == "image":  # Python-only: a JSON value would be read as a path
+            raise _invalid("image parts must be {'type': 'image_url', 'image_url': {'url'}}")
+    return [p for p in found if p["type"] == "image_url"]
+
+
+def _decoded(messages: list[Any], max_pixels: int, exif_orientation: bool) -> list[Any]:
+    """``messages`` with each user image_url part decoded into a PreparedImage."""
+    parts = _image_parts(messages)
+    if len(parts) > MAX_IMAGES:
+        raise _invalid(f"at most {MAX_IMAGES} image per conversation, got {len(parts)}")
+    decoded: dict[int, Any] = {}
+    for part in parts:
+        value = part.get("image_url")
+        url = value.get("url") if isinstance(value, dict) else None
+        if not isinstance(url, str):
+            raise ApiError(400, "invalid_image", "image_url must be {'url': 'data:image/...'}")
+        try:
+            data = decode_data_url(url)
+            image = prepare_image(data, max_pixels=max_pixels, exif_orientation=exif_orientation)
+        except InvalidInputError as exc:  # not an image, corrupt, or over the pixel limit
+            raise ApiError(400, "invalid_image", str(exc)) from None
+        decoded[id(part)] = {"type": "image", "image": image}
+
+    def swap(m: Any) -> Any:
+        if not (isinstance(m, dict) and isinstance(m.get("content"), list)):
+            return m
+        return {**m, "content": [decoded.get(id(p), p) for p in m["content"]]}
+
+    return [swap(m) for m in messages]
+
+
+def parse_chat(body: bytes, *, max_pixels: int, exif_orientation: bool = True) -> ChatCall:
+    """Validate the body of ``POST /v1/chat/completions``; raises :class:`ApiError` (400).
+    Images are decoded upright by their EXIF orientation unless ``exif_orientation`` is False."""
+    obj = load_object(body)
+    _check_fields(obj)
+    messages = typed(obj, "messages", (list,), "a list of message objects")
+    if not messages:
+        raise _invalid("'messages' is required: a non-empty list of message objects")
+    typed(obj, "model", (str,), "a string")
+    typed(obj, "user", (str,), "a string")
+    options = typed(obj, "stream_options", (dict,), "an object") or {}
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise _invalid(f"stream_options {unknown} are not supported; only include_usage")
+    stream = bool(typed(obj, "stream", (bool,), "true or false"))
+    return ChatCall(
+        settings=_settings(obj),
+        adapter=typed(obj, "adapter", (str,), "a string"),
+        cache_salt=typed(obj, "cache_salt", (str,), "a string"),
+        reasoning=bool(typed(obj, "reasoning", (bool,), "true or false")),
+        stream=stream,
+        include_usage=stream and bool(typed(options, "include_usage", (bool,), "true or false")),
+        messages=_decoded(messages, max_pixels, exif_orientation),  # last: the costly part
+    )
+
+
+def start_chat(engine: Any, call: ChatCall) -> Any:
+    """The engine coroutine of a validated call (a ChatResult, or a stream)."""
+    return engine.achat(
+        call.messages, settings=call.settings, adapter=call.adapter,
+        cache_salt=call.cache_salt, reasoning=call.reasoning, stream=call.stream,
+    )  # fmt: skip
+
+
+def usage(metrics: RequestMetrics) -> dict[str, Any]:
+    return {
+        "prompt_tokens": metrics.input_tokens,
+        "completion_tokens": metrics.output_tokens,
+        "total_tokens": metrics.input_tokens + metrics.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": metrics.cached_tokens},
+    }
+
+
+def _envelope(request_id: str, model: str, kind: str) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+    }
+
+
+def completion_body(result: ChatResult, request_id: str, model: str) -> dict[str, Any]:
+    """The ``chat.completion`` object of a finished request."""
+    choice = {"index": 0, "message": result.message, "finish_reason": result.finish_reason}
+    return {
+        **_envelope(request_id, model, "chat.completion"),
+        "choices": [choice],
+        "usage": usage(result.metrics),
+        "metrics": result.metrics.to_dict(),
+    }
+
+
+class ChatEventStream(EventStream):
+    """``chat.completion.chunk`` events: the content deltas (the first names the role), a last
+    chunk with the finish reason (and the reasoning, when asked), the usage chunk when asked,
+    then ``data: [DONE]``."""
+
+    TAIL = b"data: [DONE]\n\n"
+
+    def __init__(self, stream: Any, *, request_id: str, model: str, include_usage: bool,
+                 finish: Callable[[int, RequestMetrics | None], None]) -> None:  # fmt: skip
+        super().__init__(stream, skill="chat", request_id=request_id, finish=finish)
+        self.model = model
+        self.include_usage = include_usage
+        self._role_sent = False
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        if not self._role_sent:
+            delta = {"role": "assistant", **delta}
+            self._role_sent = True
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        return {**_envelope(self.request_id, self.model, "chat.completion.chunk"),
+                "choices": [choice]}  # fmt: skip
+
+    def delta_event(self, delta: str) -> dict[str, Any]:
+        return self._chunk({"content": delta}, None)
+
+    def final_events(self, result: Any) -> list[dict[str, Any]]:
+        delta = {} if result.reasoning is None else {"reasoning": result.reasoning.to_dict()}
+        events = [self._chunk(delta, result.finish_reason)]
+        if self.include_usage:
+            env = _envelope(self.request_id, self.model, "chat.completion.chunk")
+            events.append({**env, "choices": [], "usage": usage(result.metrics)})
+        return events
+
+
+def chat_response(
+    call: ChatCall,
+    outcome: Any,
+    *,
+    request_id: str,
+    model: str,
+    finish: Callable[[int, RequestMetrics | None], None],
+) -> Response:
+    """The HTTP response of a request the engine accepted: JSON, or the event stream."""
+    if call.stream:
+        return ChatEventStream(outcome, request_id=request_id, model=model,
+                               include_usage=call.include_usage, finish=finish)  # fmt: skip
+    finish(200, outcome.metrics)
+    body = completion_body(outcome, request_id, model)
+    return JSONResponse(body, headers={"X-Request-ID": request_id})

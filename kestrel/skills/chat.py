@@ -1,0 +1,77 @@
+"""Chat: a conversation rendered as Moondream query blocks, answered by the query skill.
+
+Moondream has no trained chat format, so a conversation is a sequence of query blocks, one per
+user turn (the query template's pieces, see :mod:`kestrel.skills.prompts`)::
+
+    [BOS] prefix + user_1 + [answer, answer] + reply_1
+          prefix + user_2 + [answer, answer] + reply_2
+          ...
+          prefix + user_n + [answer, answer]          (or [answer, thinking] when reasoning)
+
+A one-turn conversation is exactly the query prompt, and turn n+1's prompt starts with turn
+n's prompt followed by its reply, so the prefix cache hits through every earlier turn. The
+image (at most one, in the first turn) is placed by the runtime right after BOS, as for a
+query. Decoding is the query skill's, reasoning and grounding included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kestrel.skills.base import PromptToken, SkillOps
+from kestrel.skills.prompts import PromptError, query_prompt
+from kestrel.skills.settings import Settings
+from kestrel.skills.text import QuerySkill
+from kestrel.tokens import TextToken
+
+__all__ = ["ChatSkill", "ChatTurn", "chat_prompt"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """One user message and the assistant's reply to it (None for the turn being answered)."""
+
+    user: str
+    reply: str | None = None
+
+
+def chat_prompt(
+    ops: SkillOps, turns: Sequence[ChatTurn], *, reasoning: bool = False
+) -> list[PromptToken]:
+    """The prompt tokens of a conversation whose last turn awaits its reply."""
+    if not turns:
+        raise PromptError("a conversation needs at least one user turn")
+    if any(t.reply is None for t in turns[:-1]) or turns[-1].reply is not None:
+        raise PromptError("every turn but the last must carry the assistant's reply")
+    out: list[PromptToken] = []
+    for i, turn in enumerate(turns):
+        last = i == len(turns) - 1
+        block = query_prompt(ops.tokens, ops.encode, turn.user, reasoning=last and reasoning)
+        out.extend(block if i == 0 else block[1:])  # BOS opens the conversation only
+        if turn.reply:
+            out.extend(TextToken(t) for t in ops.encode(turn.reply))
+    return out
+
+
+class ChatSkill(QuerySkill):
+    """Answer the last user turn of a conversation (the query skill over the chat prompt)."""
+
+    def __init__(
+        self,
+        ops: SkillOps,
+        turns: Sequence[ChatTurn],
+        settings: Settings,
+        *,
+        reasoning: bool = False,
+        record: bool = False,
+    ) -> None:
+        self.turns = tuple(turns)
+        if not self.turns:
+            raise PromptError("a conversation needs at least one user turn")
+        super().__init__(ops, self.turns[-1].user, settings, reasoning=reasoning, record=record)
+
+    def _build_prompt(
+        self, question: str, spatial: Sequence[PromptToken], reasoning: bool
+    ) -> list[PromptToken]:
+        return chat_prompt(self.ops, self.turns, reasoning=reasoning)
