@@ -275,3 +275,28 @@ def test_sigterm_finishes_in_flight_streams_and_exits_0(server) -> None:
     assert server.proc.wait(timeout=60) == 0
     log = server.log.read_text(errors="replace")
     assert "Traceback" not in log and "Exception in ASGI" not in log, log
+
+
+def test_moondream_client_chat_plain_and_streamed(server, engine) -> None:
+    client = md.vl(endpoint=server.url)
+    user = {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(SHAPES)}},
+        {"type": "text", "text": "What is it?"}]}  # fmt: skip
+    want = engine.chat(
+        [{"role": "user", "content": [{"type": "image", "image": SHAPES},
+                                      {"type": "text", "text": "What is it?"}]}],
+        settings=GREEDY,
+    )  # fmt: skip
+    got = client.chat([user], settings=GREEDY)
+    assert got == {"message": want.message, "finish_reason": want.finish_reason}
+    streamed = client.chat([user], settings=GREEDY, stream=True)["message"]
+    assert "".join(streamed) == want.content
+    follow = [user, got["message"], {"role": "user", "content": "And the colour?"}]
+    second = engine.chat(
+        [{"role": "user", "content": [{"type": "image", "image": SHAPES},
+                                      {"type": "text", "text": "What is it?"}]},
+         want.message, {"role": "user", "content": "And the colour?"}],
+        settings=GREEDY,
+    )  # fmt: skip
+    assert client.chat(follow, settings=GREEDY)["message"]["content"] == second.content
+    _assert_pages_conserved(_idle_stats(server))

@@ -1,0 +1,128 @@
+"""Engine.chat on the fixture model: one skill (a one-turn chat is a query), the cache through
+a conversation, greedy parity with a cache-off engine, stream == blocking, async, limits."""
+
+from __future__ import annotations
+
+import asyncio
+from itertools import pairwise
+
+import pytest
+
+from kestrel.errors import InvalidInputError, PromptTooLongError
+from tests.conftest import fixture_dir
+from tests.integration.conftest import GREEDY, assert_idle
+
+SHAPES = (fixture_dir() / "images" / "shapes_378.png").read_bytes()
+QUESTIONS = ("What is in the picture?", "Which colour is it?", "How many are there?")
+
+
+def _user(text: str, image: object = None) -> dict:
+    if image is None:
+        return {"role": "user", "content": text}
+    return {
+        "role": "user",
+        "content": [{"type": "image", "image": image}, {"type": "text", "text": text}],
+    }
+
+
+def _converse(engine, image, **kw) -> list:
+    """Three turns, each reply sent back as the assistant message; the results in order."""
+    messages = [{"role": "system", "content": "Answer briefly."}]
+    results = []
+    for i, question in enumerate(QUESTIONS):
+        messages.append(_user(question, image if i == 0 else None))
+        result = engine.chat(messages, settings=GREEDY, **kw)
+        messages.append(result.message)
+        results.append(result)
+    return results
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from kestrel import Engine
+
+    options = {"device": "cpu", "dtype": "float32", "kv_cache_pages": 6000}
+    with (
+        Engine(**options, model=str(fixture_dir())) as on,
+        Engine(**options, model=str(fixture_dir()), enable_prefix_cache=False) as off,
+    ):
+        yield on, off
+        assert_idle(on)
+        assert_idle(off)
+
+
+def test_one_turn_chat_equals_query(engines) -> None:
+    on, _ = engines
+    for reasoning in (False, True):
+        want = on.query(SHAPES, "What is it?", settings=GREEDY, reasoning=reasoning)
+        got = on.chat([_user("What is it?", SHAPES)], settings=GREEDY, reasoning=reasoning)
+        assert (got.content, got.tokens, got.finish_reason) == (
+            want.answer,
+            want.tokens,
+            want.finish_reason,
+        )
+        assert got.reasoning == want.reasoning
+        assert got.message["role"] == "assistant" and got.message["content"] == want.answer
+        assert ("reasoning" in got.message) == reasoning
+
+
+@pytest.mark.parametrize("image", [SHAPES, None], ids=["image", "text-only"])
+def test_conversation_hits_the_cache_through_every_earlier_prompt(engines, image) -> None:
+    on, off = engines
+    salt = f"chat-{image is None}"  # a namespace of its own: no earlier test warms it
+    results = _converse(on, image, cache_salt=salt)
+    baseline = _converse(off, image)
+    assert [r.content for r in results] == [r.content for r in baseline]  # greedy parity
+    assert [r.tokens for r in results] == [r.tokens for r in baseline]
+    assert results[0].metrics.cached_tokens == 0
+    for before, after in pairwise(results):
+        # turn n+1's prompt contains turn n's prompt verbatim: all of it is cached
+        assert after.metrics.cached_tokens >= before.metrics.input_tokens
+        assert after.metrics.input_tokens > before.metrics.input_tokens
+    assert all(r.metrics.cached_tokens == 0 for r in baseline)
+    on.check_integrity()
+
+
+def test_stream_equals_blocking_and_async_equals_sync(engines) -> None:
+    on, _ = engines
+    messages = [
+        _user("What is it?", SHAPES),
+        {"role": "assistant", "content": " a shape"},
+        _user("And then?"),
+    ]
+    want = on.chat(messages, settings=GREEDY)
+    stream = on.chat(messages, settings=GREEDY, stream=True)
+    assert "".join(stream) == want.content
+    assert stream.result().content == want.content
+    assert on.submit_chat(messages, settings=GREEDY).result().content == want.content
+
+    async def run() -> tuple[str, str]:
+        got = await on.achat(messages, settings=GREEDY)
+        astream = await on.achat(messages, settings=GREEDY, stream=True)
+        return got.content, "".join([d async for d in astream])
+
+    assert asyncio.run(run()) == (want.content, want.content)
+
+
+def test_bad_conversations_fail_on_the_callers_thread(engines) -> None:
+    on, _ = engines
+    before = on.stats().requests_failed
+    with pytest.raises(InvalidInputError, match="at most 1 image"):
+        on.chat(
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": SHAPES}] * 2
+                    + [{"type": "text", "text": "q"}],
+                }
+            ]
+        )
+    with pytest.raises(InvalidInputError, match="first user message"):
+        on.chat([_user("a"), {"role": "assistant", "content": "b"}, _user("c", SHAPES)])
+    with pytest.raises(PromptTooLongError):
+        on.chat(
+            [_user("word " * 600), {"role": "assistant", "content": "word " * 600}, _user("more?")]
+        )
+    with pytest.raises(InvalidInputError):
+        on.chat([_user("hi")], cache_salt="")
+    assert on.stats().requests_failed == before  # nothing reached the scheduler

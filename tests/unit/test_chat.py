@@ -1,0 +1,165 @@
+"""Chat without a model: the conversation's prompt (query blocks) and message validation."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from kestrel.engine.chat import MAX_IMAGES, parse_messages
+from kestrel.errors import InvalidInputError
+from kestrel.skills import ChatSkill, ChatTurn, QuerySkill, Settings, chat_prompt
+from kestrel.tokens import TextToken
+from tests.unit.test_skills import ANSWER, EOS, THINKING, Script, drive
+
+
+def _png(color: tuple[int, int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 6), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _ids(tokens) -> list[int]:
+    return [t.token_id for t in tokens]
+
+
+def test_one_turn_chat_is_the_query_prompt() -> None:
+    ops = Script([])
+    for reasoning in (False, True):
+        chat = chat_prompt(ops, [ChatTurn("what is it")], reasoning=reasoning)
+        query = QuerySkill(ops, "what is it", Settings(), reasoning=reasoning).prompt
+        assert chat == query
+
+
+def test_turn_n_plus_1_starts_with_turn_n_prompt_then_its_reply() -> None:
+    ops = Script([])
+    first = chat_prompt(ops, [ChatTurn("what is it")])
+    second = chat_prompt(ops, [ChatTurn("what is it", "a red ball"), ChatTurn("why")])
+    reply = [TextToken(i) for i in ops.encode("a red ball")]
+    assert second[: len(first)] == first
+    assert second[len(first) : len(first) + len(reply)] == reply
+    block = chat_prompt(ops, [ChatTurn("why")])[1:]  # the next query block, without BOS
+    assert second[len(first) + len(reply) :] == block
+    assert _ids(second).count(0) == 1  # BOS once, at the start
+    thinking = chat_prompt(
+        ops, [ChatTurn("what is it", "a red ball"), ChatTurn("why")], reasoning=True
+    )
+    assert _ids(thinking)[-2:] == [ANSWER, THINKING]
+    assert _ids(thinking)[: len(first)] == _ids(first)  # earlier turns never reason
+
+
+def test_chat_prompt_rejects_malformed_turn_lists() -> None:
+    ops = Script([])
+    with pytest.raises(InvalidInputError):
+        chat_prompt(ops, [])
+    with pytest.raises(InvalidInputError):
+        chat_prompt(ops, [ChatTurn("a"), ChatTurn("b")])  # the first has no reply
+    with pytest.raises(InvalidInputError):
+        chat_prompt(ops, [ChatTurn("a", "b")])  # nothing left to answer
+
+
+def test_chat_skill_decodes_like_the_query_skill() -> None:
+    turns = [ChatTurn("what", "that"), ChatTurn("why")]
+    skill = ChatSkill(Script([20, 21, EOS]), turns, Settings())
+    assert drive(skill) == [TextToken(20), TextToken(21)]
+    assert skill.finish_reason == "stop" and skill.output_tokens() == (20, 21)
+    assert skill.max_feeds == Settings().max_tokens
+
+
+def test_messages_fold_the_system_prompt_and_alternate() -> None:
+    conv = parse_messages(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "What?"}]},
+            {"role": "assistant", "content": "A ball.", "reasoning": {"text": "ignored"}},
+            {"role": "user", "content": "Colour?"},
+        ]
+    )
+    assert conv.turns == (ChatTurn("Be brief.\n\nWhat?", "A ball."), ChatTurn("Colour?"))
+    assert conv.image is None
+    assert parse_messages([{"role": "user", "content": "hi"}]).turns == (ChatTurn("hi"),)
+
+
+def test_one_image_in_the_first_user_turn_is_decoded_once() -> None:
+    url = "data:image/png;base64," + base64.b64encode(_png((9, 8, 7))).decode()
+    for part in (
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "image", "image": _png((9, 8, 7))},
+    ):
+        conv = parse_messages([{"role": "user", "content": [part, {"type": "text", "text": "Q"}]}])
+        assert conv.image is not None and conv.image.pixels.shape == (6, 8, 3)
+
+
+IMG = {"type": "image", "image": b"never decoded"}
+TEXT = {"type": "text", "text": "q"}
+USER = {"role": "user", "content": "hi"}
+BAD = [
+    ("not-a-list", "hello"),
+    ("empty", []),
+    ("not-an-object", ["hi"]),
+    ("unknown-role", [{"role": "tool", "content": "x"}]),
+    ("tool-calls", [{"role": "user", "content": "x", "tool_calls": [{}]}]),
+    ("ends-with-assistant", [USER, {"role": "assistant", "content": "x"}]),
+    ("two-users", [USER, USER]),
+    ("starts-with-assistant", [{"role": "assistant", "content": "x"}, USER]),
+    (
+        "late-system",
+        [USER, {"role": "assistant", "content": "x"}, {"role": "system", "content": "x"}],
+    ),
+    ("empty-text", [{"role": "user", "content": "  "}]),
+    ("content-number", [{"role": "user", "content": 5}]),
+    ("bad-part", [{"role": "user", "content": [{"type": "audio"}]}]),
+    ("image-in-assistant", [USER, {"role": "assistant", "content": [IMG]}, USER]),
+    ("image-in-system", [{"role": "system", "content": [IMG]}, USER]),
+    (
+        "too-many-images",
+        [{"role": "user", "content": [IMG] * (MAX_IMAGES + 1) + [TEXT]}],
+    ),
+    (
+        "image-in-later-turn",
+        [
+            USER,
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": [IMG, {"type": "text", "text": "q"}]},
+        ],
+    ),
+    (
+        "remote-url",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                    {"type": "text", "text": "q"},
+                ],
+            }
+        ],
+    ),
+    (
+        "bad-base64",
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}},
+                    {"type": "text", "text": "q"},
+                ],
+            }
+        ],
+    ),
+    ("not-an-image", [{"role": "user", "content": [IMG, {"type": "text", "text": "q"}]}]),
+]
+
+
+@pytest.mark.parametrize(("messages",), [(m,) for _, m in BAD], ids=[n for n, _ in BAD])
+def test_bad_messages_raise_invalid_input(messages) -> None:
+    with pytest.raises(InvalidInputError):
+        parse_messages(messages)
+
+
+def test_the_image_limit_is_named() -> None:
+    many = [{"role": "user", "content": [IMG, IMG, {"type": "text", "text": "q"}]}]
+    with pytest.raises(InvalidInputError, match=f"at most {MAX_IMAGES} image"):
+        parse_messages(many)
