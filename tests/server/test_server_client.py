@@ -300,3 +300,36 @@ def test_moondream_client_chat_plain_and_streamed(server, engine) -> None:
     )  # fmt: skip
     assert client.chat(follow, settings=GREEDY)["message"]["content"] == second.content
     _assert_pages_conserved(_idle_stats(server))
+
+
+def test_openai_client_chat_completions(server, engine) -> None:
+    openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    image_part = {"type": "image_url", "image_url": {"url": data_url(SHAPES)}}
+    messages = [{"role": "user", "content": [image_part, {"type": "text", "text": "Hm?"}]}]
+    want = engine.chat(
+        [{"role": "user", "content": [{"type": "image", "image": SHAPES},
+                                      {"type": "text", "text": "Hm?"}]}],
+        settings=GREEDY,
+    )  # fmt: skip
+    options = {"model": "gpt-anything", "messages": messages, "temperature": 0, "max_tokens": 4}
+    got = client.chat.completions.create(**options)
+    assert got.object == "chat.completion" and got.model == MODEL.name
+    assert got.choices[0].message.content == want.content
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == want.metrics.input_tokens
+    assert got.usage.prompt_tokens_details.cached_tokens >= engine.config.image_tokens
+    chunks = list(
+        client.chat.completions.create(
+            **options, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.content
+    assert chunks[-1].usage.completion_tokens == want.metrics.output_tokens
+    salted = client.chat.completions.create(**options, extra_body={"cache_salt": "openai-test"})
+    assert salted.choices[0].message.content == want.content
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # a namespace of its own
+    with pytest.raises(openai.BadRequestError, match="'n' = 2"):
+        client.chat.completions.create(**options, n=2)
+    _assert_pages_conserved(_idle_stats(server))
