@@ -4,6 +4,7 @@ a conversation, greedy parity with a cache-off engine, stream == blocking, async
 from __future__ import annotations
 
 import asyncio
+import random
 from itertools import pairwise
 
 import pytest
@@ -126,3 +127,37 @@ def test_bad_conversations_fail_on_the_callers_thread(engines) -> None:
     with pytest.raises(InvalidInputError):
         on.chat([_user("hi")], cache_salt="")
     assert on.stats().requests_failed == before  # nothing reached the scheduler
+
+
+def test_random_conversations_with_cancellations_end_idle(engines) -> None:
+    """Twelve conversations (some over the image, some text only, two salts) advance a turn at
+    a time through submit_chat and streams; some turns are cancelled and retried. Every page
+    is free or cached at the end and every invariant holds."""
+    on, _ = engines
+    cancelled = on.stats().requests_cancelled
+    rng = random.Random(19)
+    chats = []
+    for i in range(12):
+        first = _user(f"Conversation {i}: what is it?", SHAPES if i % 3 else None)
+        chats.append(([first], f"tenant-{i % 2}"))
+    for turn in range(3):
+        futures, streams = [], []
+        for messages, salt in chats:
+            settings = {"temperature": rng.choice([0, 0.7]), "max_tokens": rng.randint(1, 6),
+                        "seed": rng.randrange(1000)}  # fmt: skip
+            if rng.random() < 0.3:
+                streams.append(on.chat(messages, settings=settings, cache_salt=salt, stream=True))
+            future = on.submit_chat(messages, settings=settings, cache_salt=salt)
+            if rng.random() < 0.25:
+                future.cancel()
+            futures.append(future)
+        for stream in streams[::2]:
+            stream.cancel()
+        for stream in streams[1::2]:
+            assert "".join(stream) == stream.result().content
+        for (messages, _), future in zip(chats, futures, strict=True):
+            if future.cancelled():
+                continue  # the user retries the same turn next round
+            messages += [future.result().message, _user(f"Turn {turn + 1}?")]
+    assert on.stats().requests_cancelled > cancelled
+    assert_idle(on)
