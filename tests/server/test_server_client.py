@@ -264,19 +264,6 @@ def test_disconnect_while_waiting_for_a_blocking_answer_cancels_it(server) -> No
     _assert_pages_conserved(after)
 
 
-def test_sigterm_finishes_in_flight_streams_and_exits_0(server) -> None:
-    """Runs last: it stops the module's server."""
-    conn, response = _open_stream(server, max_tokens=1000)
-    server.proc.send_signal(signal.SIGTERM)
-    events = [json.loads(line[6:]) for line in response if line.startswith(b"data: ")]
-    conn.close()
-    assert events[-1]["completed"] is True
-    assert events[-1]["metrics"]["output_tokens"] == 1000  # not cut short by the shutdown
-    assert server.proc.wait(timeout=60) == 0
-    log = server.log.read_text(errors="replace")
-    assert "Traceback" not in log and "Exception in ASGI" not in log, log
-
-
 def test_moondream_client_chat_plain_and_streamed(server, engine) -> None:
     client = md.vl(endpoint=server.url)
     user = {"role": "user", "content": [
@@ -333,3 +320,16 @@ def test_openai_client_chat_completions(server, engine) -> None:
     with pytest.raises(openai.BadRequestError, match="'n' = 2"):
         client.chat.completions.create(**options, n=2)
     _assert_pages_conserved(_idle_stats(server))
+
+
+def test_sigterm_finishes_in_flight_streams_and_exits_0(server) -> None:
+    """Runs last: it stops the module's server."""
+    conn, response = _open_stream(server, max_tokens=1000)
+    server.proc.send_signal(signal.SIGTERM)
+    events = [json.loads(line[6:]) for line in response if line.startswith(b"data: ")]
+    conn.close()
+    assert events[-1]["completed"] is True
+    assert events[-1]["metrics"]["output_tokens"] == 1000  # not cut short by the shutdown
+    assert server.proc.wait(timeout=60) == 0
+    log = server.log.read_text(errors="replace")
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log
