@@ -1,14 +1,16 @@
 """Adapter overhead: 4 adapters x 8 images x questions through the Engine, cache on.
 
-    python scripts/bench_adapters.py [--model DIR] [--questions 4] [--max-tokens 8]
+    python scripts/bench_adapters.py [--model DIR] [--questions 4] [--max-tokens 8] [--rounds 5]
 
-Three runs of the same requests in one process, each on a fresh engine:
+Three variants of the same requests in one process, each measurement on a fresh engine,
+interleaved round by round through the harness (``harness.py``):
 - base:          no adapter (the four copies of each request share one cache namespace);
 - base + salts:  no adapter, but each copy in its own namespace (cache_salt), so the cache
                  behaves exactly as with four adapters: the ratio to it is the LoRA compute;
 - 4 adapters:    each copy with its own adapter, all mixed in the same batches.
-Prints requests/s and the ratios. The adapters are the model's fixture adapter with its B
-matrices scaled differently (same shapes and rank, different weights).
+Prints requests/s (median, min-max over the rounds) and the ratios. The adapters are the
+model's fixture adapter with its B matrices scaled differently (same shapes and rank,
+different weights).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import numpy as np
 from safetensors.torch import load_file, save_file
 
@@ -38,9 +41,10 @@ def make_adapters(src: Path, out: Path, n: int) -> list[Path]:
     return paths
 
 
-def run(engine: Engine, images, questions, variants: list[dict]) -> tuple[float, float]:
+def run(engine: Engine, images, questions, variants: list[dict]) -> dict[str, float]:
     prepared = [engine.prepare_image(im) for im in images]
     settings = {"temperature": 0.0, "max_tokens": ARGS.max_tokens}
+    engine.query(None, "warm up", settings={"max_tokens": 1})
     t0 = time.perf_counter()
     futures = [
         engine.submit_query(img, q, settings=settings, **extra)
@@ -51,38 +55,51 @@ def run(engine: Engine, images, questions, variants: list[dict]) -> tuple[float,
     for f in futures:
         f.result()
     wall = time.perf_counter() - t0
-    return len(futures) / wall, engine.stats().hit_rate
+    return {"rps": len(futures) / wall, "hit_rate": engine.stats().hit_rate}
 
 
 def main() -> None:
+    bench = harness.start(ARGS, "Adapters (bench_adapters.py)")
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (96, 128, 3), dtype=np.uint8) for _ in range(8)]
     questions = QUESTIONS[: ARGS.questions]
     opts = {"device": "cpu", "dtype": "float32", "max_batch_size": 16, "kv_cache_pages": 60_000}
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(FIXTURE / "adapter" / "adapter.safetensors", Path(tmp), 4)
-        with Engine(ARGS.model, **opts) as engine:
-            rows.append(("base", *run(engine, images, questions, [{}] * 4)))
-        with Engine(ARGS.model, **opts) as engine:
-            salts = [{"cache_salt": f"s{i}"} for i in range(4)]
-            rows.append(("base + 4 salts", *run(engine, images, questions, salts)))
-        with Engine(ARGS.model, **opts) as engine:
-            for i, p in enumerate(paths):
-                engine.load_adapter(f"a{i}", p)
-            named = [{"adapter": f"a{i}"} for i in range(4)]
-            rows.append(("4 adapters", *run(engine, images, questions, named)))
+
+        def base() -> dict[str, float]:
+            with Engine(ARGS.model, **opts) as engine:
+                return run(engine, images, questions, [{}] * 4)
+
+        def salted() -> dict[str, float]:
+            with Engine(ARGS.model, **opts) as engine:
+                return run(engine, images, questions, [{"cache_salt": f"s{i}"} for i in range(4)])
+
+        def adapters() -> dict[str, float]:
+            with Engine(ARGS.model, **opts) as engine:
+                for i, p in enumerate(paths):
+                    engine.load_adapter(f"a{i}", p)
+                return run(engine, images, questions, [{"adapter": f"a{i}"} for i in range(4)])
+
+        runs = bench.run(
+            {
+                "base (the four copies share one namespace)": base,
+                "base + 4 cache salts (same cache structure as 4 adapters)": salted,
+                "4 adapters, mixed in every batch": adapters,
+            }
+        )
     n = 8 * 4 * len(questions)
-    print(
+    bench.emit(
         f"\n{n} requests each (8 images x 4 copies x {len(questions)} questions), "
-        f"{ARGS.max_tokens} greedy tokens, cache on, CPU float32\n"
+        f"{ARGS.max_tokens} greedy tokens, cache on, CPU float32, model {Path(ARGS.model).name}"
     )
-    print("| run | requests/s | hit rate | vs 4 adapters |")
-    print("|---|---|---|---|")
-    adapters_rps = rows[-1][1]
-    for name, rps, hit in rows:
-        print(f"| {name} | {rps:.1f} | {hit:.1%} | {rps / adapters_rps:.2f}x |")
-    print(f"\nadapter compute overhead (base + salts / adapters): {rows[1][1] / adapters_rps:.2f}x")
+    names = list(runs)
+    metrics = {"rps": "requests/s", "hit_rate": "hit rate"}
+    bench.table(runs, metrics, baseline=names[-1])
+    bench.emit("")
+    salts, lora = ([r["rps"] for r in runs[k]] for k in names[1:])
+    bench.ratio_line("adapter compute overhead (base + salts / adapters)", salts, lora)
+    bench.finish()
 
 
 if __name__ == "__main__":
@@ -90,5 +107,6 @@ if __name__ == "__main__":
     p.add_argument("--model", default=str(FIXTURE))
     p.add_argument("--questions", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
+    harness.add_arguments(p, rounds=5)
     ARGS = p.parse_args()
     main()

@@ -1,23 +1,26 @@
 """Decode throughput against batch size: tokens/s of one batched decode step at B = 1..16.
 
-    python scripts/bench_decode.py [--model DIR] [--steps 16] [--batches 1,2,4,8,16] [--json]
+    python scripts/bench_decode.py [--model DIR] [--steps 16] [--batches 1,2,4,8,16] [--rounds 3]
 
 B sequences are prefilled (image prompts of ~750 positions: an image and a short question),
 then ``--steps`` decode steps run over all B at once through the runtime (the step the
 engine's scheduler runs). Two layouts: every row asks about the same image (its 729 image
 positions are one cached prefix that all rows share: the batch image-QA case) and every row
 about its own image (nothing shared). Tokens/s = B x steps / time; the ratio to B = 1 is
-taken in the same run. Default model: the random-weight bench checkpoint (Moondream-2
-structure, 729 image tokens, sized for a 2-core CPU).
+taken round by round: every (layout, B) variant runs once per round, interleaved through the
+harness (``harness.py``), and the table gives median (min-max) over the rounds. Default model:
+the random-weight bench checkpoint (Moondream-2 structure, 729 image tokens, sized for a 2-core
+CPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
+from functools import partial
 from pathlib import Path
 
+import harness
 import numpy as np
 import torch
 from timing import bench_model
@@ -56,8 +59,9 @@ def main() -> None:
     p.add_argument("--model", type=Path, default=Path.home() / ".cache/kestrel-bench/cpu")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--batches", default="1,2,4,8,16")
-    p.add_argument("--json", action="store_true")
+    harness.add_arguments(p, rounds=3)
     args = p.parse_args()
+    bench = harness.start(args, "Decode against batch size (bench_decode.py)")
     batches = [int(b) for b in args.batches.split(",")]
     rt = MoondreamRuntime.from_pretrained(
         bench_model(args.model), device="cpu", dtype=torch.float32,
@@ -66,23 +70,22 @@ def main() -> None:
     rng = np.random.default_rng(3)
     own = [rng.integers(0, 256, (378, 378, 3), dtype=np.uint8) for _ in range(max(batches))]
     layouts = {"same image": own[:1], "own image": own}
-    res: dict[str, dict[int, float]] = {name: {} for name in layouts}
-    with torch.inference_mode():
-        for name, imgs in layouts.items():
-            for b in batches:
-                res[name][b] = tokens_per_s(rt, imgs, b, args.steps)
-    if args.json:
-        print(json.dumps({f"{n} B={b}": round(v, 1) for n, r in res.items() for b, v in r.items()}))
-        return
-    print(f"\n{args.steps} decode steps per batch, ~750-position image prompts, CPU float32\n")
-    print("| batch | same image: tokens/s | vs B=1 | own image: tokens/s | vs B=1 |")
-    print("|---|---|---|---|---|")
-    for b in batches:
-        same, own_ = res["same image"], res["own image"]
-        print(
-            f"| {b} | {same[b]:.1f} | {same[b] / same[1]:.2f}x | {own_[b]:.1f} | "
-            f"{own_[b] / own_[1]:.2f}x |"
-        )
+
+    def measure(imgs: list, b: int) -> dict[str, float]:
+        with torch.inference_mode():
+            return {"tps": tokens_per_s(rt, imgs, b, args.steps)}
+
+    variants = {
+        f"{n}, B={b}": partial(measure, imgs, b) for n, imgs in layouts.items() for b in batches
+    }
+    baselines = {f"{n}, B={b}": f"{n}, B={batches[0]}" for n in layouts for b in batches}
+    runs = bench.run(variants)
+    bench.emit(
+        f"\n{args.steps} decode steps per batch, ~750-position image prompts, CPU float32, "
+        "bench checkpoint"
+    )
+    bench.table(runs, {"tps": "tokens/s"}, baseline=baselines, fmt=".1f")
+    bench.finish()
 
 
 if __name__ == "__main__":

@@ -10,14 +10,16 @@ admissions. TTFT is measured per request from the start of its prefill to its fi
 token (queueing excluded: every request of a workload arrives at once, so queueing would only
 measure the arrival order). Requests/s is end to end: all requests / total wall time.
 
+Cache off and cache on run interleaved through the harness (``harness.py``), each round on a
+fresh runtime; every figure is the median (min-max) over ``--rounds`` rounds.
+
     python scripts/bench_prefix_cache.py --workload W1
-    python scripts/bench_prefix_cache.py --workload W2 --json
+    python scripts/bench_prefix_cache.py --workload W2 --rounds 5 --json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -25,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import harness
 import numpy as np
 import torch
 
@@ -154,16 +157,32 @@ def _plot(name: str, on: RunResult, off: RunResult, out_dir: Path) -> Path | Non
     return path
 
 
+def figures(r: RunResult, workload_name: str) -> dict[str, float]:
+    hits = [t for t, h in zip(r.ttft_s, r.hit, strict=True) if h]
+    misses = [t for t, h in zip(r.ttft_s, r.hit, strict=True) if not h]
+    out = {
+        "rps": r.rps,
+        "ttft_p50_ms": _pct(r.ttft_s, 50),
+        "ttft_p99_ms": _pct(r.ttft_s, 99),
+        "ttft_hit_p50_ms": _pct(hits, 50),
+        "ttft_miss_p50_ms": _pct(misses, 50),
+        "hits": len(hits),
+        "prefill_tokens": r.prefill_tokens,
+        "vision_encodes": r.vision_encodes,
+    }
+    if workload_name == "W2":  # requests 2..48: those that can hit the system prompt
+        out["ttft_req2plus_p50_ms"] = _pct(r.ttft_s[1:], 50)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="W1", choices=["W1", "W2", "W3"])
     ap.add_argument("--model", type=Path, help="checkpoint dir (default: a random bench model)")
-    ap.add_argument("--json", action="store_true", help="print one JSON line only")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    harness.add_arguments(ap, rounds=3)
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    bench = harness.start(args, f"Prefix cache, workload {args.workload} (bench_prefix_cache.py)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
@@ -173,84 +192,57 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     reqs = workload(args.workload, cfg)
     pages = MAX_BATCH * (cfg.text.max_context // 2) + 1
-    results = {}
-    for label, enabled in (("off", False), ("on", True)):
+    last: dict[str, RunResult] = {}
+
+    def variant(label: str, enabled: bool) -> dict[str, float]:
         rt = MoondreamRuntime(model, kv_cache_pages=pages, max_batch_size=MAX_BATCH,
                               enable_prefix_cache=enabled)  # fmt: skip
         run(rt, workload(args.workload, cfg, seed=99)[:2])  # warm-up, different content
-        results[label] = run(rt, reqs)
+        last[label] = run(rt, reqs)
         rt.check_integrity()
-    on, off = results["on"], results["off"]
-    hits = [t for t, h in zip(on.ttft_s, on.hit, strict=True) if h]
-    misses = [t for t, h in zip(on.ttft_s, on.hit, strict=True) if not h]
-    summary = {
-        "workload": args.workload,
-        "requests": len(reqs),
-        "ttft_hit_p50_ms": _pct(hits, 50),
-        "ttft_hit_p99_ms": _pct(hits, 99),
-        "ttft_miss_p50_ms": _pct(misses, 50),
-        "ttft_miss_p99_ms": _pct(misses, 99),
-        "ttft_on_p50_ms": _pct(on.ttft_s, 50),
-        "ttft_off_p50_ms": _pct(off.ttft_s, 50),
-        "ttft_off_p99_ms": _pct(off.ttft_s, 99),
-        "rps_on": on.rps,
-        "rps_off": off.rps,
-        "prefill_tokens_on": on.prefill_tokens,
-        "prefill_tokens_off": off.prefill_tokens,
-        "vision_encodes_on": on.vision_encodes,
-        "vision_encodes_off": off.vision_encodes,
-        "hits": len(hits),
-        "misses": len(misses),
-    }
-    if args.workload == "W2":  # requests 2..48 against the same requests without the cache
-        summary["ttft_req2plus_on_p50_ms"] = _pct(on.ttft_s[1:], 50)
-        summary["ttft_req2plus_off_p50_ms"] = _pct(off.ttft_s[1:], 50)
-    if args.json:
-        print(json.dumps(summary))
-        return 0
-    plot = _plot(args.workload, on, off, args.out)
-    _print_tables(summary, plot)
+        return figures(last[label], args.workload)
+
+    runs = bench.run({"cache off": lambda: variant("off", False),
+                      "cache on": lambda: variant("on", True)})  # fmt: skip
+    on = last["on"]
+    bench.emit(f"\n{args.workload}: {len(reqs)} requests, {sum(on.hit)} hits / "
+               f"{len(on.hit) - sum(on.hit)} misses with the cache on")  # fmt: skip
+    bench.table(runs, {"rps": "requests/s", "ttft_p50_ms": "TTFT p50 ms",
+                       "ttft_p99_ms": "TTFT p99 ms"}, baseline="cache off", fmt=".1f")  # fmt: skip
+    counts = {"prefill_tokens": "prefill tokens computed", "vision_encodes": "vision encoder calls"}
+    bench.table(runs, counts, fmt=".0f")
+    _targets(bench, args.workload, runs)
+    if not args.json:
+        plot = _plot(args.workload, last["on"], last["off"], args.out)
+        if plot:
+            bench.emit(f"plot (last round): {plot}")
+    bench.finish()
     return 0
 
 
-def _print_tables(s: dict, plot: Path | None) -> None:
-    print(f"workload {s['workload']}: {s['requests']} requests, {s['hits']} hits / "
-          f"{s['misses']} misses with the cache on")  # fmt: skip
-    print(f"{'':28}{'p50 ms':>10}{'p99 ms':>10}")
-    for label, key in (("TTFT hit (cache on)", "hit"), ("TTFT miss (cache on)", "miss"),
-                       ("TTFT all (cache off)", "off")):  # fmt: skip
-        print(f"{label:28}{s[f'ttft_{key}_p50_ms']:10.1f}{s[f'ttft_{key}_p99_ms']:10.1f}")
-    print(f"{'':28}{'cache on':>10}{'cache off':>10}")
-    print(
-        f"{'prefill tokens computed':28}{s['prefill_tokens_on']:10d}{s['prefill_tokens_off']:10d}"
-    )
-    print(f"{'vision encoder calls':28}{s['vision_encodes_on']:10d}{s['vision_encodes_off']:10d}")
-    print(f"{'requests/s':28}{s['rps_on']:10.2f}{s['rps_off']:10.2f}")
-    for line in _targets(s):
-        print(line)
-    if plot:
-        print(f"plot: {plot}")
+def _targets(bench: harness.Bench, w: str, runs: harness.Runs) -> None:
+    """The design targets of this workload: each ratio with its per-round range, met or not
+    (judged on the ratio of the medians)."""
 
+    def col(variant: str, key: str) -> list[float]:
+        return [r[key] for r in runs[variant]]
 
-def _targets(s: dict) -> list[str]:
-    """The design targets of this workload, with the measured ratio and whether it is met."""
-    w, out = s["workload"], []
+    def check(what: str, q: harness.Spread, ok: bool) -> None:
+        bench.emit(f"target {what}: {q.fmt('.3g')} -> {'met' if ok else 'NOT met'}")
 
-    def check(what: str, value: float, ok: bool) -> None:
-        out.append(f"target {what}: {value:.3g} -> {'met' if ok else 'NOT met'}")
-
+    bench.emit("")
     if w == "W1":
-        ratio = s["ttft_hit_p50_ms"] / s["ttft_miss_p50_ms"]
-        check("hit TTFT / miss TTFT <= 0.05", ratio, ratio <= 0.05)
-        check("req/s on / off >= 5", s["rps_on"] / s["rps_off"], s["rps_on"] >= 5 * s["rps_off"])
+        q = harness.ratio(col("cache on", "ttft_hit_p50_ms"), col("cache on", "ttft_miss_p50_ms"))
+        check("hit TTFT p50 / miss TTFT p50 <= 0.05 (cache on)", q, q.median <= 0.05)
+        q = harness.ratio(col("cache on", "rps"), col("cache off", "rps"))
+        check("requests/s on / off >= 5", q, q.median >= 5)
     elif w == "W2":
-        on, off = s["ttft_req2plus_on_p50_ms"], s["ttft_req2plus_off_p50_ms"]
-        out.append(f"TTFT p50 of requests 2..48: {on:.1f} ms on, {off:.1f} ms off")
-        check("requests 2..48 TTFT off / on >= 10", off / on, off >= 10 * on)
+        key = "ttft_req2plus_p50_ms"
+        q = harness.ratio(col("cache off", key), col("cache on", key))
+        check("TTFT p50 of requests 2..48, off / on >= 10", q, q.median >= 10)
     else:
-        overhead = s["rps_off"] / s["rps_on"] - 1
-        check("cache-on overhead (req/s) <= 1%", overhead, overhead <= 0.01)
-    return out
+        q = harness.ratio(col("cache off", "rps"), col("cache on", "rps"))
+        check("requests/s off / on <= 1.01 (cache-on overhead)", q, q.median <= 1.01)
 
 
 if __name__ == "__main__":

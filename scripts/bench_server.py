@@ -7,11 +7,13 @@ sending the request to the first ``data: {"chunk"}`` event. Latency runs to the 
 event. The in-process run uses the same engine options, images (as encoded bytes, so decoding
 and hashing are paid on both sides), questions and settings, with one thread per client
 iterating ``engine.query(..., stream=True)``. Both runs warm the cache with one pass over the
-images first, so they compare steady state; the server is stopped before the engine runs, so
-the two never share the CPU.
+images first, so they compare steady state. The two run interleaved through the harness
+(``harness.py``), one HTTP run and one Engine run per round; the server stays up between its
+runs but is idle while the Engine runs (its scheduler thread blocks on its inbox), and each
+Engine run gets a fresh engine. Figures are medians (min-max) over ``--rounds`` rounds.
 
     python scripts/bench_server.py                                   # fixture model, own server
-    python scripts/bench_server.py --clients 16 --seconds 20 --max-tokens 32 --json
+    python scripts/bench_server.py --clients 16 --seconds 20 --max-tokens 32 --rounds 5
     python scripts/bench_server.py --url http://127.0.0.1:2020/v1 --model path/to/moondream2
 
 Bounded: at most 256 clients and 300 seconds, loopback addresses only.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import http.client
 import ipaddress
 import json
@@ -32,11 +35,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import harness
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
@@ -220,27 +224,27 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def report(http: Summary, direct: Summary, args: argparse.Namespace) -> str:
-    rows = [
-        ("requests (errors)", lambda s: f"{s.requests} ({s.errors})"),
-        ("requests/s", lambda s: f"{s.requests_per_s:.1f}"),
-        ("TTFT p50 / p99 ms", lambda s: f"{s.ttft_p50_ms:.1f} / {s.ttft_p99_ms:.1f}"),
-        ("latency p50 / p99 ms", lambda s: f"{s.latency_p50_ms:.1f} / {s.latency_p99_ms:.1f}"),
-    ]
-    lines = [
-        f"{args.clients} clients x {args.seconds:g} s, streaming query, max_tokens "
-        f"{args.max_tokens}, {len(args.images)} images x {len(QUESTIONS)} questions",
-        f"{'':22} {'HTTP (kestrel serve)':>22} {'Engine (in-process)':>22}",
-    ]
-    lines += [f"{name:22} {fmt(http):>22} {fmt(direct):>22}" for name, fmt in rows]
-    throughput = direct.requests_per_s / http.requests_per_s
-    latency = http.latency_p50_ms / direct.latency_p50_ms
-    extra_ms = http.latency_p50_ms - direct.latency_p50_ms
-    lines.append(
-        f"HTTP overhead: throughput x{throughput:.2f} (engine / HTTP requests/s); "
-        f"latency p50 x{latency:.2f} ({extra_ms:+.1f} ms per request)"
+def report(bench: harness.Bench, runs: harness.Runs, args: argparse.Namespace) -> None:
+    bench.emit(
+        f"\n{args.clients} clients x {args.seconds:g} s, streaming query, max_tokens "
+        f"{args.max_tokens}, {len(args.images)} images x {len(QUESTIONS)} questions"
     )
-    return "\n".join(lines)
+    metrics = {"requests_per_s": "requests/s", "ttft_p50_ms": "TTFT p50 ms",
+               "ttft_p99_ms": "TTFT p99 ms", "latency_p50_ms": "latency p50 ms",
+               "latency_p99_ms": "latency p99 ms", "errors": "errors"}  # fmt: skip
+    bench.table(runs, metrics, fmt=".1f")
+    http, direct = runs["HTTP (kestrel serve)"], runs["Engine (in-process)"]
+    bench.emit("")
+    bench.ratio_line(
+        "HTTP overhead, throughput (Engine / HTTP requests/s)",
+        [r["requests_per_s"] for r in direct],
+        [r["requests_per_s"] for r in http],
+    )
+    bench.ratio_line(
+        "HTTP overhead, latency p50 (HTTP / Engine)",
+        [r["latency_p50_ms"] for r in http],
+        [r["latency_p50_ms"] for r in direct],
+    )
 
 
 def _loopback(url: str) -> bool:
@@ -264,7 +268,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-pages", type=int, default=20_000)
     p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    harness.add_arguments(p, rounds=3)
     args = p.parse_args()
     if not 1 <= args.clients <= MAX_CLIENTS or not 0 < args.seconds <= MAX_SECONDS:
         p.error(f"--clients must be 1..{MAX_CLIENTS} and --seconds in (0, {MAX_SECONDS:g}]")
@@ -273,25 +277,35 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+@contextlib.contextmanager
+def server_url(args: argparse.Namespace) -> Iterator[str]:
+    """``--url``, or a ``kestrel serve`` of our own for the benchmark's lifetime."""
+    if args.url:
+        yield args.url
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_server(args, Path(tmp) / "server.log")
+        try:
+            yield url
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+
+
 def main() -> None:
     args = parse_args()
+    bench = harness.start(args, "HTTP server against the in-process Engine (bench_server.py)")
     settings = {"temperature": 0, "max_tokens": args.max_tokens}
     pairs = workload(args.images)
-    if args.url:
-        http = bench_http(args, args.url, pairs, settings)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            proc, url = start_server(args, Path(tmp) / "server.log")
-            try:
-                http = bench_http(args, url, pairs, settings)
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=120)
-    direct = bench_engine(args, pairs, settings)
-    if args.json:
-        print(json.dumps({"http": asdict(http), "engine": asdict(direct)}, indent=2))
-    else:
-        print(report(http, direct, args))
+    with server_url(args) as url:
+        runs = bench.run(
+            {
+                "HTTP (kestrel serve)": lambda: asdict(bench_http(args, url, pairs, settings)),
+                "Engine (in-process)": lambda: asdict(bench_engine(args, pairs, settings)),
+            }
+        )
+    report(bench, runs, args)
+    bench.finish()
 
 
 if __name__ == "__main__":

@@ -81,13 +81,16 @@ def measure(label: str, fn: Callable[[], None], repeats: int) -> dict[str, float
     return rows
 
 
-def table(title: str, rows: dict[str, float], per: str = "") -> None:
+def table(
+    title: str, rows: dict[str, float], per: str = "", out: Callable[[str], None] = print
+) -> None:
+    """Print ``rows`` (from ``measure``) as a table through ``out`` (a harness's ``emit``)."""
     total = rows["total"]
-    print(f"\n{title}\n| part | ms{per} | share |\n|---|---|---|")
+    out(f"\n{title}\n| part | ms{per} | share |\n|---|---|---|")
     for k, v in sorted(rows.items(), key=lambda kv: -kv[1]):
         if k != "total":
-            print(f"| {k} | {v * 1e3:.2f} | {v / total:.0%} |")
-    print(f"| **total** | **{total * 1e3:.2f}** | 100% |")
+            out(f"| {k} | {v * 1e3:.2f} | {v / total:.0%} |")
+    out(f"| **total** | **{total * 1e3:.2f}** | 100% |")
 
 
 def bench_model(path: Path) -> Path:
