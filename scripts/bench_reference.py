@@ -137,7 +137,7 @@ def main() -> int:
     )
     bench.emit(
         f"\n{len(reqs)} requests ({args.images} images x {args.questions} questions, "
-        f"{TOKENS}-token greedy answers), CPU float32, bench checkpoint, one process"
+        f"{TOKENS}-token greedy answers), CPU float32, model {model_dir.name}, one process"
     )
     bench.table(runs, {"rps": "requests/s"}, baseline=names[0])
     bench.finish({"reference": str(args.reference)})
