@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness_load import Load, busy_reasons, measure_load
+from harness_load import Load, busy_reasons, cpu_ticks, cpu_used, measure_load
 
 __all__ = ["Bench", "Spread", "add_arguments", "interleave", "ratio", "spread", "start"]
 
@@ -144,6 +145,7 @@ class Bench:
             "busy_reasons": reasons,
         }
         self.figures: dict[str, Any] = {}
+        self._ticks, self._t0 = cpu_ticks(), time.monotonic()
 
     def emit(self, line: str = "") -> None:
         """Print a line of the report (not with --json), marked BUSY on a busy machine."""
@@ -203,7 +205,24 @@ class Bench:
         self.emit(f"{label}: {q.fmt(suffix='x')} (ratio of medians, per-round range)")
         return q
 
+    def others_during_run(self) -> list[str]:
+        """The other processes that were busy over the whole run (alive at its end)."""
+        seconds = max(time.monotonic() - self._t0, 1e-3)
+        procs = cpu_used(self._ticks, cpu_ticks(), seconds, frozenset({os.getpid()}))
+        return busy_reasons(Load(0.0, self.load.cores, procs), math.inf, self.args.max_proc_cpu)
+
     def finish(self, extra: Mapping[str, object] | None = None) -> None:
+        """Say whether other processes ran beside the benchmark, then the JSON (--json)."""
+        during = self.others_during_run()
+        self.info["busy_during_run"] = during
+        self.emit("")
+        if during:
+            self.busy = True
+            self.emit("machine during the run: BUSY, the figures above are disturbed: "
+                      + "; ".join(during))  # fmt: skip
+        else:
+            self.emit("machine during the run: no other process over "
+                      f"{self.args.max_proc_cpu:g}% of a core")  # fmt: skip
         if self.args.json:
             print(json.dumps({**self.info, "figures": self.figures, **(extra or {})}))
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Load", "ProcUse", "busy_reasons", "cpu_ticks", "measure_load", "read_load1"]
+__all__ = ["Load", "ProcUse", "busy_reasons", "cpu_ticks", "cpu_used", "measure_load", "read_load1"]
 
 PROC = Path("/proc")
 
@@ -65,6 +65,24 @@ def cpu_ticks(proc: Path = PROC) -> dict[int, int]:
     return out
 
 
+def cpu_used(
+    before: dict[int, int],
+    after: dict[int, int],
+    seconds: float,
+    exclude: frozenset[int] = frozenset(),
+    proc: Path = PROC,
+) -> tuple[ProcUse, ...]:
+    """Each process's CPU share between two ``cpu_ticks`` readings ``seconds`` apart, busiest
+    first. A process that appeared in between counts all its ticks; one that ended is missed."""
+    hz = os.sysconf("SC_CLK_TCK")
+    procs = []
+    for pid, ticks in after.items():
+        used = ticks - before.get(pid, 0)
+        if pid not in exclude and used > 0:
+            procs.append(ProcUse(pid, _name(proc / str(pid)), 100.0 * used / hz / seconds))
+    return tuple(sorted(procs, key=lambda p: -p.cpu_pct))
+
+
 def measure_load(
     interval: float = 1.0,
     exclude: frozenset[int] = frozenset(),
@@ -72,17 +90,12 @@ def measure_load(
     sleep: Callable[[float], None] = time.sleep,
 ) -> Load:
     """The load average now and each process's CPU share over ``interval`` seconds."""
-    hz = os.sysconf("SC_CLK_TCK")
     before = cpu_ticks(proc)
     sleep(interval)
     after = cpu_ticks(proc)
-    procs = []
-    for pid, ticks in after.items():
-        used = ticks - before.get(pid, ticks)
-        if pid not in exclude and used > 0:
-            procs.append(ProcUse(pid, _name(proc / str(pid)), 100.0 * used / hz / interval))
-    procs.sort(key=lambda p: -p.cpu_pct)
-    return Load(read_load1(proc), os.cpu_count() or 1, tuple(procs))
+    before = {pid: before.get(pid, ticks) for pid, ticks in after.items()}  # only the interval
+    procs = cpu_used(before, after, interval, exclude, proc)
+    return Load(read_load1(proc), os.cpu_count() or 1, procs)
 
 
 def busy_reasons(load: Load, max_load: float, max_proc_pct: float) -> list[str]:

@@ -110,3 +110,21 @@ def test_wait_idle_polls_until_the_machine_is_idle(h):
     bench = h[0].start(args(h, "--wait-idle", "600"), "demo", lambda: next(readings), slept.append)
     assert not bench.busy and len(slept) == 2
     assert bench.info["load1_at_start"] == 0.1
+
+
+def test_cpu_used_over_a_run_counts_new_processes_and_skips_excluded(h, tmp_path):
+    hz = os.sysconf("SC_CLK_TCK")
+    before = {1: 0, 2: 0, 3: 0}
+    after = {1: 10 * hz, 3: 10 * hz, 4: 5 * hz}  # 2 ended; 4 started during the run
+    used = h[1].cpu_used(before, after, 100.0, frozenset({3}), proc=tmp_path)
+    assert [(p.pid, p.cpu_pct) for p in used] == [(1, pytest.approx(10.0)), (4, pytest.approx(5.0))]
+
+
+def test_finish_reports_other_processes_busy_during_the_run(h, capsys, monkeypatch):
+    bench = h[0].start(args(h), "demo", read=lambda: h[1].Load(0.1, 2, ()))
+    hog = (h[1].ProcUse(77, "stress", 90.0),)
+    monkeypatch.setattr(h[0], "cpu_used", lambda *a, **k: hog)
+    bench.finish()
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("BUSY machine during the run: BUSY") and "pid 77 (stress)" in out[-1]
+    assert bench.info["busy_during_run"] == ["pid 77 (stress) uses 90% of a core"]
