@@ -13,6 +13,15 @@ def fixture_dir() -> Path:
     return Path(os.environ.get("KESTREL_FIXTURE_DIR", FIXTURES / "md2-tiny-a"))
 
 
+def conformance_dirs() -> list[Path]:
+    """The fixtures the conformance suite runs on: ``KESTREL_FIXTURE_DIR`` alone if set, else
+    every bundled one (Moondream 2 and Moondream 3)."""
+    env = os.environ.get("KESTREL_FIXTURE_DIR")
+    if env:
+        return [Path(env)]
+    return [FIXTURES / "md2-tiny-a", FIXTURES / "md3-tiny-a"]
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -1,8 +1,12 @@
-"""Moondream 2 configuration: frozen nested dataclasses with the production defaults.
+"""Moondream 2 and 3 configuration: frozen nested dataclasses with the production defaults.
 
-The Hugging Face ``config.json`` of ``vikhyatk/moondream2`` carries ``"config": {}``, so the
-defaults below *are* the production model. Small test checkpoints spell their fields out under the
-same key. Model code reads every size from here; nothing repeats a config value as a literal.
+The Hugging Face ``config.json`` of both families carries ``"config": {}``, so the defaults below
+*are* the production models: the dataclass defaults are Moondream 2's, and
+:data:`MOONDREAM3_DEFAULTS` lists the fields Moondream 3 changes (its MoE section, rotary theta,
+context, single-Linear region decoders, one answer marker in query prompts). The family is
+Moondream 3 when the config has a ``text.moe`` section (or the loader finds MoE tensors in the
+checkpoint). Small test checkpoints spell their fields out under the same key. Model code reads
+every size from here; nothing repeats a config value as a literal.
 """
 
 from __future__ import annotations
@@ -15,16 +19,23 @@ from types import MappingProxyType
 from typing import Any
 
 __all__ = [
+    "MOONDREAM2",
+    "MOONDREAM3",
     "MoondreamConfig",
     "RegionConfig",
     "TextConfig",
+    "TextMoeConfig",
     "TokenizerConfig",
     "VisionConfig",
 ]
 
 
+MOONDREAM2 = "moondream2"
+MOONDREAM3 = "moondream3"
+
+
 class ConfigError(ValueError):
-    """A config.json that cannot describe a Moondream 2 model."""
+    """A config.json that cannot describe a Moondream model."""
 
 
 def _build(cls: type, data: Mapping[str, Any] | None, where: str) -> Any:
@@ -34,6 +45,21 @@ def _build(cls: type, data: Mapping[str, Any] | None, where: str) -> Any:
     if unknown:
         raise ConfigError(f"unknown field(s) {unknown} in config section '{where}'")
     return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class TextMoeConfig:
+    """Moondream 3's mixture of experts: layers >= start_layer route each token to
+    experts_per_token of num_experts GeGLU experts (inner width expert_inner_dim)."""
+
+    num_experts: int = 64
+    start_layer: int = 4
+    experts_per_token: int = 8
+    expert_inner_dim: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise ConfigError("text.moe.experts_per_token must be in [1, num_experts]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +74,14 @@ class TextConfig:
     prefix_attn: int = 730  # unused: the bidirectional prefix is derived from the vision grid
     group_size: int | None = None  # int4 quantization group size; None = unquantized
     rope_theta: float = 10000.0
+    moe: TextMoeConfig | None = None  # Moondream 3: MoE MLPs from moe.start_layer, tau attention
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, Mapping):  # the reference's from_dict leaves it a dict
+            object.__setattr__(self, "moe", _build(TextMoeConfig, self.moe, "text.moe"))
+        if self.moe is not None and self.n_kv_heads != self.n_heads:
+            # tau scales V per query head (the reference cannot run grouped-query attention)
+            raise ConfigError("a Moondream 3 text model needs n_kv_heads == n_heads")
         if self.dim % self.n_heads:
             raise ConfigError(f"text.dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -69,6 +101,9 @@ class TextConfig:
     @property
     def qkv_dim(self) -> int:
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.start_layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +154,7 @@ class RegionConfig:
     coord_out_dim: int = 1024
     size_feat_dim: int = 512
     size_out_dim: int = 2048
-    inner_dim: int = 8192
+    inner_dim: int | None = 8192  # decoder MLP width; None = single-Linear decoders (Moondream 3)
     group_size: int | None = None
 
     @property
@@ -164,6 +199,12 @@ class TokenizerConfig:
     size_id: int = 6
     start_ground_points_id: int = 7
     end_ground_id: int = 9
+    # Moondream 2 was trained with query prompts ending in the answer marker twice (template
+    # suffix + one more); Moondream 3 ends them with the suffix alone.
+    query_doubled_answer: bool = True
+    # Point / detect after an object: Moondream 3 continues while the coord logit >= the eos
+    # logit (only those two are computed); Moondream 2 takes the full-vocabulary argmax.
+    continue_on_coord: bool = False
     templates: Mapping[str, Mapping[str, tuple[int, ...]]] = field(
         default_factory=lambda: _freeze_templates(_DEFAULT_TEMPLATES)
     )
@@ -174,6 +215,19 @@ class TokenizerConfig:
         for skill in ("caption", "query", "detect", "point"):
             if skill not in self.templates:
                 raise ConfigError(f"tokenizer.templates lacks the '{skill}' template")
+
+
+# The fields where production Moondream 3 differs from Moondream 2 (the first-party reference's
+# config.py and rope.py); everything else, the vision tower included, is shared.
+MOONDREAM3_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {
+        "text": MappingProxyType(
+            {"max_context": 4096, "rope_theta": 1_500_000.0, "moe": TextMoeConfig()}
+        ),
+        "region": MappingProxyType({"inner_dim": None}),
+        "tokenizer": MappingProxyType({"query_doubled_answer": False, "continue_on_coord": True}),
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +246,11 @@ class MoondreamConfig:
             raise ConfigError("the image prefix does not fit in text.max_context")
 
     @property
+    def family(self) -> str:
+        """``"moondream3"`` for a mixture-of-experts text model, else ``"moondream2"``."""
+        return MOONDREAM2 if self.text.moe is None else MOONDREAM3
+
+    @property
     def image_tokens(self) -> int:
         """KV positions one image occupies (729 in production)."""
         return self.vision.n_patches
@@ -202,24 +261,38 @@ class MoondreamConfig:
         return 1 + self.image_tokens
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> MoondreamConfig:
-        """Build from the reference's nested dict; absent fields take production defaults."""
+    def from_dict(
+        cls, data: Mapping[str, Any] | None, *, family: str | None = None
+    ) -> MoondreamConfig:
+        """Build from the reference's nested dict; absent fields take the production defaults
+        of the family: ``family`` if given, else Moondream 3 when ``text.moe`` is present."""
         data = dict(data or {})
         unknown = sorted(set(data) - {"text", "vision", "region", "tokenizer"})
         if unknown:
             raise ConfigError(f"unknown config section(s) {unknown}")
+        if family is None:
+            family = MOONDREAM3 if (data.get("text") or {}).get("moe") else MOONDREAM2
+        if family not in (MOONDREAM2, MOONDREAM3):
+            raise ConfigError(f"unknown model family {family!r}")
+        base = MOONDREAM3_DEFAULTS if family == MOONDREAM3 else {}
+        sections = {
+            k: {**base.get(k, {}), **(data.get(k) or {})}
+            for k in ("text", "vision", "region", "tokenizer")
+        }
         return cls(
-            text=_build(TextConfig, data.get("text"), "text"),
-            vision=_build(VisionConfig, data.get("vision"), "vision"),
-            region=_build(RegionConfig, data.get("region"), "region"),
-            tokenizer=_build(TokenizerConfig, data.get("tokenizer"), "tokenizer"),
+            text=_build(TextConfig, sections["text"], "text"),
+            vision=_build(VisionConfig, sections["vision"], "vision"),
+            region=_build(RegionConfig, sections["region"], "region"),
+            tokenizer=_build(TokenizerConfig, sections["tokenizer"], "tokenizer"),
         )
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> MoondreamConfig:
+    def from_json_file(cls, path: str | Path, *, family: str | None = None) -> MoondreamConfig:
         """Read a checkpoint's ``config.json``: the model config is under its ``"config"`` key.
 
-        A file holding the nested sections at top level is accepted too.
+        A file holding the nested sections at top level is accepted too. The family is
+        ``family`` if given, else Moondream 3 for ``model_type: moondream3`` or a ``text.moe``
+        section, else Moondream 2.
         """
         path = Path(path)
         try:
@@ -230,7 +303,9 @@ class MoondreamConfig:
             raise ConfigError(f"cannot read {path}: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a JSON object")
+        if family is None and raw.get("model_type") == MOONDREAM3:
+            family = MOONDREAM3
         if "config" in raw:
-            return cls.from_dict(raw["config"])
+            return cls.from_dict(raw["config"], family=family)
         sections = {"text", "vision", "region", "tokenizer"}
-        return cls.from_dict({k: v for k, v in raw.items() if k in sections})
+        return cls.from_dict({k: v for k, v in raw.items() if k in sections}, family=family)

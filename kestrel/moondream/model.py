@@ -1,4 +1,4 @@
-"""Moondream 2 weights as plain containers, and the model object that holds them.
+"""Moondream 2 and 3 weights as plain containers, and the model object that holds them.
 
 Weights are data, compute is functions: ``vision.py``, ``text.py`` and ``region.py`` take these
 frozen containers as arguments. ``MoondreamModel`` bundles the config, the three towers, the
@@ -23,8 +23,10 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "MissingWeightError",
+    "MoeWeights",
     "MoondreamModel",
     "RegionWeights",
+    "TauWeights",
     "TextBlock",
     "TextWeights",
     "VisionBlock",
@@ -74,12 +76,34 @@ class VisionWeights:
 
 
 @dataclass(frozen=True, slots=True)
+class TauWeights:
+    """Moondream 3's per-head q / v scaling (every layer)."""
+
+    wq: Tensor  # [n_heads, qkv_dim]
+    wv: Tensor  # [n_heads, qkv_dim]
+    alpha: Tensor  # [n_heads]
+
+
+@dataclass(frozen=True, slots=True)
+class MoeWeights:
+    """Moondream 3's routed GeGLU experts; no expert biases."""
+
+    router: Linear  # [num_experts, dim]
+    up: Tensor  # [num_experts, 2 * expert_inner_dim, dim]: rows [h; g]
+    down: Tensor  # [num_experts, dim, expert_inner_dim]
+
+
+@dataclass(frozen=True, slots=True)
 class TextBlock:
+    """One decoder block: a dense MLP (fc1 / fc2) or, in Moondream 3's MoE layers, ``moe``."""
+
     ln: LayerNorm
     qkv: Linear
     proj: Linear
-    fc1: Linear
-    fc2: Linear
+    fc1: Linear | None
+    fc2: Linear | None
+    tau: TauWeights | None = None
+    moe: MoeWeights | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +118,14 @@ class TextWeights:
 class RegionWeights:
     coord_features: Tensor  # [1, coord_feat_dim / 2]
     coord_encoder: Linear
-    coord_fc1: Linear
-    coord_fc2: Linear  # -> coord bins
+    coord_fc1: Linear | None  # Moondream 2: the decoders are MLPs fc1 -> GELU -> fc2
+    coord_fc2: Linear | None  # -> coord bins
     size_features: Tensor  # [2, size_feat_dim / 2]
     size_encoder: Linear
-    size_fc1: Linear
-    size_fc2: Linear  # -> 2 * size bins
+    size_fc1: Linear | None
+    size_fc2: Linear | None  # -> 2 * size bins
+    coord_decoder: Linear | None = None  # Moondream 3: one Linear -> coord bins
+    size_decoder: Linear | None = None  # Moondream 3: one Linear -> 2 * size bins
 
 
 class _Reader:
@@ -158,20 +184,45 @@ def _vision_weights(r: _Reader, cfg: MoondreamConfig) -> VisionWeights:
     )
 
 
+def _tau_weights(r: _Reader, p: str, cfg: MoondreamConfig) -> TauWeights | None:
+    t = cfg.text
+    if t.moe is None:
+        return None
+    return TauWeights(
+        wq=r.get(f"{p}.attn.tau.wq", (t.n_heads, t.qkv_dim)),
+        wv=r.get(f"{p}.attn.tau.wv", (t.n_heads, t.qkv_dim)),
+        alpha=r.get(f"{p}.attn.tau.alpha", (t.n_heads,)),
+    )
+
+
+def _text_block(r: _Reader, i: int, cfg: MoondreamConfig) -> TextBlock:
+    t, p = cfg.text, f"text.blocks.{i}"
+    fc1 = fc2 = moe = None
+    if t.is_moe_layer(i):
+        assert t.moe is not None
+        e, inner = t.moe.num_experts, t.moe.expert_inner_dim
+        moe = MoeWeights(
+            router=r.linear(f"{p}.mlp.router", e, t.dim),
+            up=r.get(f"{p}.mlp.fc1.weight", (e, 2 * inner, t.dim)),
+            down=r.get(f"{p}.mlp.fc2.weight", (e, t.dim, inner)),
+        )
+    else:
+        fc1 = r.linear(f"{p}.mlp.fc1", t.ff_dim, t.dim)
+        fc2 = r.linear(f"{p}.mlp.fc2", t.dim, t.ff_dim)
+    return TextBlock(
+        ln=r.ln(f"{p}.ln", t.dim),
+        qkv=r.linear(f"{p}.attn.qkv", t.qkv_dim, t.dim),
+        proj=r.linear(f"{p}.attn.proj", t.dim, t.dim),
+        fc1=fc1,
+        fc2=fc2,
+        tau=_tau_weights(r, p, cfg),
+        moe=moe,
+    )
+
+
 def _text_weights(r: _Reader, cfg: MoondreamConfig) -> TextWeights:
     t = cfg.text
-    blocks = []
-    for i in range(t.n_layers):
-        p = f"text.blocks.{i}"
-        blocks.append(
-            TextBlock(
-                ln=r.ln(f"{p}.ln", t.dim),
-                qkv=r.linear(f"{p}.attn.qkv", t.qkv_dim, t.dim),
-                proj=r.linear(f"{p}.attn.proj", t.dim, t.dim),
-                fc1=r.linear(f"{p}.mlp.fc1", t.ff_dim, t.dim),
-                fc2=r.linear(f"{p}.mlp.fc2", t.dim, t.ff_dim),
-            )
-        )
+    blocks = [_text_block(r, i, cfg) for i in range(t.n_layers)]
     return TextWeights(
         wte=r.get("text.wte", (t.vocab_size, t.dim)),
         blocks=tuple(blocks),
@@ -182,13 +233,30 @@ def _text_weights(r: _Reader, cfg: MoondreamConfig) -> TextWeights:
 
 def _region_weights(r: _Reader, cfg: MoondreamConfig) -> RegionWeights:
     g = cfg.region
+    coord_features = r.get("region.coord_features", (1, g.coord_feat_dim // 2))
+    coord_encoder = r.linear("region.coord_encoder", g.dim, g.coord_feat_dim)
+    size_features = r.get("region.size_features", (2, g.size_feat_dim // 2))
+    size_encoder = r.linear("region.size_encoder", g.dim, g.size_feat_dim)
+    if g.inner_dim is None:  # Moondream 3: single-Linear decoders
+        return RegionWeights(
+            coord_features=coord_features,
+            coord_encoder=coord_encoder,
+            coord_fc1=None,
+            coord_fc2=None,
+            size_features=size_features,
+            size_encoder=size_encoder,
+            size_fc1=None,
+            size_fc2=None,
+            coord_decoder=r.linear("region.coord_decoder", g.coord_out_dim, g.dim),
+            size_decoder=r.linear("region.size_decoder", g.size_out_dim, g.dim),
+        )
     return RegionWeights(
-        coord_features=r.get("region.coord_features", (1, g.coord_feat_dim // 2)),
-        coord_encoder=r.linear("region.coord_encoder", g.dim, g.coord_feat_dim),
+        coord_features=coord_features,
+        coord_encoder=coord_encoder,
         coord_fc1=r.linear("region.coord_decoder.fc1", g.inner_dim, g.dim),
         coord_fc2=r.linear("region.coord_decoder.fc2", g.coord_out_dim, g.inner_dim),
-        size_features=r.get("region.size_features", (2, g.size_feat_dim // 2)),
-        size_encoder=r.linear("region.size_encoder", g.dim, g.size_feat_dim),
+        size_features=size_features,
+        size_encoder=size_encoder,
         size_fc1=r.linear("region.size_decoder.fc1", g.inner_dim, g.dim),
         size_fc2=r.linear("region.size_decoder.fc2", g.size_out_dim, g.inner_dim),
     )
@@ -313,6 +381,10 @@ _NATIVE = {
     "coord_fc2": "coord_decoder.fc2",
     "size_fc1": "size_decoder.fc1",
     "size_fc2": "size_decoder.fc2",
+    "tau": "attn.tau",
+    "moe": "mlp",
+    "up": "fc1.weight",
+    "down": "fc2.weight",
 }
 
 

@@ -3,8 +3,9 @@
 - encode_coordinate / encode_size: Fourier features (cos first, then sin, of 2*pi * v @ W) computed
   in the PARAMETER dtype (the value is cast first, as the reference does; float32 features in a
   bf16 model change the outputs), then a linear layer to the text width.
-- decode_coordinate / decode_size: tanh-GELU MLPs over the decoder output BEFORE post_ln, giving
-  logits over coordinate bins and over (width, height) size bins.
+- decode_coordinate / decode_size: tanh-GELU MLPs (Moondream 2) or single Linears (Moondream 3,
+  no LayerNorm) over the decoder output BEFORE post_ln, giving logits over coordinate bins and
+  over (width, height) size bins.
 
 Bins <-> values (design.md 5.1), all counts read from the config:
 - a decoded coordinate bin b is fed back (and reported) as b / coord_bins, as the reference;
@@ -70,12 +71,19 @@ def encode_size(wh: Tensor, w: RegionWeights) -> Tensor:
 
 def decode_coordinate(hidden: Tensor, w: RegionWeights) -> Tensor:
     """Decoder output (pre post_ln) [..., dim] -> coordinate logits [..., coord_bins]."""
+    if w.coord_decoder is not None:
+        return linear(hidden, w.coord_decoder)
+    assert w.coord_fc1 is not None and w.coord_fc2 is not None
     return linear(F.gelu(linear(hidden, w.coord_fc1), approximate="tanh"), w.coord_fc2)
 
 
 def decode_size(hidden: Tensor, w: RegionWeights) -> Tensor:
     """Decoder output [..., dim] -> size logits [..., 2, size_bins] (row 0 width, row 1 height)."""
-    out = linear(F.gelu(linear(hidden, w.size_fc1), approximate="tanh"), w.size_fc2)
+    if w.size_decoder is not None:
+        out = linear(hidden, w.size_decoder)
+    else:
+        assert w.size_fc1 is not None and w.size_fc2 is not None
+        out = linear(F.gelu(linear(hidden, w.size_fc1), approximate="tanh"), w.size_fc2)
     return out.view(*out.shape[:-1], 2, -1)
 
 

@@ -1,7 +1,10 @@
-"""Moondream 2 text decoder (Phi-1.5 style) over the paged KV cache.
+"""Moondream 2 / 3 text decoder (Phi-1.5 style) over the paged KV cache.
 
 Per block (parallel attention + MLP, one LayerNorm):
     h = LN(x);  x = x + proj(Attn(rope(qkv(h)))) + fc2(GELU_tanh(fc1(h)))
+Moondream 3 scales q and v by their tau factors before rotary (the pages hold the scaled V) and
+replaces the dense MLP by the routed experts from ``moe.start_layer`` on (``moe.py``); an
+adapter's MLP entries do not apply to those layers, as in the reference.
 Attention goes through ``kestrel_kernels``: new K/V are written to their pages first, then every
 query row attends over its page table. The same function serves full prefill, append prefill and
 batched decode; the kernel's right-aligned causal rule plus the optional bidirectional region
@@ -13,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -20,10 +24,11 @@ import kestrel_kernels
 from kestrel.moondream.config import TextConfig
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.lora_batch import LoraBatch
-from kestrel.moondream.model import LayerNorm, Linear, TextWeights
+from kestrel.moondream.model import LayerNorm, Linear, TextBlock, TextWeights
+from kestrel.moondream.moe import Routing, moe_mlp, tau_factors
 from kestrel.moondream.rope import apply_rope, rope_cos_sin
 
-__all__ = ["embed_text", "layer_norm", "linear", "lm_head", "text_forward"]
+__all__ = ["dense_activation", "embed_text", "layer_norm", "linear", "lm_head", "text_forward"]
 
 LN_EPS = 1e-5
 
@@ -37,6 +42,11 @@ class PagedKV(Protocol):
 
 def linear(x: Tensor, w: Linear) -> Tensor:
     return F.linear(x, w.weight, w.bias)
+
+
+def dense_activation(x: Tensor) -> Tensor:
+    """The dense MLPs' GELU: the tanh approximation."""
+    return F.gelu(x, approximate="tanh")
 
 
 def layer_norm(x: Tensor, w: LayerNorm) -> Tensor:
@@ -57,6 +67,24 @@ def _add_lora(out: Tensor, x: Tensor, plan: LoraBatch | None, layer: int, module
     return out if plan is None else plan.add(out, x, layer, module)
 
 
+class RoutingSink(Protocol):
+    """Receives each MoE layer's routing (conformance tests record it); optional."""
+
+    def __call__(self, layer: int, routing: Routing) -> None: ...
+
+
+def _mlp(h, blk: TextBlock, cfg: TextConfig, plan, i: int, sink: RoutingSink | None) -> Tensor:
+    if blk.moe is not None:
+        assert cfg.moe is not None
+        out, routing = moe_mlp(h, blk.moe, cfg.moe)
+        if sink is not None:
+            sink(i, routing)
+        return out
+    assert blk.fc1 is not None and blk.fc2 is not None
+    ff = dense_activation(_add_lora(linear(h, blk.fc1), h, plan, i, "fc1"))
+    return _add_lora(linear(ff, blk.fc2), ff, plan, i, "fc2")
+
+
 def text_forward(
     x_BTC: Tensor,
     w: TextWeights,
@@ -71,6 +99,7 @@ def text_forward(
     bidir_regions: Tensor | None = None,
     lora: Sequence[LoraAdapter | None] | None = None,
     backend: str = "auto",
+    routing_sink: RoutingSink | None = None,
 ) -> Tensor:
     """Run the decoder over T new positions per row; return hidden states BEFORE post_ln.
 
@@ -80,6 +109,7 @@ def text_forward(
     the row's KV length after this call; seqused_q: int32 [B] valid queries per row or None;
     bidir_regions: int32 [B, 2] (start, end) bidirectional KV range per row or None.
     lora: None or one ``LoraAdapter | None`` per row. K/V of every layer are written to ``kv``.
+    routing_sink: called with (layer, Routing) for each MoE layer (Moondream 3), or None.
     """
     B, T, C = x_BTC.shape
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -89,11 +119,19 @@ def text_forward(
     for i, blk in enumerate(w.blocks):
         h = layer_norm(x, blk.ln)
         qkv = _add_lora(linear(h, blk.qkv), h, plan, i, "qkv")  # [B, T, (H + 2Hkv) D]
+        v = qkv[..., (H + Hkv) * D :]
+        if blk.tau is not None:  # Moondream 3: scale q and v (not k) before rotary
+            tau_q, tau_v = tau_factors(qkv, positions_BT, blk.tau)  # [B, T, H] each
+            q_BTHD = qkv[..., : H * D].view(B, T, H, D) * tau_q[..., None]
+            k_BTHD = qkv[..., H * D : (H + Hkv) * D].view(B, T, Hkv, D)
+            qk_in = torch.cat([q_BTHD, k_BTHD], dim=2)  # [B, T, H+Hkv, D]
+            v = (v.view(B, T, Hkv, D) * tau_v[..., None]).reshape(B, T, Hkv * D)
+        else:
+            qk_in = qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D)
         # q and k rotate in one call (half the kernels of a decode step's RoPE): [B, T, H+Hkv, D]
-        qk = apply_rope(qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D), cos_BTR, sin_BTR)
+        qk = apply_rope(qk_in, cos_BTR, sin_BTR)
         q = qk[:, :, :H].contiguous()  # [B, T, H, D]
         k = qk[:, :, H:]  # [B, T, Hkv, D]
-        v = qkv[..., (H + Hkv) * D :]
         kestrel_kernels.write_kv(
             kv.k[i], kv.v[i], slot_mapping, k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D)
         )
@@ -110,7 +148,5 @@ def text_forward(
         )  # [B, T, H, D]
         # proj LoRA reads the LN output h, not the attention output (reference quirk).
         attn_out = _add_lora(linear(attn.reshape(B, T, C), blk.proj), h, plan, i, "proj")
-        ff = F.gelu(_add_lora(linear(h, blk.fc1), h, plan, i, "fc1"), approximate="tanh")
-        mlp_out = _add_lora(linear(ff, blk.fc2), ff, plan, i, "fc2")
-        x = x + attn_out + mlp_out
+        x = x + attn_out + _mlp(h, blk, cfg, plan, i, routing_sink)
     return x

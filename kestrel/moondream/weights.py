@@ -1,4 +1,5 @@
-"""Moondream 2 checkpoint loading: a flat ``{native name: tensor}`` dict checked against the config.
+"""Moondream 2 / 3 checkpoint loading: a flat ``{native name: tensor}`` dict checked against
+the config.
 
 Native names are the module paths of the reference model without the Hugging Face wrapper's
 ``model.`` prefix (``vision.blocks.0.attn.qkv.weight``, ``text.wte``, ``region.coord_features``);
@@ -22,13 +23,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import MoondreamConfig
+from .config import MOONDREAM2, MOONDREAM3, MoondreamConfig
 from .hub import CHECKPOINT_FILES, CheckpointError, download_snapshot, looks_like_repo_id
 
 __all__ = [
     "CheckpointError",
     "CheckpointWarning",
     "checkpoint_dtype",
+    "detect_family",
     "expected_shapes",
     "load_config",
     "load_state_dict",
@@ -84,25 +86,47 @@ def expected_shapes(config: MoondreamConfig) -> dict[str, tuple[int, ...]]:
 
     shapes["text.wte"] = (t.vocab_size, t.dim)
     for i in range(t.n_layers):
-        b = f"text.blocks.{i}"
-        shapes.update(_norm(f"{b}.ln", t.dim))
-        shapes.update(_linear(f"{b}.attn.qkv", t.qkv_dim, t.dim))
-        shapes.update(_linear(f"{b}.attn.proj", t.dim, t.dim))
-        shapes.update(_linear(f"{b}.mlp.fc1", t.ff_dim, t.dim))
-        shapes.update(_linear(f"{b}.mlp.fc2", t.dim, t.ff_dim))
+        shapes.update(_text_block_shapes(config, i))
     shapes.update(_norm("text.post_ln", t.dim))
     shapes.update(_linear("text.lm_head", t.vocab_size, t.dim))
 
     # Fourier features: cos and sin halves are concatenated, so the matrices are half-width.
     shapes["region.coord_features"] = (1, r.coord_feat_dim // 2)
     shapes.update(_linear("region.coord_encoder", r.dim, r.coord_feat_dim))
-    shapes.update(_linear("region.coord_decoder.fc1", r.inner_dim, r.dim))
-    shapes.update(_linear("region.coord_decoder.fc2", r.coord_out_dim, r.inner_dim))
+    shapes.update(_region_decoder("region.coord_decoder", r.coord_out_dim, config))
     shapes["region.size_features"] = (2, r.size_feat_dim // 2)
     shapes.update(_linear("region.size_encoder", r.dim, r.size_feat_dim))
-    shapes.update(_linear("region.size_decoder.fc1", r.inner_dim, r.dim))
-    shapes.update(_linear("region.size_decoder.fc2", r.size_out_dim, r.inner_dim))
+    shapes.update(_region_decoder("region.size_decoder", r.size_out_dim, config))
     return shapes
+
+
+def _text_block_shapes(config: MoondreamConfig, i: int) -> dict[str, tuple[int, ...]]:
+    t, b = config.text, f"text.blocks.{i}"
+    shapes = {**_norm(f"{b}.ln", t.dim), **_linear(f"{b}.attn.qkv", t.qkv_dim, t.dim)}
+    shapes.update(_linear(f"{b}.attn.proj", t.dim, t.dim))
+    if t.moe is not None:  # Moondream 3: tau on every layer
+        shapes[f"{b}.attn.tau.wq"] = shapes[f"{b}.attn.tau.wv"] = (t.n_heads, t.qkv_dim)
+        shapes[f"{b}.attn.tau.alpha"] = (t.n_heads,)
+    if t.is_moe_layer(i):
+        assert t.moe is not None
+        e, inner = t.moe.num_experts, t.moe.expert_inner_dim
+        shapes.update(_linear(f"{b}.mlp.router", e, t.dim))
+        shapes[f"{b}.mlp.fc1.weight"] = (e, 2 * inner, t.dim)
+        shapes[f"{b}.mlp.fc2.weight"] = (e, t.dim, inner)
+    else:
+        shapes.update(_linear(f"{b}.mlp.fc1", t.ff_dim, t.dim))
+        shapes.update(_linear(f"{b}.mlp.fc2", t.dim, t.ff_dim))
+    return shapes
+
+
+def _region_decoder(prefix: str, n_out: int, config: MoondreamConfig) -> dict:
+    r = config.region
+    if r.inner_dim is None:  # Moondream 3: one Linear
+        return _linear(prefix, n_out, r.dim)
+    return {
+        **_linear(f"{prefix}.fc1", r.inner_dim, r.dim),
+        **_linear(f"{prefix}.fc2", n_out, r.inner_dim),
+    }
 
 
 # Native name -> legacy name, applied in order (first match wins; \1 keeps block indices).
@@ -119,9 +143,14 @@ _LEGACY_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"^text\.wte$", "text_model.transformer.embd.wte.weight"),
         (r"^text\.blocks\.(\d+)\.attn\.qkv\.", r"text_model.transformer.h.\1.mixer.Wqkv."),
         (r"^text\.blocks\.(\d+)\.attn\.proj\.", r"text_model.transformer.h.\1.mixer.out_proj."),
+        # Moondream 3: tau, router (gate) and the stacked experts
+        (r"^text\.blocks\.(\d+)\.attn\.tau\.(wq|wv|alpha)$", r"text_model.transformer.h.\1.tau_\2"),
+        (r"^text\.blocks\.(\d+)\.mlp\.router\.", r"text_model.transformer.h.\1.gate."),
         (r"^text\.blocks\.", "text_model.transformer.h."),
         (r"^text\.post_ln\.", "text_model.lm_head.ln."),
         (r"^text\.lm_head\.", "text_model.lm_head.linear."),
+        (r"^region\.coord_decoder\.(weight|bias)$", r"region_model.coordinate_head.\1"),
+        (r"^region\.size_decoder\.(weight|bias)$", r"region_model.size_head.\1"),
         (r"^region\.coord_features$", "region_model.coordinate_features.weight"),
         (r"^region\.size_features$", "region_model.size_features.weight"),
         (r"^region\.coord_", "region_model.coordinate_"),
@@ -130,7 +159,15 @@ _LEGACY_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 )
 
 
-def _legacy_name(native: str) -> str:
+# Moondream 3's stacked experts (MoE layers only; dense layers keep mlp.fc1 / mlp.fc2).
+_LEGACY_EXPERTS = re.compile(r"^text\.blocks\.(\d+)\.mlp\.(fc1|fc2)\.weight$")
+_EXPERT_NAMES = {"fc1": "experts", "fc2": "output_experts"}
+
+
+def _legacy_name(native: str, config: MoondreamConfig | None = None) -> str:
+    m = _LEGACY_EXPERTS.match(native)
+    if m and config is not None and config.text.is_moe_layer(int(m.group(1))):
+        return f"text_model.transformer.h.{m.group(1)}.mlp.{_EXPERT_NAMES[m.group(2)]}.weight"
     for pattern, repl in _LEGACY_RULES:
         if pattern.search(native):
             return pattern.sub(repl, native, count=1)
@@ -142,8 +179,28 @@ def _native_key(key: str) -> str:
     return key.removeprefix("model.")
 
 
+FP8_FILE = "model_fp8.pt"
+_FP8_MARKERS = (".moe_quant.", ".tau_wqwv")
+_FP8_MESSAGE = (
+    "Kestrel 0.9.2's FP8-expert Moondream 3 files ({what}) are not supported: how their experts "
+    "dequantize is not pinned down by a public source. Supported: Moondream 2 and Moondream 3 "
+    f"{WEIGHTS_FILE} checkpoints with 16- or 32-bit float experts, in the Hugging Face native "
+    "layout (model.text.blocks.N.mlp.fc1.weight) or the legacy one "
+    "(text_model.transformer.h.N.mlp.experts.weight)"
+)
+
+
+def _check_not_fp8(file: Path, keys: list[str] | None = None) -> None:
+    if file.name == FP8_FILE or (file.is_dir() and (file / FP8_FILE).is_file()):
+        raise CheckpointError(_FP8_MESSAGE.format(what=f"{FP8_FILE} at {file}"))
+    marked = [k for k in keys or () if any(m in k for m in _FP8_MARKERS)]
+    if marked:
+        raise CheckpointError(_FP8_MESSAGE.format(what=f"{file} holds {marked[0]!r}"))
+
+
 def _weights_file(path: str | Path) -> Path:
     path = Path(path).expanduser()
+    _check_not_fp8(path)
     file = path / WEIGHTS_FILE if path.is_dir() else path
     if not file.is_file():
         raise CheckpointError(
@@ -190,13 +247,13 @@ def _resolve_sources(
     """native name -> file key for every expected tensor, the layout, and the unused keys."""
     by_name, legacy = _source_map(keys, file)
     expected = expected_shapes(config)
-    on_disk = {n: (_legacy_name(n) if legacy else n) for n in expected}
+    on_disk = {n: (_legacy_name(n, config) if legacy else n) for n in expected}
     sources = {n: by_name[d] for n, d in on_disk.items() if d in by_name}
     wanted = set(on_disk.values())
     extra = sorted(key for name, key in by_name.items() if name not in wanted)
     missing = [n for n in expected if n not in sources]
     if missing:
-        shown = ", ".join(repr(_legacy_name(n) if legacy else n) for n in missing[:5])
+        shown = ", ".join(repr(on_disk[n]) for n in missing[:5])
         raise CheckpointError(
             f"{file} lacks {len(missing)} of the {len(expected)} tensors the config expects "
             f"({'legacy' if legacy else 'native'} layout), e.g. {shown}; is config.json the one "
@@ -245,6 +302,7 @@ def load_state_dict(
     with _open(file) as f:
         keys = list(f.keys())
         _check_not_int4(config, keys)
+        _check_not_fp8(file, keys)
         sources, legacy, extra = _resolve_sources(keys, config, file)
         for name, key in sources.items():
             shape = tuple(f.get_slice(key).get_shape())
@@ -277,20 +335,36 @@ def load_state_dict(
     return out
 
 
+def _header(file: Path) -> dict:
+    """The safetensors header of ``file``: {key: {dtype, shape, data_offsets}}."""
+    try:
+        with file.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 100_000_000:
+                raise ValueError(f"implausible header length {n}")
+            return json.loads(fh.read(n))
+    except (OSError, ValueError, struct.error) as exc:
+        raise CheckpointError(f"cannot read the safetensors header of {file}: {exc}") from exc
+
+
+_MOE_KEY = re.compile(r"(\.mlp\.router\.|\.gate\.weight$|\.mlp\.experts\.weight$)")
+
+
+def detect_family(path: str | Path) -> str:
+    """``"moondream3"`` if the checkpoint's keys hold MoE routers or experts (either layout),
+    else ``"moondream2"``; read from the safetensors header only."""
+    return (
+        MOONDREAM3 if any(_MOE_KEY.search(k) for k in _header(_weights_file(path))) else MOONDREAM2
+    )
+
+
 def checkpoint_dtype(path: str | Path) -> torch.dtype:
     """The floating dtype of the checkpoint's tensors, read from the safetensors header only.
 
     With mixed float dtypes the one holding the most elements wins.
     """
     file = _weights_file(path)
-    try:
-        with file.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            if n > 100_000_000:
-                raise ValueError(f"implausible header length {n}")
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError, struct.error) as exc:
-        raise CheckpointError(f"cannot read the safetensors header of {file}: {exc}") from exc
+    header = _header(file)
     counts: dict[torch.dtype, int] = {}
     for name, info in header.items():
         if name == "__metadata__" or not isinstance(info, dict):
@@ -325,8 +399,13 @@ def load_config(path: str | Path) -> MoondreamConfig:
     if not cfg.is_file():
         if path.suffix == ".json" or not path.exists():
             raise CheckpointError(f"no config at {cfg}")
-        return MoondreamConfig()
-    return MoondreamConfig.from_json_file(cfg)
+        return MoondreamConfig.from_dict({}, family=detect_family(path))
+    config = MoondreamConfig.from_json_file(cfg)
+    weights = path if path.is_file() and path.suffix != ".json" else cfg.parent / WEIGHTS_FILE
+    if config.family == MOONDREAM2 and weights.is_file() and detect_family(weights) == MOONDREAM3:
+        # production config.json files carry "config": {}; the tensors tell the family
+        config = MoondreamConfig.from_json_file(cfg, family=MOONDREAM3)
+    return config
 
 
 def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) -> Path:

@@ -28,7 +28,7 @@ from torch import Tensor
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
-from kestrel.moondream.text import embed_text, lm_head, text_forward
+from kestrel.moondream.text import RoutingSink, embed_text, lm_head, text_forward
 from kestrel.moondream.vision import encode_image as vision_encode
 from kestrel.reference.types import (
     Box,
@@ -64,7 +64,7 @@ class _Seq:
 
 
 class EagerMoondream:
-    """Uncached Moondream 2 generation over ``model`` (any object with encode/decode works as
+    """Uncached Moondream 2 / 3 generation over ``model`` (any object with encode/decode works as
     ``tokenizer``: ``encode(text) -> list[int]``, ``decode(ids) -> str``)."""
 
     def __init__(self, model: MoondreamModel, tokenizer, *, backend: str = "auto") -> None:
@@ -73,6 +73,8 @@ class EagerMoondream:
         self.model = model
         self.tokenizer = tokenizer
         self.backend = backend
+        # Moondream 3: called with (layer, Routing) for every MoE layer of every forward
+        self.routing_sink: RoutingSink | None = None
         self._ops = ModelHeads(model, tokenizer)
         cfg = model.config
         self.max_context = cfg.text.max_context
@@ -117,6 +119,7 @@ class EagerMoondream:
             bidir_regions=bidir,
             lora=None if seq.adapter is None else [seq.adapter],
             backend=self.backend,
+            routing_sink=self.routing_sink,
         )[0]
         seq.pos = end
         return hidden

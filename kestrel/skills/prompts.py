@@ -5,7 +5,8 @@ runtime places the ImageToken right after BOS (the seed's ``[BOS, Image, text...
 text-only query BOS is simply position 0.
 
 - query:            prefix + spatial + question + [answer, answer]   (doubled marker, trained in)
-- query, reasoning: prefix + spatial + question + [answer, thinking]
+                    Moondream 3 (``query_doubled_answer`` false): ... + [answer] once
+- query, reasoning: prefix + spatial + question + [answer, thinking]; Moondream 3: + [thinking]
 - caption(length):  the caption template (ends in a single answer marker)
 - point / detect:   prefix + tokenize(" " + object) + suffix          (note the leading space)
 The question is tokenized as given (no leading space).
@@ -58,15 +59,17 @@ def query_prompt(
     spatial: Sequence[CoordToken | SizeToken] = (),
     reasoning: bool = False,
 ) -> list[PromptToken]:
-    """[BOS] + query.prefix + spatial + encode(question) + suffix + ([answer] | [thinking])."""
+    """[BOS] + query.prefix + spatial + encode(question) + then, Moondream 2: suffix +
+    ([answer] | [thinking]); Moondream 3: suffix | [thinking]."""
     t = _template(tok, "query")
     tail = [tok.thinking_id] if reasoning else list(t["suffix"])
+    if tok.query_doubled_answer:
+        tail = [*t["suffix"], *tail]
     return [
         TextToken(tok.bos_id),
         *_text(t["prefix"]),
         *spatial,
         *_text(encode(question)),
-        *_text(t["suffix"]),
         *_text(tail),
     ]
 

@@ -5,7 +5,9 @@ than ``max_objects`` objects were found: x is decoded from the hidden state that
 decision and fed back; y from the hidden state of x; for detect, the size from the hidden state
 of y. Each is fed as its bin's value (``bin / coord_bins``; ``2 ** (bin / (size_bins - 1) * 10 -
 10)`` for sizes). The logits after the object's last token make the next decision. Reported
-coordinates are clamped to [0, 1].
+coordinates are clamped to [0, 1]. Moondream 3 (``continue_on_coord`` in its tokenizer config)
+makes the decisions after an object from the (coord, eos) logits alone: it continues while
+coord >= eos, as its reference does; the first decision stays the full argmax.
 """
 
 from __future__ import annotations
@@ -90,7 +92,12 @@ class RegionSkill(Skill):
             self.first_logits, self.first_hidden = logits_V, hidden_C
         elif self.record:
             self.traces[-1].next_logits = logits_V
-        decision = self.ops.sample(logits_V, 0.0, 1.0, (), None)
+        tok = self.ops.tokens
+        if self.objects and tok.continue_on_coord:
+            coord_wins = bool(logits_V[tok.coord_id] >= logits_V[tok.eos_id])
+            decision = tok.coord_id if coord_wins else tok.eos_id
+        else:
+            decision = self.ops.sample(logits_V, 0.0, 1.0, (), None)
         self.decisions.append(decision)
         if decision == self.ops.tokens.eos_id:
             self._finish("stop")

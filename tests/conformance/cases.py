@@ -125,8 +125,12 @@ def check_region_case(golden, case, out, tol_case, *, decisions: bool = True) ->
                 tensor, T[names[f"obj{k}.{name}"]], ar, rr, f"obj.{name}[{cid}]", "region_logits"
             )
         if got == want:
-            assert_close(step.next_logits, T[names[f"obj{k}.next_logits"]], at, rt,
-                         f"obj.next_logits[{cid}]", "logits")  # fmt: skip
+            ref_next = T[names[f"obj{k}.next_logits"]]
+            next_logits = step.next_logits
+            if ref_next.shape == (2,):  # Moondream 3 records only the (coord, eos) logits
+                tok = golden.meta["config"]["tokenizer"]
+                next_logits = next_logits[[tok["coord_id"], tok["eos_id"]]]
+            assert_close(next_logits, ref_next, at, rt, f"obj.next_logits[{cid}]", "logits")
         if decisions:
             assert got == want, f"{cid}: object {k} bins {got} != reference {want}"
         elif got != want:

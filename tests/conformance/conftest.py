@@ -11,7 +11,6 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.reference.eager import EagerMoondream
 from tests.conformance.golden import OBSERVED, Golden, load_golden
-from tests.conftest import fixture_dir
 
 
 class Runner:
@@ -60,8 +59,9 @@ class Runner:
 
 
 @pytest.fixture(scope="session")
-def golden() -> Golden:
-    return load_golden(fixture_dir())
+def golden(fx) -> Golden:
+    """``fx``: the fixture directory, parametrized by each test (session scope)."""
+    return load_golden(fx)
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+
+from tests.conftest import conformance_dirs
 
 # (what, group, atol) -> (max abs error, atol, rtol, worst ratio |err| / (atol + rtol |golden|))
 OBSERVED: dict[tuple[str, str, float], tuple[float, float, float, float]] = {}
@@ -51,6 +54,19 @@ def load_golden(directory: Path) -> Golden:
     meta = json.loads((directory / "golden.json").read_text())
     tensors = load_file(str(directory / meta["files"]["tensors"]))
     return Golden(directory, meta, tensors)
+
+
+def fixture_params(per_fixture=None) -> list:
+    """pytest params over the conformance fixtures: ``fx`` alone, or (``fx``, item) for every
+    item ``per_fixture(meta)`` lists; ids ``<fixture>`` / ``<fixture>-<item id>``."""
+    out = []
+    for d in conformance_dirs():
+        if per_fixture is None:
+            out.append(pytest.param(d, id=d.name))
+            continue
+        for item_id, item in per_fixture(load_golden(d).meta):
+            out.append(pytest.param(d, item, id=f"{d.name}-{item_id}"))
+    return out
 
 
 def assert_close(

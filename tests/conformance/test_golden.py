@@ -1,7 +1,9 @@
 """Golden conformance, float32 on CPU: every entry of the fixture's golden.json (tiling cases,
 images, generation cases, region primitives) within the tolerance group golden.json gives.
 
-Point KESTREL_FIXTURE_DIR at another fixture directory of the same format to run it instead.
+Runs on every bundled fixture (Moondream 2: md2-tiny-a, Moondream 3: md3-tiny-a); point
+KESTREL_FIXTURE_DIR at another fixture directory of the same format to run it alone instead.
+Each test takes ``fx``, the fixture directory (session-scoped, so a model loads once per fixture).
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ from kestrel.moondream.image_crops import normalize_pixels, overlap_crops, selec
 from kestrel.moondream.region import encode_coordinate, encode_size, spatial_ref_tokens
 from kestrel.skills.prompts import token_ids
 from tests.conformance.cases import check_region_case, check_text_case, run_case
-from tests.conformance.golden import assert_close, load_golden
-from tests.conftest import fixture_dir
+from tests.conformance.golden import assert_close, fixture_params
 
-META = load_golden(fixture_dir()).meta
-IMAGES = [im["name"] for im in META["images"]]
-CASES = {c["id"]: c for c in META["cases"]}
-TILINGS = META["tiling_cases"]
+FIXTURES = fixture_params()
+TILINGS = fixture_params(
+    lambda m: [(f"{t['height']}x{t['width']}-{t['max_crops']}", t) for t in m["tiling_cases"]]
+)
+IMAGES = fixture_params(lambda m: [(im["name"], im["name"]) for im in m["images"]])
+CASES = fixture_params(lambda m: [(c["id"], c) for c in m["cases"]])
+TEXT = [p for p in CASES if p.values[1]["kind"] not in ("point", "detect")]
+REGION = [p for p in CASES if p.values[1]["kind"] in ("point", "detect")]
+SESSION = {"scope": "session"}
 
 
 def _tol(golden, case=None):
@@ -29,10 +35,8 @@ def _tol(golden, case=None):
 
 
 # ------------------------------------------------------------------------------- tiling / pixels
-@pytest.mark.parametrize(
-    "tc", TILINGS, ids=[f"{t['height']}x{t['width']}-{t['max_crops']}" for t in TILINGS]
-)
-def test_tiling_case(tc, fp32):
+@pytest.mark.parametrize(("fx", "tc"), TILINGS, **SESSION)
+def test_tiling_case(fx, tc, fp32):
     vc = fp32.model.config.vision
     assert select_tiling(*tc["select_tiling_args"]) == tuple(tc["tiling"])
     rows, cols = tc["tiling"]
@@ -47,15 +51,16 @@ def test_tiling_case(tc, fp32):
     assert [rows * window + 2 * margin, cols * window + 2 * margin] == tc["resized_hw"]
 
 
-def test_pixel_lut(golden):
+@pytest.mark.parametrize("fx", FIXTURES, **SESSION)
+def test_pixel_lut(fx, golden):
     levels = np.arange(256, dtype=np.uint8).reshape(1, 16, 16, 1).repeat(3, axis=3)
     px = normalize_pixels(levels, torch.float32)  # [1, 3, 16, 16]
     lut = golden.tensors[golden.meta["pixel_lut"]["tensor"]]
     assert torch.equal(px[0, 0].flatten(), lut)
 
 
-@pytest.mark.parametrize("name", IMAGES)
-def test_image_crops(name, golden, fp32):
+@pytest.mark.parametrize(("fx", "name"), IMAGES, **SESSION)
+def test_image_crops(fx, name, golden, fp32):
     im = golden.image(name)
     # background=None: the reference's convert("RGB") drops alpha (the RGBA fixture).
     pixels = load_image(golden.dir / im["file"], background=None)
@@ -68,8 +73,8 @@ def test_image_crops(name, golden, fp32):
 
 
 # ------------------------------------------------------------------------------- vision / prefix
-@pytest.mark.parametrize("name", IMAGES)
-def test_image_vision(name, golden, fp32):
+@pytest.mark.parametrize(("fx", "name"), IMAGES, **SESSION)
+def test_image_vision(fx, name, golden, fp32):
     im, T = golden.image(name), golden.tensors
     out = fp32.vision(name)
     for key in ("proj_input", "img_emb"):
@@ -82,8 +87,8 @@ def test_image_vision(name, golden, fp32):
     assert_close(stats, T[key], atol, rtol, f"features_crop_stats[{name}]", "features_crop_stats")
 
 
-@pytest.mark.parametrize("name", IMAGES)
-def test_image_kv_stats(name, golden, fp32):
+@pytest.mark.parametrize(("fx", "name"), IMAGES, **SESSION)
+def test_image_kv_stats(fx, name, golden, fp32):
     """K and V of the BOS + image prefix: [layer, K/V, (sum, sum of squares) over head_dim,
     head, position]. Sums over head_dim do not depend on the rotary output layout."""
     enc = fp32.encoded(name)
@@ -94,10 +99,11 @@ def test_image_kv_stats(name, golden, fp32):
     assert_close(stats.permute(0, 1, 2, 4, 3), ref, atol, rtol, f"kv_stats[{name}]", "kv_stats")
 
 
-def test_encode_image_end_to_end(golden, fp32):
+@pytest.mark.parametrize("fx", FIXTURES, **SESSION)
+def test_encode_image_end_to_end(fx, golden, fp32):
     """The full path from the image file (load, crop, normalize, vision, prefix) on the first
     image equals the PNG-crop path, so the per-stage checks above cover what users run."""
-    name = IMAGES[0]
+    name = golden.meta["images"][0]["name"]
     enc = fp32.eager.encode_image(golden.dir / golden.image(name)["file"])
     atol, rtol = golden.tol("img_emb")
     ref = golden.tensors[golden.image(name)["tensors"]["img_emb"]]
@@ -106,10 +112,9 @@ def test_encode_image_end_to_end(golden, fp32):
 
 
 # ------------------------------------------------------------------------------- prompts
-@pytest.mark.parametrize("cid", list(CASES))
-def test_prompt(cid, golden, fp32):
+@pytest.mark.parametrize(("fx", "case"), CASES, **SESSION)
+def test_prompt(fx, case, golden, fp32):
     """Prompt ids and their parts exactly as the reference prefilled them."""
-    case = CASES[cid]
     out = run_case(fp32, case)
     assert list(out.prompt_ids) == case["prompt_ids"]
     assert [i for part in case["prompt_parts"].values() for i in part] == case["prompt_ids"]
@@ -130,23 +135,18 @@ def test_prompt(cid, golden, fp32):
 
 
 # ------------------------------------------------------------------------------- generation
-TEXT = [c for c, v in CASES.items() if v["kind"] not in ("point", "detect")]
-REGION = [c for c, v in CASES.items() if v["kind"] in ("point", "detect")]
-
-
-@pytest.mark.parametrize("cid", TEXT)
-def test_text_case(cid, golden, fp32):
-    case = CASES[cid]
+@pytest.mark.parametrize(("fx", "case"), TEXT, **SESSION)
+def test_text_case(fx, case, golden, fp32):
     check_text_case(golden, case, run_case(fp32, case), _tol(golden, case))
 
 
-@pytest.mark.parametrize("cid", REGION)
-def test_region_case(cid, golden, fp32):
-    case = CASES[cid]
+@pytest.mark.parametrize(("fx", "case"), REGION, **SESSION)
+def test_region_case(fx, case, golden, fp32):
     check_region_case(golden, case, run_case(fp32, case), _tol(golden, case))
 
 
-def test_region_primitives(golden, fp32):
+@pytest.mark.parametrize("fx", FIXTURES, **SESSION)
+def test_region_primitives(fx, golden, fp32):
     rp, T = golden.meta["region_primitives"], golden.tensors
     atol, rtol = golden.tol("region_primitives")
     with torch.inference_mode():
@@ -165,12 +165,17 @@ def test_region_primitives(golden, fp32):
     )
 
 
-def test_every_golden_tensor_is_checked():
-    """Guard against a fixture growing tensors this suite would silently ignore."""
-    known = {META["pixel_lut"]["tensor"]}
-    known |= {v for im in META["images"] for v in im["tensors"].values()}
-    known |= {v for c in META["cases"] for v in c["tensors"].values()}
-    known |= set(META["region_primitives"]["tensors"].values())
-    assert set(META["tensor_index"]) <= known
-    kinds = {c["kind"] for c in META["cases"]}
+@pytest.mark.parametrize("fx", FIXTURES, **SESSION)
+def test_every_golden_tensor_is_checked(fx, golden):
+    """Guard against a fixture growing tensors this suite would silently ignore (the Moondream 3
+    ones, routing, tau and activation primitives, are checked in test_golden_md3.py)."""
+    meta = golden.meta
+    known = {meta["pixel_lut"]["tensor"]}
+    known |= {v for im in meta["images"] for v in im["tensors"].values()}
+    known |= {v for c in meta["cases"] for v in c["tensors"].values()}
+    known |= set(meta["region_primitives"]["tensors"].values())
+    if "activation_primitives" in meta:
+        known |= {f"primitives.{k}" for k in meta["activation_primitives"]["tensors"]}
+    assert set(meta["tensor_index"]) <= known
+    kinds = {c["kind"] for c in meta["cases"]}
     assert kinds <= {"query", "query_reasoning", "caption", "point", "detect"}

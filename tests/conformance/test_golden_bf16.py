@@ -20,14 +20,20 @@ from __future__ import annotations
 import pytest
 
 from tests.conformance.cases import check_region_case, check_text_case, run_case
-from tests.conformance.golden import agreeing_prefix, assert_close, load_golden
-from tests.conftest import fixture_dir
+from tests.conformance.golden import agreeing_prefix, assert_close, fixture_params
 
-META = load_golden(fixture_dir()).meta
 MARGIN_FLOOR = 0.05
-_MIN_CROPS = min(im["n_crops"] for im in META["images"])
-SMALL_IMAGES = [im["name"] for im in META["images"] if im["n_crops"] == _MIN_CROPS][:1]
-CASES = {c["id"]: c for c in META["cases"] if c.get("image") in (None, *SMALL_IMAGES)}
+
+
+def _small_images(meta: dict) -> list[str]:
+    fewest = min(im["n_crops"] for im in meta["images"])
+    return [im["name"] for im in meta["images"] if im["n_crops"] == fewest][:1]
+
+
+SMALL_IMAGES = fixture_params(lambda m: [(n, n) for n in _small_images(m)])
+CASES = fixture_params(
+    lambda m: [(c["id"], c) for c in m["cases"] if c.get("image") in (None, *_small_images(m))]
+)
 
 
 def _bf16_tol(golden):
@@ -47,8 +53,8 @@ def _trusted(margins: list[float]) -> int:
     return n
 
 
-@pytest.mark.parametrize("name", SMALL_IMAGES)
-def test_bf16_vision(name, golden, bf16):
+@pytest.mark.parametrize(("fx", "name"), SMALL_IMAGES, scope="session")
+def test_bf16_vision(fx, name, golden, bf16):
     out, im, tol = bf16.vision(name), golden.image(name), _bf16_tol(golden)
     for key in ("proj_input", "img_emb"):
         assert_close(getattr(out, key), golden.tensors[im["tensors"][key]], *tol(key),
@@ -60,9 +66,9 @@ def _check_ids(mine: list[int], ref: list[int], steps: list[dict], what: str) ->
     assert mine[:n] == ref[:n], f"{what}: bf16 ids {mine} != reference {ref} (first {n} compared)"
 
 
-@pytest.mark.parametrize("cid", list(CASES))
-def test_bf16_case(cid, golden, bf16):
-    case = CASES[cid]
+@pytest.mark.parametrize(("fx", "case"), CASES, scope="session")
+def test_bf16_case(fx, case, golden, bf16):
+    cid = case["id"]
     out = run_case(bf16, case)
     assert list(out.prompt_ids) == case["prompt_ids"]
     tol = _bf16_tol(golden)
