@@ -84,6 +84,12 @@ class ModelHeads:
         gen.manual_seed(seed)
         return gen
 
+    def pick(self, logits_V: Tensor | RowLogits, ids: Sequence[int]) -> int:
+        if isinstance(logits_V, RowLogits):
+            logits_V = logits_V.logits_V
+        sub = logits_V[list(ids)].tolist()  # torch.argmax takes the first maximum too
+        return ids[sub.index(max(sub))]
+
     def sample(
         self,
         logits_V: Tensor | RowLogits,

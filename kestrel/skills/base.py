@@ -60,6 +60,10 @@ class SkillOps(Protocol):
         """One token id; ``banned`` ids are masked first; temperature 0 is argmax."""
         ...
 
+    def pick(self, logits_V: Any, ids: Sequence[int]) -> int:
+        """The id of ``ids`` with the largest logit (the first listed wins a tie)."""
+        ...
+
     def rng(self, seed: int | None) -> Any:
         """A random generator seeded with ``seed`` (None: the process-wide one)."""
         ...

@@ -94,8 +94,7 @@ class RegionSkill(Skill):
             self.traces[-1].next_logits = logits_V
         tok = self.ops.tokens
         if self.objects and tok.continue_on_coord:
-            coord_wins = bool(logits_V[tok.coord_id] >= logits_V[tok.eos_id])
-            decision = tok.coord_id if coord_wins else tok.eos_id
+            decision = self.ops.pick(logits_V, (tok.coord_id, tok.eos_id))  # ties to coord
         else:
             decision = self.ops.sample(logits_V, 0.0, 1.0, (), None)
         self.decisions.append(decision)
