@@ -34,6 +34,7 @@ from kestrel.skills import (
     RegionSkill,
     Skill,
     SkillOps,
+    family_settings,
     parse_settings,
 )
 
@@ -123,6 +124,7 @@ class RequestFactory:
     def __init__(self, ops: SkillOps, config: MoondreamConfig) -> None:
         self.ops = ops
         self.config = config
+        self.defaults = family_settings(config.family)  # the family's sampling defaults
 
     def query(
         self,
@@ -135,7 +137,7 @@ class RequestFactory:
         spatial_refs: Sequence[Sequence[float]] | None,
     ) -> Draft:
         question = _text(question, "question")
-        s = parse_settings(settings)
+        s = parse_settings(settings, self.defaults)
         try:
             skill = QuerySkill(
                 self.ops, question, s, reasoning=bool(reasoning), spatial_refs=spatial_refs
@@ -154,7 +156,9 @@ class RequestFactory:
         reasoning: bool,
     ) -> Draft:
         """A conversation (validated turns, see :mod:`kestrel.engine.chat`) awaiting a reply."""
-        skill = ChatSkill(self.ops, turns, parse_settings(settings), reasoning=bool(reasoning))
+        skill = ChatSkill(
+            self.ops, turns, parse_settings(settings, self.defaults), reasoning=bool(reasoning)
+        )
         return self._draft(skill, image, adapter, _chat_result)
 
     def caption(self, image: PreparedImage | None, length: object, settings, adapter) -> Draft:
@@ -162,7 +166,7 @@ class RequestFactory:
             raise InvalidInputError("caption needs an image")
         if not isinstance(length, str):
             raise InvalidInputError(f"caption length must be a string, got {length!r}")
-        skill = CaptionSkill(self.ops, length, parse_settings(settings))
+        skill = CaptionSkill(self.ops, length, parse_settings(settings, self.defaults))
         return self._draft(skill, image, adapter, _caption_result)
 
     def region(
@@ -171,7 +175,7 @@ class RequestFactory:
         if image is None:
             raise InvalidInputError(f"{kind} needs an image")
         obj = _text(obj, f"the object to {kind}")
-        max_objects = parse_settings(settings).max_objects
+        max_objects = parse_settings(settings, self.defaults).max_objects
         if kind == "point":
             return self._draft(
                 PointSkill(self.ops, obj, max_objects), image, adapter, _point_result

@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import MOONDREAM2, MOONDREAM3, MoondreamConfig
 from .hub import CHECKPOINT_FILES, CheckpointError, download_snapshot, looks_like_repo_id
+from .layout import _TRANSPOSED_IN_LEGACY, _legacy_name, expected_shapes
 
 __all__ = [
     "CheckpointError",
@@ -40,8 +41,6 @@ __all__ = [
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
-# Tensors the legacy layout stores transposed relative to the native one.
-_TRANSPOSED_IN_LEGACY = frozenset({"region.coord_features", "region.size_features"})
 _INT4_SUFFIXES = (".weight.packed", ".weight.scale", ".weight.zero_point")
 _NATIVE_ROOTS = ("vision.", "text.", "region.")
 _LEGACY_ROOTS = ("vision_encoder.", "text_model.", "region_model.")
@@ -55,123 +54,6 @@ _SAFETENSORS_DTYPES = {
 
 class CheckpointWarning(UserWarning):
     """A checkpoint that loads but holds tensors Kestrel does not use."""
-
-
-def _linear(prefix: str, out_f: int, in_f: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.weight": (out_f, in_f), f"{prefix}.bias": (out_f,)}
-
-
-def _norm(prefix: str, dim: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.weight": (dim,), f"{prefix}.bias": (dim,)}
-
-
-def expected_shapes(config: MoondreamConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the native layout (no ``model.`` prefix) and its shape, in load order."""
-    v, t, r = config.vision, config.text, config.region
-    shapes: dict[str, tuple[int, ...]] = {}
-    shapes.update(_linear("vision.patch_emb", v.enc_dim, v.patch_dim))
-    shapes["vision.pos_emb"] = (1, v.n_patches, v.enc_dim)
-    for i in range(v.enc_n_layers):
-        b = f"vision.blocks.{i}"
-        shapes.update(_norm(f"{b}.ln1", v.enc_dim))
-        shapes.update(_linear(f"{b}.attn.qkv", 3 * v.enc_dim, v.enc_dim))
-        shapes.update(_linear(f"{b}.attn.proj", v.enc_dim, v.enc_dim))
-        shapes.update(_norm(f"{b}.ln2", v.enc_dim))
-        shapes.update(_linear(f"{b}.mlp.fc1", v.enc_ff_dim, v.enc_dim))
-        shapes.update(_linear(f"{b}.mlp.fc2", v.enc_dim, v.enc_ff_dim))
-    shapes.update(_norm("vision.post_ln", v.enc_dim))
-    # The projection reads [global features, pooled local features]: twice the encoder width.
-    shapes.update(_linear("vision.proj_mlp.fc1", v.proj_inner_dim, 2 * v.enc_dim))
-    shapes.update(_linear("vision.proj_mlp.fc2", v.proj_out_dim, v.proj_inner_dim))
-
-    shapes["text.wte"] = (t.vocab_size, t.dim)
-    for i in range(t.n_layers):
-        shapes.update(_text_block_shapes(config, i))
-    shapes.update(_norm("text.post_ln", t.dim))
-    shapes.update(_linear("text.lm_head", t.vocab_size, t.dim))
-
-    # Fourier features: cos and sin halves are concatenated, so the matrices are half-width.
-    shapes["region.coord_features"] = (1, r.coord_feat_dim // 2)
-    shapes.update(_linear("region.coord_encoder", r.dim, r.coord_feat_dim))
-    shapes.update(_region_decoder("region.coord_decoder", r.coord_out_dim, config))
-    shapes["region.size_features"] = (2, r.size_feat_dim // 2)
-    shapes.update(_linear("region.size_encoder", r.dim, r.size_feat_dim))
-    shapes.update(_region_decoder("region.size_decoder", r.size_out_dim, config))
-    return shapes
-
-
-def _text_block_shapes(config: MoondreamConfig, i: int) -> dict[str, tuple[int, ...]]:
-    t, b = config.text, f"text.blocks.{i}"
-    shapes = {**_norm(f"{b}.ln", t.dim), **_linear(f"{b}.attn.qkv", t.qkv_dim, t.dim)}
-    shapes.update(_linear(f"{b}.attn.proj", t.dim, t.dim))
-    if t.moe is not None:  # Moondream 3: tau on every layer
-        shapes[f"{b}.attn.tau.wq"] = shapes[f"{b}.attn.tau.wv"] = (t.n_heads, t.qkv_dim)
-        shapes[f"{b}.attn.tau.alpha"] = (t.n_heads,)
-    if t.is_moe_layer(i):
-        assert t.moe is not None
-        e, inner = t.moe.num_experts, t.moe.expert_inner_dim
-        shapes.update(_linear(f"{b}.mlp.router", e, t.dim))
-        shapes[f"{b}.mlp.fc1.weight"] = (e, 2 * inner, t.dim)
-        shapes[f"{b}.mlp.fc2.weight"] = (e, t.dim, inner)
-    else:
-        shapes.update(_linear(f"{b}.mlp.fc1", t.ff_dim, t.dim))
-        shapes.update(_linear(f"{b}.mlp.fc2", t.dim, t.ff_dim))
-    return shapes
-
-
-def _region_decoder(prefix: str, n_out: int, config: MoondreamConfig) -> dict:
-    r = config.region
-    if r.inner_dim is None:  # Moondream 3: one Linear
-        return _linear(prefix, n_out, r.dim)
-    return {
-        **_linear(f"{prefix}.fc1", r.inner_dim, r.dim),
-        **_linear(f"{prefix}.fc2", n_out, r.inner_dim),
-    }
-
-
-# Native name -> legacy name, applied in order (first match wins; \1 keeps block indices).
-_LEGACY_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(pattern), repl)
-    for pattern, repl in (
-        (r"^vision\.patch_emb\.", "vision_encoder.encoder.model.visual.patch_embed.linear."),
-        (r"^vision\.pos_emb$", "vision_encoder.encoder.model.visual.pos_embed"),
-        (r"^vision\.post_ln\.", "vision_encoder.encoder.model.visual.norm."),
-        (r"^vision\.blocks\.(\d+)\.ln1\.", r"vision_encoder.encoder.model.visual.blocks.\1.norm1."),
-        (r"^vision\.blocks\.(\d+)\.ln2\.", r"vision_encoder.encoder.model.visual.blocks.\1.norm2."),
-        (r"^vision\.blocks\.", "vision_encoder.encoder.model.visual.blocks."),
-        (r"^vision\.proj_mlp\.", "vision_encoder.projection.mlp."),
-        (r"^text\.wte$", "text_model.transformer.embd.wte.weight"),
-        (r"^text\.blocks\.(\d+)\.attn\.qkv\.", r"text_model.transformer.h.\1.mixer.Wqkv."),
-        (r"^text\.blocks\.(\d+)\.attn\.proj\.", r"text_model.transformer.h.\1.mixer.out_proj."),
-        # Moondream 3: tau, router (gate) and the stacked experts
-        (r"^text\.blocks\.(\d+)\.attn\.tau\.(wq|wv|alpha)$", r"text_model.transformer.h.\1.tau_\2"),
-        (r"^text\.blocks\.(\d+)\.mlp\.router\.", r"text_model.transformer.h.\1.gate."),
-        (r"^text\.blocks\.", "text_model.transformer.h."),
-        (r"^text\.post_ln\.", "text_model.lm_head.ln."),
-        (r"^text\.lm_head\.", "text_model.lm_head.linear."),
-        (r"^region\.coord_decoder\.(weight|bias)$", r"region_model.coordinate_head.\1"),
-        (r"^region\.size_decoder\.(weight|bias)$", r"region_model.size_head.\1"),
-        (r"^region\.coord_features$", "region_model.coordinate_features.weight"),
-        (r"^region\.size_features$", "region_model.size_features.weight"),
-        (r"^region\.coord_", "region_model.coordinate_"),
-        (r"^region\.", "region_model."),
-    )
-)
-
-
-# Moondream 3's stacked experts (MoE layers only; dense layers keep mlp.fc1 / mlp.fc2).
-_LEGACY_EXPERTS = re.compile(r"^text\.blocks\.(\d+)\.mlp\.(fc1|fc2)\.weight$")
-_EXPERT_NAMES = {"fc1": "experts", "fc2": "output_experts"}
-
-
-def _legacy_name(native: str, config: MoondreamConfig | None = None) -> str:
-    m = _LEGACY_EXPERTS.match(native)
-    if m and config is not None and config.text.is_moe_layer(int(m.group(1))):
-        return f"text_model.transformer.h.{m.group(1)}.mlp.{_EXPERT_NAMES[m.group(2)]}.weight"
-    for pattern, repl in _LEGACY_RULES:
-        if pattern.search(native):
-            return pattern.sub(repl, native, count=1)
-    raise AssertionError(f"no legacy name rule for {native}")  # expected_shapes is closed
 
 
 def _native_key(key: str) -> str:
@@ -399,7 +281,11 @@ def load_config(path: str | Path) -> MoondreamConfig:
     if not cfg.is_file():
         if path.suffix == ".json" or not path.exists():
             raise CheckpointError(f"no config at {cfg}")
-        return MoondreamConfig.from_dict({}, family=detect_family(path))
+        try:
+            family = detect_family(path)
+        except CheckpointError:  # unreadable: load_state_dict reports it with its own message
+            family = MOONDREAM2
+        return MoondreamConfig.from_dict({}, family=family)
     config = MoondreamConfig.from_json_file(cfg)
     weights = path if path.is_file() and path.suffix != ".json" else cfg.parent / WEIGHTS_FILE
     if config.family == MOONDREAM2 and weights.is_file() and detect_family(weights) == MOONDREAM3:

@@ -12,7 +12,7 @@ from kestrel.skills.chat import ChatSkill, ChatTurn, chat_prompt
 from kestrel.skills.grounding import GroundingChunk, grounding_chunks
 from kestrel.skills.prompts import PromptError
 from kestrel.skills.region import DetectSkill, PointSkill, RegionSkill, box_dict, point_dict
-from kestrel.skills.settings import DEFAULT_SETTINGS, Settings, parse_settings
+from kestrel.skills.settings import DEFAULT_SETTINGS, Settings, family_settings, parse_settings
 from kestrel.skills.text import CaptionSkill, QuerySkill, TextPhase
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "TextSink",
     "box_dict",
     "chat_prompt",
+    "family_settings",
     "grounding_chunks",
     "parse_settings",
     "point_dict",

@@ -1,7 +1,8 @@
 """Per-request generation settings: the user's dict, validated once into a frozen value.
 
-Defaults are the reference implementation's (temperature 0.5, top_p 0.3, 768 tokens, 50
-objects), so answers compare with what users get from it. Temperature 0 is greedy; point and
+Defaults are the reference implementation's, per model family, so answers compare with what
+users get from it: Moondream 2 temperature 0.5, top_p 0.3, 768 tokens, 50 objects; Moondream 3
+top_p 0.9 and 150 objects (:func:`family_settings`). Temperature 0 is greedy; point and
 detect are always greedy. A ``seed`` gives the request its own random generator, so a sampled
 answer is reproducible whatever else shares its batch.
 """
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kestrel.errors import InvalidInputError
 
-__all__ = ["DEFAULT_SETTINGS", "Settings", "parse_settings"]
+__all__ = ["DEFAULT_SETTINGS", "Settings", "family_settings", "parse_settings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,15 @@ class Settings:
 
 
 DEFAULT_SETTINGS = Settings()
+# Moondream 3's reference (moondream.py) samples with top_p 0.9 and finds up to 150 objects.
+_FAMILY_SETTINGS = {"moondream3": Settings(top_p=0.9, max_objects=150)}
+
+
+def family_settings(family: str) -> Settings:
+    """The default settings of a model family (``MoondreamConfig.family``)."""
+    return _FAMILY_SETTINGS.get(family, DEFAULT_SETTINGS)
+
+
 _KEYS = tuple(f.name for f in fields(Settings))
 _MAX_SEED = 2**63 - 1
 
@@ -53,11 +63,13 @@ def _integer(key: str, value: Any, low: int, high: int) -> int:
     return int(value)
 
 
-def parse_settings(raw: Mapping[str, Any] | Settings | None) -> Settings:
-    """Validate a settings dict (None = defaults). Unknown keys and bad values raise
-    :class:`~kestrel.errors.InvalidInputError` naming the key."""
+def parse_settings(
+    raw: Mapping[str, Any] | Settings | None, defaults: Settings = DEFAULT_SETTINGS
+) -> Settings:
+    """Validate a settings dict (None = ``defaults``; absent keys take theirs). Unknown keys
+    and bad values raise :class:`~kestrel.errors.InvalidInputError` naming the key."""
     if raw is None:
-        return DEFAULT_SETTINGS
+        return defaults
     if isinstance(raw, Settings):
         return raw
     if not isinstance(raw, Mapping):
@@ -82,4 +94,4 @@ def parse_settings(raw: Mapping[str, Any] | Settings | None) -> Settings:
         out["max_objects"] = _integer("max_objects", raw["max_objects"], 1, 1 << 16)
     if raw.get("seed") is not None:
         out["seed"] = _integer("seed", raw["seed"], 0, _MAX_SEED)
-    return Settings(**out)
+    return replace(defaults, **out)

@@ -12,17 +12,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kestrel.moondream.config import MOONDREAM3, MoondreamConfig, TextMoeConfig
+from kestrel.moondream.layout import _legacy_name
 from kestrel.moondream.model import Linear, MoeWeights, MoondreamModel
 from kestrel.moondream.moe import expert_activation, moe_mlp
 from kestrel.moondream.weights import (
     CheckpointError,
-    _legacy_name,
     detect_family,
     load_config,
     load_state_dict,
     resolve_checkpoint,
 )
 from kestrel.skills.prompts import query_prompt, token_ids
+from kestrel.skills.settings import DEFAULT_SETTINGS, family_settings, parse_settings
 from tests.conftest import FIXTURES
 
 MD3 = FIXTURES / "md3-tiny-a"
@@ -139,3 +140,12 @@ def test_query_prompts_per_family() -> None:
 
     assert ids(md2, False)[-3:] == [100, 3, 3] and ids(md2, True)[-3:] == [100, 3, 4]
     assert ids(md3, False)[-2:] == [100, 3] and ids(md3, True)[-2:] == [100, 4]
+
+
+def test_family_settings() -> None:
+    md3 = family_settings(load_config(MD3).family)
+    assert (md3.temperature, md3.top_p, md3.max_tokens, md3.max_objects) == (0.5, 0.9, 768, 150)
+    assert family_settings(load_config(MD2).family) == DEFAULT_SETTINGS
+    s = parse_settings({"temperature": 0.0}, md3)
+    assert (s.temperature, s.top_p, s.max_objects) == (0.0, 0.9, 150)
+    assert parse_settings(None, md3) is md3

@@ -30,6 +30,8 @@ class Tok:
     size_id: int = SIZE
     start_ground_points_id: int = 7
     end_ground_id: int = 9
+    query_doubled_answer: bool = True
+    continue_on_coord: bool = False
     templates: dict = field(
         default_factory=lambda: {
             "query": {"prefix": (1, 10, 2), "suffix": (ANSWER,)},
