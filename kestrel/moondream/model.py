@@ -118,12 +118,12 @@ class TextWeights:
 class RegionWeights:
     coord_features: Tensor  # [1, coord_feat_dim / 2]
     coord_encoder: Linear
-    coord_fc1: Linear | None  # Moondream 2: the decoders are MLPs fc1 -> GELU -> fc2
-    coord_fc2: Linear | None  # -> coord bins
     size_features: Tensor  # [2, size_feat_dim / 2]
     size_encoder: Linear
-    size_fc1: Linear | None
-    size_fc2: Linear | None  # -> 2 * size bins
+    coord_fc1: Linear | None = None  # Moondream 2: the decoders are MLPs fc1 -> GELU -> fc2
+    coord_fc2: Linear | None = None  # -> coord bins
+    size_fc1: Linear | None = None
+    size_fc2: Linear | None = None  # -> 2 * size bins
     coord_decoder: Linear | None = None  # Moondream 3: one Linear -> coord bins
     size_decoder: Linear | None = None  # Moondream 3: one Linear -> 2 * size bins
 
@@ -233,32 +233,24 @@ def _text_weights(r: _Reader, cfg: MoondreamConfig) -> TextWeights:
 
 def _region_weights(r: _Reader, cfg: MoondreamConfig) -> RegionWeights:
     g = cfg.region
-    coord_features = r.get("region.coord_features", (1, g.coord_feat_dim // 2))
-    coord_encoder = r.linear("region.coord_encoder", g.dim, g.coord_feat_dim)
-    size_features = r.get("region.size_features", (2, g.size_feat_dim // 2))
-    size_encoder = r.linear("region.size_encoder", g.dim, g.size_feat_dim)
     if g.inner_dim is None:  # Moondream 3: single-Linear decoders
-        return RegionWeights(
-            coord_features=coord_features,
-            coord_encoder=coord_encoder,
-            coord_fc1=None,
-            coord_fc2=None,
-            size_features=size_features,
-            size_encoder=size_encoder,
-            size_fc1=None,
-            size_fc2=None,
-            coord_decoder=r.linear("region.coord_decoder", g.coord_out_dim, g.dim),
-            size_decoder=r.linear("region.size_decoder", g.size_out_dim, g.dim),
-        )
+        decoders = {
+            "coord_decoder": r.linear("region.coord_decoder", g.coord_out_dim, g.dim),
+            "size_decoder": r.linear("region.size_decoder", g.size_out_dim, g.dim),
+        }
+    else:
+        decoders = {
+            "coord_fc1": r.linear("region.coord_decoder.fc1", g.inner_dim, g.dim),
+            "coord_fc2": r.linear("region.coord_decoder.fc2", g.coord_out_dim, g.inner_dim),
+            "size_fc1": r.linear("region.size_decoder.fc1", g.inner_dim, g.dim),
+            "size_fc2": r.linear("region.size_decoder.fc2", g.size_out_dim, g.inner_dim),
+        }
     return RegionWeights(
-        coord_features=coord_features,
-        coord_encoder=coord_encoder,
-        coord_fc1=r.linear("region.coord_decoder.fc1", g.inner_dim, g.dim),
-        coord_fc2=r.linear("region.coord_decoder.fc2", g.coord_out_dim, g.inner_dim),
-        size_features=size_features,
-        size_encoder=size_encoder,
-        size_fc1=r.linear("region.size_decoder.fc1", g.inner_dim, g.dim),
-        size_fc2=r.linear("region.size_decoder.fc2", g.size_out_dim, g.inner_dim),
+        coord_features=r.get("region.coord_features", (1, g.coord_feat_dim // 2)),
+        coord_encoder=r.linear("region.coord_encoder", g.dim, g.coord_feat_dim),
+        size_features=r.get("region.size_features", (2, g.size_feat_dim // 2)),
+        size_encoder=r.linear("region.size_encoder", g.dim, g.size_feat_dim),
+        **decoders,
     )
 
 
