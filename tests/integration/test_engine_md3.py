@@ -5,6 +5,7 @@ time and all at once (batched prefill waves and mixed decode batches)."""
 from __future__ import annotations
 
 import pytest
+from PIL import Image
 
 from tests.conformance.golden import load_golden
 from tests.conftest import FIXTURES
@@ -16,9 +17,11 @@ CASES = GOLDEN.meta["cases"]
 
 
 def _image(case: dict):
+    """The case's image decoded as the reference decodes it: convert("RGB") drops the alpha of
+    the RGBA image (the Engine would composite a file's alpha over white)."""
     if not case.get("image"):
         return None
-    return MD3 / GOLDEN.image(case["image"])["file"]
+    return Image.open(MD3 / GOLDEN.image(case["image"])["file"]).convert("RGB")
 
 
 def _settings(case: dict) -> dict:
