@@ -40,6 +40,7 @@ from kestrel.server.limits import (
 )
 from kestrel.server.metrics import CONTENT_TYPE, ServerMetrics
 from kestrel.server.payloads import SKILLS, Call, parse_call
+from kestrel.server.playground import playground_routes
 from kestrel.server.responses import (
     ClientGone,
     EventStream,
@@ -260,6 +261,7 @@ def create_app(
         Route("/v1/health", server.health, methods=["GET"]),
         Route("/v1/stats", server.stats, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
+        *playground_routes(),  # GET /: the page for trying the model in a browser
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: server.http_error})
     app.state.kestrel = server
