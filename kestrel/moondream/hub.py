@@ -22,8 +22,15 @@ __all__ = [
 ]
 
 # The files a checkpoint directory holds; only these are downloaded from a model repo (the
-# official repo also carries remote-code Python files that Kestrel never runs).
-CHECKPOINT_FILES = ("model.safetensors", "config.json", "tokenizer.json")
+# official repo also carries remote-code Python files that Kestrel never runs). The weights are
+# one model.safetensors or a sharded set (model-00001-of-00004.safetensors ... and its index).
+CHECKPOINT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "model-*-of-*.safetensors",
+    "config.json",
+    "tokenizer.json",
+)
 
 # "owner/name" with the characters the hub allows; a leading dot or slash means a local path.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -14,18 +14,18 @@ memory is the result plus one tensor.
 
 from __future__ import annotations
 
-import json
 import re
-import struct
 import warnings
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 from .config import MOONDREAM2, MOONDREAM3, MoondreamConfig
 from .hub import CHECKPOINT_FILES, CheckpointError, download_snapshot, looks_like_repo_id
 from .layout import _TRANSPOSED_IN_LEGACY, _legacy_name, expected_shapes
+from .shards import INDEX_FILE, WEIGHTS_FILE, ShardReader, ShardSet
 
 __all__ = [
     "CheckpointError",
@@ -38,7 +38,6 @@ __all__ = [
     "resolve_checkpoint",
 ]
 
-WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 _INT4_SUFFIXES = (".weight.packed", ".weight.scale", ".weight.zero_point")
@@ -80,16 +79,10 @@ def _check_not_fp8(file: Path, keys: list[str] | None = None) -> None:
         raise CheckpointError(_FP8_MESSAGE.format(what=f"{file} holds {marked[0]!r}"))
 
 
-def _weights_file(path: str | Path) -> Path:
+def _weights_files(path: str | Path) -> ShardSet:
     path = Path(path).expanduser()
     _check_not_fp8(path)
-    file = path / WEIGHTS_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise CheckpointError(
-            f"no checkpoint at {file}: expected a {WEIGHTS_FILE} file or a directory holding "
-            f"one (with its {CONFIG_FILE})"
-        )
-    return file
+    return ShardSet.locate(path)
 
 
 def _check_not_int4(config: MoondreamConfig, keys: list[str] | None = None) -> None:
@@ -153,14 +146,27 @@ def _report_extra(extra: list[str], file: Path, strict: bool) -> None:
     warnings.warn(msg + "; they are ignored", CheckpointWarning, stacklevel=3)
 
 
-def _open(file: Path):
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+def _check_shapes(
+    reader: ShardReader, sources: dict[str, str], expected: dict, legacy: bool, file: Path
+) -> None:
+    """Every source tensor has its expected shape (read from the headers only)."""
+    for name, key in sources.items():
+        shape = reader.shape(key)
+        transposed = legacy and name in _TRANSPOSED_IN_LEGACY
+        if transposed:
+            shape = shape[::-1]
+        if shape == expected[name]:
+            continue
+        if transposed:
+            raise CheckpointError(
+                f"{file}: legacy tensor {key!r} has shape {list(shape[::-1])} but the "
+                f"legacy layout stores {name!r} as {list(expected[name][::-1])}, transposed"
+            )
         raise CheckpointError(
-            f"cannot read {file} as safetensors ({exc}); the file is corrupt or incomplete "
-            "(re-download it)"
-        ) from exc
+            f"{file}: tensor {key!r} has shape {list(shape)} but the config expects "
+            f"{list(expected[name])} for {name!r}; is config.json the one that belongs "
+            "to this checkpoint?"
+        )
 
 
 def load_state_dict(
@@ -171,42 +177,30 @@ def load_state_dict(
     dtype: torch.dtype | None = None,
     strict: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Load every tensor of :func:`expected_shapes` from ``path`` (a file or its directory).
+    """Load every tensor of :func:`expected_shapes` from ``path``: a directory, its
+    ``model.safetensors``, or the ``model.safetensors.index.json`` of a sharded set.
 
     ``dtype=None`` keeps the checkpoint's dtype. Unknown extra tensors are ignored with a
     :class:`CheckpointWarning` (``strict=True`` raises instead). Raises CheckpointError for a
-    missing or unreadable file, an unrecognized layout, missing tensors, a shape mismatch, or an
-    int4 quantized checkpoint. Shapes are checked from the header before any tensor is read.
+    missing or unreadable file, an index that disagrees with its shards, an unrecognized layout,
+    missing tensors, a shape mismatch, or an int4 quantized checkpoint. Shapes are checked from
+    the headers before any tensor is read.
     """
-    file = _weights_file(path)
+    shards = _weights_files(path)
+    file = shards.source
     _check_not_int4(config)
-    expected = expected_shapes(config)
-    with _open(file) as f:
-        keys = list(f.keys())
+    out: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        reader = shards.open(stack)
+        keys = reader.keys()
         _check_not_int4(config, keys)
         _check_not_fp8(file, keys)
         sources, legacy, extra = _resolve_sources(keys, config, file)
-        for name, key in sources.items():
-            shape = tuple(f.get_slice(key).get_shape())
-            if legacy and name in _TRANSPOSED_IN_LEGACY:
-                shape = shape[::-1]
-            if shape != expected[name]:
-                if legacy and name in _TRANSPOSED_IN_LEGACY:
-                    raise CheckpointError(
-                        f"{file}: legacy tensor {key!r} has shape {list(shape[::-1])} but the "
-                        f"legacy layout stores {name!r} as {list(expected[name][::-1])}, "
-                        "transposed"
-                    )
-                raise CheckpointError(
-                    f"{file}: tensor {key!r} has shape {list(shape)} but the config expects "
-                    f"{list(expected[name])} for {name!r}; is config.json the one that belongs "
-                    "to this checkpoint?"
-                )
+        _check_shapes(reader, sources, expected_shapes(config), legacy, file)
         _report_extra(extra, file, strict)
-        out: dict[str, torch.Tensor] = {}
         for name, key in sources.items():
             try:
-                tensor = f.get_tensor(key)
+                tensor = reader.tensor(key)
             except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
                 raise CheckpointError(f"cannot read tensor {key!r} from {file}: {exc}") from exc
             if not tensor.is_floating_point():
@@ -217,27 +211,14 @@ def load_state_dict(
     return out
 
 
-def _header(file: Path) -> dict:
-    """The safetensors header of ``file``: {key: {dtype, shape, data_offsets}}."""
-    try:
-        with file.open("rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            if n > 100_000_000:
-                raise ValueError(f"implausible header length {n}")
-            return json.loads(fh.read(n))
-    except (OSError, ValueError, struct.error) as exc:
-        raise CheckpointError(f"cannot read the safetensors header of {file}: {exc}") from exc
-
-
 _MOE_KEY = re.compile(r"(\.mlp\.router\.|\.gate\.weight$|\.mlp\.experts\.weight$)")
 
 
 def detect_family(path: str | Path) -> str:
     """``"moondream3"`` if the checkpoint's keys hold MoE routers or experts (either layout),
     else ``"moondream2"``; read from the safetensors header only."""
-    return (
-        MOONDREAM3 if any(_MOE_KEY.search(k) for k in _header(_weights_file(path))) else MOONDREAM2
-    )
+    header = _weights_files(path).header()
+    return MOONDREAM3 if any(_MOE_KEY.search(k) for k in header) else MOONDREAM2
 
 
 def checkpoint_dtype(path: str | Path) -> torch.dtype:
@@ -245,11 +226,10 @@ def checkpoint_dtype(path: str | Path) -> torch.dtype:
 
     With mixed float dtypes the one holding the most elements wins.
     """
-    file = _weights_file(path)
-    header = _header(file)
+    shards = _weights_files(path)
     counts: dict[torch.dtype, int] = {}
-    for name, info in header.items():
-        if name == "__metadata__" or not isinstance(info, dict):
+    for info in shards.header().values():
+        if not isinstance(info, dict):
             continue
         dt = _SAFETENSORS_DTYPES.get(str(info.get("dtype")))
         if dt is not None:
@@ -258,28 +238,30 @@ def checkpoint_dtype(path: str | Path) -> torch.dtype:
                 numel *= int(d)
             counts[dt] = counts.get(dt, 0) + numel
     if not counts:
-        raise CheckpointError(f"{file} holds no floating point tensors")
+        raise CheckpointError(f"{shards.source} holds no floating point tensors")
     return max(counts, key=counts.__getitem__)
 
 
 def load_config(path: str | Path) -> MoondreamConfig:
     """The model config for a checkpoint: its directory's ``config.json`` ``"config"`` entry.
 
-    ``path`` is a checkpoint directory, its ``model.safetensors`` or the ``config.json`` itself.
+    ``path`` is a checkpoint directory, its ``model.safetensors`` (or shard index) or the
+    ``config.json`` itself.
     When the directory has no config.json the production defaults are returned: the official
     ``vikhyatk/moondream2`` config.json carries ``"config": {}``, so the defaults are exactly what
     it describes. A small or custom checkpoint without its config.json then fails in
     :func:`load_state_dict` with a shape mismatch that names the tensor.
     """
     path = Path(path).expanduser()
+    is_config = path.suffix == ".json" and path.name != INDEX_FILE
     if path.is_dir():
         cfg = path / CONFIG_FILE
-    elif path.suffix == ".json":
+    elif is_config:
         cfg = path
     else:
         cfg = path.parent / CONFIG_FILE
     if not cfg.is_file():
-        if path.suffix == ".json" or not path.exists():
+        if is_config or not path.exists():
             raise CheckpointError(f"no config at {cfg}")
         try:
             family = detect_family(path)
@@ -287,18 +269,24 @@ def load_config(path: str | Path) -> MoondreamConfig:
             family = MOONDREAM2
         return MoondreamConfig.from_dict({}, family=family)
     config = MoondreamConfig.from_json_file(cfg)
-    weights = path if path.is_file() and path.suffix != ".json" else cfg.parent / WEIGHTS_FILE
-    if config.family == MOONDREAM2 and weights.is_file() and detect_family(weights) == MOONDREAM3:
+    weights = path if path.is_file() and not is_config else cfg.parent
+    md3_tensors = _has_weights(weights) and detect_family(weights) == MOONDREAM3
+    if config.family == MOONDREAM2 and md3_tensors:
         # production config.json files carry "config": {}; the tensors tell the family
         config = MoondreamConfig.from_json_file(cfg, family=MOONDREAM3)
     return config
+
+
+def _has_weights(path: Path) -> bool:
+    return path.is_file() or any((path / f).is_file() for f in (WEIGHTS_FILE, INDEX_FILE))
 
 
 def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) -> Path:
     """A local checkpoint path (directory or file) for a path or a Hugging Face repo id.
 
     Existing local paths are returned as given. Other ``owner/name`` strings are downloaded
-    (only model.safetensors, config.json and tokenizer.json) with huggingface_hub, or taken from
+    (only the weights -- ``model.safetensors``, or a sharded set and its index -- config.json and
+    tokenizer.json) with huggingface_hub, or taken from
     its cache when ``HF_HUB_OFFLINE=1``. Raises CheckpointError with instructions otherwise.
     """
     path = Path(name_or_path).expanduser()
@@ -313,5 +301,5 @@ def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) ->
         str(name_or_path),
         revision=revision,
         allow_patterns=CHECKPOINT_FILES,
-        what=f"{WEIGHTS_FILE} and {CONFIG_FILE}",
+        what=f"{WEIGHTS_FILE} and {CONFIG_FILE} (or the shards and their {INDEX_FILE})",
     )
