@@ -128,7 +128,8 @@ def _announce(args: argparse.Namespace, port: int, engine, api_key: str | None) 
     host = f"[{args.host}]" if ":" in args.host else args.host
     adapters = ", ".join(engine.adapters()) or "none"
     print(
-        f"kestrel serve: {engine.model_path} on http://{host}:{port}/v1 (adapters: {adapters})",
+        f"kestrel serve: {engine.model_path} ({engine.config.family}) on "
+        f"http://{host}:{port}/v1 (adapters: {adapters})",
         flush=True,
     )
     if api_key is None and not _is_loopback(args.host):

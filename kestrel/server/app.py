@@ -181,6 +181,7 @@ class _Server:
         body = {
             "status": "ok" if status == 200 else "closing",
             "model": Path(model).name if model else None,
+            "family": served_family(self.engine),
             "adapters": self.engine.adapters(),
             "version": __version__,
         }
@@ -215,6 +216,11 @@ class _Server:
         message = f"{exc.detail}: {request.method} {request.url.path}"
         return ex.fail(ApiError(exc.status_code, _HTTP_TYPES.get(exc.status_code, "http_error"),
                                 message, exc.headers))  # fmt: skip
+
+
+def served_family(engine: Any) -> str | None:
+    """The served model's family (``moondream2`` / ``moondream3``), None if unknown."""
+    return getattr(getattr(engine, "config", None), "family", None)
 
 
 def _log_failure(exc: Exception, ex: _Exchange) -> None:
