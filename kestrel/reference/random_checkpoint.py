@@ -1,4 +1,4 @@
-"""Random-weight checkpoints of Moondream 2 structure, written in the Hugging Face layout.
+"""Random-weight checkpoints of Moondream 2 or 3 structure, written in the Hugging Face layout.
 
 Used by benchmarks and tests: no real weights can be downloaded here, but everything downstream
 of the loader (shapes, dtypes, the runtime's cost profile) is that of a real checkpoint of the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -27,6 +27,8 @@ def config_to_dict(config: MoondreamConfig) -> dict:
     for section in ("text", "vision", "region", "tokenizer"):
         obj = getattr(config, section)
         data = {f.name: getattr(obj, f.name) for f in fields(obj)}
+        if section == "text" and config.text.moe is not None:  # Moondream 3's MoE section
+            data["moe"] = asdict(config.text.moe)
         if section == "tokenizer":
             data["templates"] = {
                 skill: {k: list(v) for k, v in parts.items()}
@@ -62,7 +64,7 @@ def write_random_checkpoint(
     meta = {
         "architectures": ["HfMoondream"],
         "config": config_to_dict(config),
-        "model_type": "moondream1",
+        "model_type": "moondream3" if config.family == "moondream3" else "moondream1",
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     (out / "config.json").write_text(json.dumps(meta, indent=2))
