@@ -1,7 +1,10 @@
-"""LoRA adapters for the Moondream 2 text decoder (the reference's "variants").
+"""LoRA adapters for the Moondream 2 / 3 text decoder (the reference's "variants").
 
 An adapter holds, for every text layer, a low-rank pair (A [r, in], B [out, r]) for each of
-``attn.qkv``, ``attn.proj``, ``mlp.fc1`` and ``mlp.fc2``. The delta is ``(x @ A.T) @ B.T`` added to
+``attn.qkv``, ``attn.proj``, ``mlp.fc1`` and ``mlp.fc2``. On Moondream 3 the MLP pairs of the
+mixture-of-experts layers (``>= text.moe.start_layer``) are optional and never applied, as the
+first-party reference ignores them there: they are neither shape-checked nor kept (``fc1`` /
+``fc2`` are None), though they count in the digest. The delta is ``(x @ A.T) @ B.T`` added to
 the base linear's output, with no alpha/rank scaling (any scale is folded into B).
 
 Inputs, as the reference computes them (reproduced for parity):
@@ -66,8 +69,8 @@ class LoraPair:
 class LoraLayer:
     qkv: LoraPair
     proj: LoraPair
-    fc1: LoraPair
-    fc2: LoraPair
+    fc1: LoraPair | None  # None in a Moondream 3 MoE layer (its MLP takes no LoRA)
+    fc2: LoraPair | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +101,12 @@ class LoraAdapter:
         digest = _digest(tensors)
         layers = []
         for i in range(config.text.n_layers):
-            pairs = {}
-            for module in LORA_MODULES:
+            pairs: dict[str, LoraPair | None] = {}
+            for module in _applied_modules(config, i):
                 a = tensors[f"text.blocks.{i}.{module}.A"].to(device=device, dtype=dtype)
                 b = tensors[f"text.blocks.{i}.{module}.B"].to(device=device, dtype=dtype)
                 pairs[module.split(".")[1]] = LoraPair(a.contiguous(), b.contiguous())
-            layers.append(LoraLayer(**pairs))
+            layers.append(LoraLayer(**{"fc1": None, "fc2": None, **pairs}))
         return cls(name=name, rank=rank, layers=tuple(layers), digest=digest)
 
 
@@ -112,6 +115,11 @@ def normalize_lora_name(key: str) -> str:
     for old, new in _RENAMES:
         key = key.replace(old, new)
     return key
+
+
+def _applied_modules(config: MoondreamConfig, layer: int) -> tuple[str, ...]:
+    """The modules whose pairs layer ``layer`` applies (attention only in an MoE layer)."""
+    return LORA_MODULES[:2] if config.text.is_moe_layer(layer) else LORA_MODULES
 
 
 def _module_shapes(config: MoondreamConfig) -> dict[str, tuple[int, int]]:
@@ -142,18 +150,21 @@ def _validate(tensors: Mapping[str, Tensor], config: MoondreamConfig) -> int:
     missing = [
         f"text.blocks.{i}.{m}.{ab}"
         for i in range(n_layers)
-        for m in LORA_MODULES
+        for m in _applied_modules(config, i)
         for ab in "AB"
         if f"text.blocks.{i}.{m}.{ab}" not in tensors
     ]
     if missing:
+        moe = config.text.moe
+        moe_note = "" if moe is None else f" (mlp only below layer {moe.start_layer})"
         raise LoraFormatError(
             f"adapter lacks {len(missing)} tensor(s), first {missing[:4]}: every text layer needs "
-            "A and B for attn.qkv, attn.proj, mlp.fc1 and mlp.fc2"
+            f"A and B for attn.qkv, attn.proj, mlp.fc1 and mlp.fc2{moe_note}"
         )
     rank = int(tensors["text.blocks.0.attn.qkv.A"].shape[0])
     for i in range(n_layers):
-        for m, (n_in, n_out) in shapes.items():
+        for m in _applied_modules(config, i):
+            n_in, n_out = shapes[m]
             a = tensors[f"text.blocks.{i}.{m}.A"]
             b = tensors[f"text.blocks.{i}.{m}.B"]
             if tuple(a.shape) != (rank, n_in) or tuple(b.shape) != (n_out, rank):
