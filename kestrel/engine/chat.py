@@ -16,10 +16,11 @@ import base64
 import binascii
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from kestrel.engine.replies import ReplyMemory
 from kestrel.engine.requests import Draft, salted
 from kestrel.engine.streams import TextStream
 from kestrel.errors import InvalidInputError
@@ -176,7 +177,7 @@ def parse_messages(
 class ChatCalls:
     """Mixed into :class:`kestrel.Engine`: ``chat`` and ``submit_chat`` (``achat`` is with
     the other asyncio twins). Relies on the Engine's ``_check_open``, ``_factory``,
-    ``_adapter``, ``prepare_image``, ``_submit`` and ``_stream``."""
+    ``_adapter``, ``prepare_image``, ``_submit``, ``_stream`` and ``_replies``."""
 
     _check_open: Callable[[], None]
     _factory: Any
@@ -184,6 +185,7 @@ class ChatCalls:
     prepare_image: Callable[[object], PreparedImage]
     _submit: Callable[..., Future]
     _stream: Callable[..., Any]
+    _replies: ReplyMemory
 
     def submit_chat(
         self,
@@ -217,11 +219,11 @@ class ChatCalls:
     def _draft_chat(self, messages, settings, adapter, cache_salt, reasoning) -> Draft:
         self._check_open()
         conversation = parse_messages(messages, self.prepare_image)
-        draft = self._factory.chat(
-            conversation.turns,
-            conversation.image,
-            settings,
-            self._adapter(adapter),
-            reasoning=reasoning,
-        )
+        lora = self._adapter(adapter)
+        image = conversation.image
+        # the cache namespace's identity: replies are replayed only where they were retained
+        key = (getattr(lora, "lora_id", None), cache_salt, image.digest if image else None)
+        turns = self._replies.replay(key, conversation.turns)
+        draft = self._factory.chat(turns, image, settings, lora, reasoning=reasoning)
+        draft = replace(draft, build_result=self._replies.recording(key, draft.build_result))
         return salted(draft, cache_salt)

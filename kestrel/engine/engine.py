@@ -21,6 +21,7 @@ import torch
 from kestrel.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry
 from kestrel.engine.aio import AsyncTwins
 from kestrel.engine.chat import ChatCalls
+from kestrel.engine.replies import ReplyMemory
 from kestrel.engine.requests import Draft, RequestFactory, salted
 from kestrel.engine.setup import load_runtime
 from kestrel.engine.streams import AsyncTextStream, TextStream
@@ -43,7 +44,9 @@ class Engine(AsyncTwins, ChatCalls):
     ``device="auto"`` picks CUDA when available; ``dtype`` is a ``torch.dtype`` or its name
     (None: bfloat16 on CUDA, float32 on CPU). ``max_adapters`` bounds the loaded LoRA adapters.
     Images are turned upright by their EXIF orientation unless ``exif_orientation=False``
-    (docs/images.md says what happens to each kind of image).
+    (docs/images.md says what happens to each kind of image). With the prefix cache on, a
+    finished request's generated tokens stay cached under its prompt, so the next turn of a
+    conversation hits through the answer; ``retain_decoded=False`` frees them instead.
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -61,6 +64,7 @@ class Engine(AsyncTwins, ChatCalls):
         attention_backend: str = "auto",
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         exif_orientation: bool = True,
+        retain_decoded: bool = True,
     ) -> None:
         self.runtime, self.model_path = load_runtime(
             model,
@@ -70,6 +74,7 @@ class Engine(AsyncTwins, ChatCalls):
             max_batch_size=max_batch_size,
             enable_prefix_cache=enable_prefix_cache,
             attention_backend=attention_backend,
+            retain_decoded=retain_decoded,
         )
         self.config = self.runtime.config
         self.max_batch_size = max_batch_size
@@ -81,6 +86,7 @@ class Engine(AsyncTwins, ChatCalls):
         self._scheduler = Scheduler(self._runner)
         self._adapters = AdapterRegistry(self.runtime.model, max_adapters)
         self._ids = itertools.count(1)
+        self._replies = ReplyMemory()
         self._loop = SchedulerLoop(self._scheduler)
 
     # ------------------------------------------------------------------ lifecycle

@@ -74,6 +74,7 @@ def load_runtime(
     max_batch_size: int,
     enable_prefix_cache: bool,
     attention_backend: str,
+    retain_decoded: bool = True,
 ) -> tuple[MoondreamRuntime, str]:
     """Load the checkpoint and build its runtime; returns (runtime, where it came from)."""
     source = _model_source(model)
@@ -95,6 +96,7 @@ def load_runtime(
             max_batch_size=max_batch_size,
             enable_prefix_cache=enable_prefix_cache,
             attention_backend=attention_backend,
+            retain_decoded=retain_decoded,
         )
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model {str(source)!r}: {exc}") from exc

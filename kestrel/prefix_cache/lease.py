@@ -9,7 +9,11 @@ checks the code that serves requests. It owns no model code:
     ... the caller prefills positions lease.skip .. prompt_length - 1 of lease.row ...
     lease.commit()                                                  # steps 6-8
     ... decode into the row's private pages ...
-    lease.release()                                                 # step 9
+    lease.release(retained)                                         # step 9
+
+``release(retained)`` first inserts the tokens fed in decode (their KV sits in the row right
+after the prompt) under the prompt's node, so those private pages become cache-owned and a
+later prompt that continues through them (the next turn of a conversation) hits.
 
 ``prepare`` cleans up after itself when it fails; every later failure (the caller's prefill,
 ``commit``) ends in ``abort()``, which unlocks every lock held and erases the row with the
@@ -56,7 +60,8 @@ class CacheLease:
     cache-owned pages (``skip``, then ``skip + inserted`` after commit). ``inserted``: pages
     the commit's insert claimed, ``None`` when nothing was inserted (full-prompt hit, cache
     off). ``locks``: the nodes this lease holds a lock on (one once committed, with the cache
-    on). ``cached_length``: KV positions of the cacheable tokens.
+    on). ``cached_length``: KV positions of the cacheable tokens. ``retained``: decoded
+    positions the release inserted (0 until then, or when nothing could be kept).
     """
 
     __slots__ = (
@@ -71,6 +76,7 @@ class CacheLease:
         "page_table",
         "phase",
         "prompt_length",
+        "retained",
         "row",
         "skip",
         "tokens",
@@ -102,6 +108,7 @@ class CacheLease:
         self.skip = 0
         self.cache_owned = 0
         self.inserted: int | None = None
+        self.retained = 0
         self.locks: list[TreeNode] = []
         self.phase = LeasePhase.PREPARED
 
@@ -194,12 +201,48 @@ class CacheLease:
                 cache.unlock(temp)
                 self.locks.remove(temp)
 
-    def release(self) -> None:
-        """Step 9: the one unlock, then ``erase(row, cache_owned)``: cache-owned pages stay
-        cached, private ones go back to the pool."""
+    def release(self, retained: Sequence[CacheToken] = ()) -> None:
+        """Step 9: keep the decoded tokens ``retained`` (see ``retain``), then the one unlock,
+        then ``erase(row, cache_owned)``: cache-owned pages stay cached, private ones go back
+        to the pool. A failed retention still releases everything, then re-raises."""
         if self.phase is LeasePhase.RELEASED:
             raise LeaseError("release of a lease that was already released")
-        self.abort()
+        try:
+            self.retain(retained)
+        finally:
+            self.abort()
+
+    def can_retain(self) -> bool:
+        """Whether decoded tokens may be inserted under this lease's prompt: committed with the
+        cache on, the whole prompt cacheable and its pages in this row all cache-owned (so the
+        lock node ends exactly at the prompt). A full-prompt hit recomputed its last position
+        privately, and a duplicate prefill's pages stay private: neither can keep its answer."""
+        return (
+            self.cache is not None
+            and self.phase is LeasePhase.COMMITTED
+            and self.cached_length == self.prompt_length
+            and self.cache_owned == self.cached_length
+        )
+
+    def retain(self, retained: Sequence[CacheToken]) -> int:
+        """Insert ``retained`` under the prompt, their KV being the row's pages right after it
+        (the caller passes only tokens whose KV equals what a prefill of the same tokens would
+        write: fed in decode, written, canonical). Returns the positions inserted (0 when
+        ``can_retain`` is false or another request's copy is already cached there)."""
+        if not retained or not self.can_retain():
+            return 0
+        end = self.cached_length + token_kv_length(retained)  # row_pages: within the row
+        r = self.cache.insert(
+            [*self.tokens, *retained],
+            self.page_table.row_pages(self.row, 0, end),
+            self.namespace,
+            from_node=self.lock_node,
+            from_token_idx=len(self.tokens),
+            from_page_idx=self.cached_length,
+        )
+        self.cache_owned += r.inserted_pages  # the new leaf is unlocked: evictable at once
+        self.retained = r.inserted_pages
+        return r.inserted_pages
 
     def abort(self) -> None:
         """Unlock every lock held, then erase the row with the cache-owned count reached so

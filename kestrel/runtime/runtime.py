@@ -23,6 +23,13 @@ steps:
 
 ``start_sequence`` is these three steps; a failure in any of them aborts the lease
 (``abort_sequence``), which releases the temporary lock and every page taken.
+
+4. ``decode_step`` feeds tokens, each writing its KV into the row's next private page, and
+   records them (``state.fed``);
+5. ``release_sequence``: with ``retain_decoded`` the lease first inserts the fed tokens under
+   the prompt (up to the first off-grid coordinate or size), so the next turn of a
+   conversation hits through this answer; then one unlock and the private pages are freed.
+   The last sampled token was never fed, so its KV was never written and it is not kept.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ class RuntimeCounters:
     prefill_tokens: int = 0  # of which computed
     vision_encodes: int = 0
     cache_hits: int = 0  # sequences that reused at least one page
+    retained_tokens: int = 0  # decoded positions kept in the cache at release
 
     @property
     def hit_rate(self) -> float:
@@ -89,7 +97,8 @@ class MoondreamRuntime:
     ``kv_cache_pages=None`` sizes the pool: on CUDA from the memory free after a warm-up,
     ``kv_memory_fraction`` of it (default 0.9; ``kv_report`` says what was found), elsewhere
     ``max_batch_size * max_context + 1``. ``cuda_graphs``: replay decode steps from CUDA graphs
-    when the ``fa`` attention backend runs (see ``cuda_graphs``).
+    when the ``fa`` attention backend runs (see ``cuda_graphs``). ``retain_decoded``: keep
+    a finished sequence's decoded tokens in the cache under its prompt (module doc, step 5).
     """
 
     def __init__(
@@ -103,8 +112,10 @@ class MoondreamRuntime:
         attention_backend: str = "auto",
         kv_memory_fraction: float | None = None,
         cuda_graphs: bool = True,
+        retain_decoded: bool = True,
     ) -> None:
         self.model = model
+        self.retain_decoded = retain_decoded
         self.config: MoondreamConfig = model.config
         self.tokenizer = tokenizer
         self.device = model.device
@@ -320,34 +331,31 @@ class MoondreamRuntime:
                 adapters, self.attention_backend,
             )  # fmt: skip
             logits_BV = lm_head(hidden_BC, self.model.text)
-        for i, s in enumerate(states):
+        for i, (s, t) in enumerate(zip(states, tokens, strict=True)):
             s.length += 1
+            s.fed.append(t)
             s.last_hidden = hidden_BC[i]
         return logits_BV
 
     def release_sequence(self, state: SequenceState) -> None:
-        """Exactly one unlock, then free the row's private pages; cache-owned pages stay cached."""
+        """Retain the decoded tokens (``retain_decoded``), then exactly one unlock, then free
+        the row's private pages; cache-owned pages stay cached."""
         if state.released or self._active.get(state.batch_idx) is not state:
             raise SequenceError(f"sequence in batch row {state.batch_idx} was already released")
         state.released = True
         del self._active[state.batch_idx]
-        state.lease.release()
+        fed, state.fed = state.fed, []
+        if not self.retain_decoded:
+            fed = []
+        cfg = self.config.region
+        state.lease.release(fed[: cacheable_prefix(fed, cfg.coord_bins, cfg.size_bins)])
+        self.counters.retained_tokens += state.lease.retained
 
     def check_integrity(self) -> None:
         """Cache + page-table invariants, plus one lock per running sequence."""
         self.prefix_cache.check_integrity()
         for s in self._active.values():
-            lease = s.lease
-            if lease.phase is not LeasePhase.COMMITTED or s.released:
-                raise AssertionError(f"running sequence {s.batch_idx} is {lease.phase.value}")
-            node = s.cache_lock_node  # raises when the lease holds more than one lock
-            if self.enable_prefix_cache and node is None:
-                raise AssertionError(f"running sequence {s.batch_idx} holds no cache lock")
-            if node is not None and (node.lock_ref < 1 or node.detached):
-                raise AssertionError(f"sequence {s.batch_idx} locks a node with lock_ref 0")
-            mapped = self.page_table.capacity(s.batch_idx)
-            if mapped != s.max_length:
-                raise AssertionError(f"row {s.batch_idx} maps {mapped} != {s.max_length}")
+            s.check_running(self.page_table.capacity(s.batch_idx), self.enable_prefix_cache)
 
     # ------------------------------------------------------------------ internals
     def _encode_image(self, image: PreparedImage) -> torch.Tensor:

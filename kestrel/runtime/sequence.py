@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kestrel.prefix_cache.lease import LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.tokens import CoordToken, ImageToken, SizeToken, TextToken
 
@@ -49,6 +50,8 @@ class SequenceState:
     inserted by this sequence); every page after them is private to this row and is freed by
     ``release_sequence``. The sequence holds exactly one lock, on ``cache_lock_node`` (None
     when the cache is off). ``prompt`` and ``image`` are kept only until the prefill.
+    ``fed`` lists the tokens fed by ``decode_step``, one per KV position written after the
+    prompt (``len(fed) == length - prompt_length``); the release may retain them in the cache.
     """
 
     lease: CacheLease
@@ -60,6 +63,7 @@ class SequenceState:
     cache_tokens: list = field(default_factory=list)
     prompt: tuple[PromptToken, ...] = ()
     image: PreparedImage | None = None
+    fed: list[PromptToken] = field(default_factory=list)
     vision_encoded: bool = False
     released: bool = False
 
@@ -87,6 +91,27 @@ class SequenceState:
     @property
     def cache_lock_node(self) -> TreeNode | None:
         return self.lease.lock_node
+
+    def check_running(self, mapped: int, cache_on: bool) -> None:
+        """A running sequence's invariants (``mapped``: the positions its row maps): committed,
+        one live lock (with the cache on), its whole budget mapped, one fed token recorded
+        per decoded position (what release retains)."""
+        i, lease = self.batch_idx, self.lease
+        if lease.phase is not LeasePhase.COMMITTED or self.released:
+            raise AssertionError(f"running sequence {i} is {lease.phase.value}")
+        node = self.cache_lock_node  # raises when the lease holds more than one lock
+        if cache_on and node is None:
+            raise AssertionError(f"running sequence {i} holds no cache lock")
+        if node is not None and (node.lock_ref < 1 or node.detached):
+            raise AssertionError(f"sequence {i} locks a node with lock_ref 0")
+        if mapped != self.max_length:
+            raise AssertionError(f"row {i} maps {mapped} != {self.max_length}")
+        decoded = self.length - self.prompt_length
+        if len(self.fed) != decoded:
+            raise AssertionError(
+                f"row {i} recorded {len(self.fed)} fed tokens for {decoded} decoded positions "
+                "(retention would misplace KV)"
+            )
 
     @property
     def remaining(self) -> int:
@@ -135,7 +160,8 @@ def _canonical(tok: object, coord_bins: int, size_bins: int) -> bool:
 
 def cacheable_prefix(cache_tokens: Sequence, coord_bins: int, size_bins: int) -> int:
     """Number of leading cache tokens that may be matched and inserted: everything up to the
-    first coordinate/size token whose float is off its bin's grid."""
+    first coordinate/size token whose float is off its bin's grid (a prompt's, or a decoded
+    one fed back from the region decoder's continuous output)."""
     for i, tok in enumerate(cache_tokens):
         if not _canonical(tok, coord_bins, size_bins):
             return i

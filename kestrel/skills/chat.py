@@ -9,7 +9,8 @@ user turn (the query template's pieces, see :mod:`kestrel.skills.prompts`)::
           prefix + user_n + [answer, answer]          (or [answer, thinking] when reasoning)
 
 A one-turn conversation is exactly the query prompt, and turn n+1's prompt starts with turn
-n's prompt followed by its reply, so the prefix cache hits through every earlier turn. The
+n's prompt followed by its reply (the generated ids when the engine remembers them), so the
+prefix cache, which retains each answer, hits through every earlier turn. The
 image (at most one, in the first turn) is placed by the runtime right after BOS, as for a
 query. Decoding is the query skill's, reasoning and grounding included.
 """
@@ -30,10 +31,13 @@ __all__ = ["ChatSkill", "ChatTurn", "chat_prompt"]
 
 @dataclass(frozen=True, slots=True)
 class ChatTurn:
-    """One user message and the assistant's reply to it (None for the turn being answered)."""
+    """One user message and the assistant's reply to it (None for the turn being answered).
+    ``reply_ids``: the ids generated for ``reply`` (they decode to it), replayed instead of
+    tokenizing the text so the prefix cache hits through the retained answer."""
 
     user: str
     reply: str | None = None
+    reply_ids: tuple[int, ...] | None = None
 
 
 def chat_prompt(
@@ -50,7 +54,8 @@ def chat_prompt(
         block = query_prompt(ops.tokens, ops.encode, turn.user, reasoning=last and reasoning)
         out.extend(block if i == 0 else block[1:])  # BOS opens the conversation only
         if turn.reply:
-            out.extend(TextToken(t) for t in ops.encode(turn.reply))
+            ids = turn.reply_ids if turn.reply_ids is not None else ops.encode(turn.reply)
+            out.extend(TextToken(t) for t in ids)
     return out
 
 

@@ -10,6 +10,7 @@ from itertools import pairwise
 import pytest
 
 from kestrel.errors import InvalidInputError, PromptTooLongError
+from kestrel.skills.prompts import query_prompt
 from tests.conftest import fixture_dir
 from tests.integration.conftest import GREEDY, assert_idle
 
@@ -82,6 +83,77 @@ def test_conversation_hits_the_cache_through_every_earlier_prompt(engines, image
         assert after.metrics.input_tokens > before.metrics.input_tokens
     assert all(r.metrics.cached_tokens == 0 for r in baseline)
     on.check_integrity()
+
+
+def _turns(engine, image, replies=None, **kw) -> list:
+    """Four turns; turn i+1 sends back ``replies[i]`` (default: the reply as returned)."""
+    messages, results = [], []
+    for i, question in enumerate((*QUESTIONS, "Anything else?")):
+        messages.append(_user(question, image if i == 0 else None))
+        result = engine.chat(messages, settings=GREEDY, **kw)
+        reply = replies[i] if replies else result.content
+        messages.append({"role": "assistant", "content": reply})
+        results.append(result)
+    return results
+
+
+@pytest.mark.parametrize("image", [SHAPES, None], ids=["image", "text-only"])
+def test_later_turns_compute_only_their_new_block(engines, image) -> None:
+    """Answers are retained: turn n+1 hits through turn n's prompt AND its answer, so its
+    uncached positions are only the new user block (its framing and text)."""
+    on, off = engines
+    salt = f"retain-{image is None}"
+    results = _turns(on, image, cache_salt=salt)
+    baseline = _turns(off, image)
+    assert [r.tokens for r in results] == [r.tokens for r in baseline]  # greedy parity
+    ops = on._factory.ops
+    questions = (*QUESTIONS, "Anything else?")
+    for i, (before, after) in enumerate(pairwise(results), start=1):
+        assert before.tokens  # every generated token was fed, so every one is retained
+        assert after.metrics.cached_tokens == before.metrics.input_tokens + len(before.tokens)
+        block = query_prompt(ops.tokens, ops.encode, questions[i])[1:]  # no BOS: framing + text
+        assert after.metrics.input_tokens - after.metrics.cached_tokens == len(block)
+    on.check_integrity()
+    assert on.runtime.counters.retained_tokens > 0
+
+
+def test_without_retention_or_with_an_edited_reply_the_answer_is_recomputed(engines) -> None:
+    from kestrel import Engine
+
+    on, _ = engines
+    options = {"device": "cpu", "dtype": "float32", "kv_cache_pages": 3000}
+    with Engine(**options, model=str(fixture_dir()), retain_decoded=False) as plain:
+        kept = _turns(plain, SHAPES)
+        for before, after in pairwise(kept):  # the prompt hits, the answer does not
+            assert after.metrics.cached_tokens == before.metrics.input_tokens
+        assert plain.runtime.counters.retained_tokens == 0
+        assert_idle(plain)
+    edited = _turns(on, SHAPES, replies=[" edited", " also edited", " x", " y"], cache_salt="ed")
+    assert [r.tokens for r in edited[:1]] == [kept[0].tokens]
+    for before, after in pairwise(edited):  # correct, just not a hit through the answer
+        assert before.metrics.input_tokens <= after.metrics.cached_tokens
+        assert after.metrics.cached_tokens < before.metrics.input_tokens + len(before.tokens)
+
+
+def test_a_returned_reply_replays_its_generated_ids(engines) -> None:
+    """When re-tokenizing the returned text would spell it differently, the remembered ids
+    are used, so the next turn still hits through the answer."""
+    on, _ = engines
+    first = on.chat([_user("Spell it?", SHAPES)], settings=GREEDY, cache_salt="spell")
+    text, ops = first.content, on._factory.ops
+    respelled = tuple(i for ch in text for i in ops.encode(ch))  # one token per character
+    assert ops.decode(list(respelled)) == text and respelled != first.tokens
+    key = (None, "spell", on.prepare_image(SHAPES).digest)
+    assert on._replies.recall(key, text) == first.tokens
+    messages = [_user("Spell it?", SHAPES), first.message, _user("Again?")]
+    second = on.chat(messages, settings=GREEDY, cache_salt="spell")
+    assert second.metrics.cached_tokens == first.metrics.input_tokens + len(first.tokens)
+    on._replies.remember(key, text, respelled)  # a client's reply maps to other ids now
+    third = on.chat(messages, settings=GREEDY, cache_salt="spell")
+    assert third.metrics.input_tokens == (
+        second.metrics.input_tokens - len(first.tokens) + len(respelled)
+    )
+    assert third.metrics.cached_tokens == first.metrics.input_tokens  # a miss from the reply on
 
 
 def test_stream_equals_blocking_and_async_equals_sync(engines) -> None:

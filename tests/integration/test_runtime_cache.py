@@ -228,3 +228,60 @@ def test_from_pretrained_checkpoint_dir():
     assert logits.shape == (cfg.text.vocab_size,) and torch.isfinite(logits).all()
     rt.release_sequence(s)
     rt.check_integrity()
+
+
+def test_release_retains_the_decoded_tokens_under_the_prompt(make_runtime, model):
+    """The fed tokens' KV becomes cache-owned at release; a prompt continuing through them
+    hits, and its logits equal a cache-off runtime's prefill of the same ids."""
+    rt, off = make_runtime(), make_runtime(enable_prefix_cache=False)
+    tokens = query_prompt(model.config, [300, 301, 302])
+    state, logits = rt.start_sequence(tokens, max_new_tokens=5)
+    out = greedy(rt, state, logits, 5)  # feeds 4: the last sampled token is never fed
+    assert [t.token_id for t in state.fed] == out[:4]
+    rt.release_sequence(state)
+    assert rt.counters.retained_tokens == 4 and state.lease.retained == 4
+    assert state.cache_owned_page_count == len(tokens) + 4
+    answer = text_tokens(out[:4])
+    m = rt.prefix_cache.match_prefix([*tokens, *answer])
+    assert m.matched_kv_length == len(tokens) + 4
+    assert rt.prefix_cache.evictable_page_count() >= 4  # an unlocked leaf: evictable at once
+    conserved(rt)
+    follow = [*tokens, *answer, *text_tokens([303, 304])]
+    s2, hit = rt.start_sequence(follow, max_new_tokens=1)
+    s3, miss = off.start_sequence(follow, max_new_tokens=1)
+    assert s2.reused_page_count == len(tokens) + 4 and s3.reused_page_count == 0
+    torch.testing.assert_close(hit, miss, atol=ATOL, rtol=0)
+    rt.release_sequence(s2)
+    off.release_sequence(s3)
+    conserved(rt)
+
+
+def test_retention_stops_at_an_off_grid_coordinate_and_can_be_off(make_runtime, model):
+    from kestrel.tokens import CoordToken
+
+    bins = model.config.region.coord_bins
+    fed = [TextToken(310), CoordToken(0.123456, 126), TextToken(311)]
+    for retain, kept in ((True, 1), (False, 0)):
+        rt = make_runtime(retain_decoded=retain)
+        tokens = query_prompt(model.config, [305, 306])
+        state, _ = rt.start_sequence(tokens, max_new_tokens=4)
+        assert CoordToken(126 / bins, 126).pos != fed[1].pos  # off its bin's grid
+        for tok in fed:
+            rt.decode_step([state], [tok])
+        rt.release_sequence(state)
+        assert state.lease.retained == kept and rt.counters.retained_tokens == kept
+        m = rt.prefix_cache.match_prefix([*tokens, *fed])
+        assert m.matched_kv_length == len(tokens) + kept
+        conserved(rt)
+
+
+def test_check_integrity_catches_a_fed_record_out_of_step(make_runtime, model):
+    rt = make_runtime()
+    state, _ = rt.start_sequence(query_prompt(model.config, [307]), max_new_tokens=3)
+    rt.decode_step([state], [TextToken(308)])
+    rt.check_integrity()
+    state.fed.append(TextToken(309))  # a token recorded whose KV was never written
+    with pytest.raises(AssertionError, match="fed tokens"):
+        rt.check_integrity()
+    state.fed.pop()
+    rt.release_sequence(state)

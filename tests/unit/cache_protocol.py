@@ -105,6 +105,10 @@ class Prompt:
         toks.extend(TextToken(t) for t in self.text)
         return toks
 
+    def extended(self, fed: tuple[int, ...]) -> Prompt:
+        """This prompt followed by decoded tokens (what the next turn replays)."""
+        return Prompt(self.text + fed, self.image, self.lora)
+
     @property
     def namespace(self) -> CacheNamespace:
         return CacheNamespace(self.lora, self.image[0] if self.image else None)
@@ -135,6 +139,7 @@ class Seq:
     prompt: Prompt
     lease: CacheLease
     length: int = 0
+    fed: tuple[int, ...] = ()  # decoded token ids, one per position written after the prompt
 
     row = property(lambda self: self.lease.row)
     skip = property(lambda self: self.lease.skip)
@@ -199,20 +204,26 @@ class FakeRuntime:
         self.running[seq.row] = seq
         return seq
 
-    def decode(self, seq: Seq, n: int) -> None:
-        """Grow by ``n`` positions (reserve evicts on demand) and write them privately."""
-        new_len = seq.length + n
+    def decode(self, seq: Seq, fed: tuple[int, ...]) -> None:
+        """Feed ``fed`` (reserve evicts on demand), writing into private pages the KV a prefill
+        of the prompt followed by these tokens would write: what retention may share."""
+        new_len = seq.length + len(fed)
         self.pt.reserve(seq.row, new_len)
         row = self.pt.get_pages(seq.row, seq.length, new_len)
+        want = seq.prompt.extended(seq.fed + fed).contents()
         for pos, page in enumerate(row, start=seq.length):
             assert not self.cache.owns_page(page), "decode would write a shared page"
-            self.kv[page] = ("decode", id(seq), pos)
-        seq.length = new_len
+            self.kv[page] = want[pos]
+        seq.length, seq.fed = new_len, seq.fed + fed
 
-    def release(self, seq: Seq) -> None:
-        """``CacheLease.release``: one unlock, then erase with the cache-owned count."""
+    def release(self, seq: Seq, retain: bool = True, fail_at: str | None = None) -> None:
+        """``CacheLease.release``: retain the decoded tokens (unless ``retain`` is false), one
+        unlock, then erase with the cache-owned count. An injected failure (``"insert"``: the
+        retention's insert) must still release everything, then propagate."""
         del self.running[seq.row]
-        seq.lease.release()
+        inj = self.last_injector = Injector(fail_at)
+        with inj.patched(self.pt, self.cache):
+            seq.lease.release(text(*seq.fed) if retain else ())
 
 
 def all_nodes(cache: RadixPrefixCache) -> list[TreeNode]:
@@ -247,7 +258,7 @@ def check_all(rt: FakeRuntime) -> None:
         row = pt.page_table_cpu[seq.row]
         assert all(cache.owns_page(p) for p in row[: seq.cache_owned])
         assert not any(cache.owns_page(p) for p in row[seq.cache_owned :])
-        assert [rt.kv.get(p) for p in row[: seq.prompt.length]] == seq.prompt.contents()
+        assert [rt.kv.get(p) for p in row[: seq.length]] == seq.prompt.extended(seq.fed).contents()
     for node in all_nodes(cache):
         assert node.lock_ref == expected.get(id(node), 0), f"lock_ref of {node!r}"
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kestrel.kv.page_table import BatchSlotsExhausted, PagePoolExhausted, PageTable
-from kestrel.prefix_cache import RadixPrefixCache
+from kestrel.prefix_cache import RadixPrefixCache, TextToken
 
 from .cache_protocol import FAIL_POINTS, FakeRuntime, InjectedFailure, Prompt, check_all
 
@@ -107,24 +107,43 @@ class CacheProtocolMachine(RuleBasedStateMachine):
             assert not any(self.cache.owns_page(p) for p in row[b.skip :])
 
     @precondition(lambda self: self.rt.running)
-    @rule(data=st.data(), n=st.integers(1, 40))
-    def decode(self, data: st.DataObject, n: int) -> None:
+    @rule(data=st.data(), fed=st.lists(st.integers(1, 4), min_size=1, max_size=40))
+    def decode(self, data: st.DataObject, fed: list[int]) -> None:
         seq = data.draw(st.sampled_from(sorted(self.rt.running.values(), key=lambda s: s.row)))
-        new_len = seq.length + n
+        new_len = seq.length + len(fed)
         if new_len > self.pt.max_seq_len:
             return
         if self.pt.can_reserve_with_eviction(new_len, seq.row):
-            self.rt.decode(seq, n)
+            self.rt.decode(seq, tuple(fed))
         else:
             with pytest.raises(PagePoolExhausted):
-                self.rt.decode(seq, n)
+                self.rt.decode(seq, tuple(fed))
             self.rt.release(seq)  # the scheduler ends a sequence it cannot grow
 
     @precondition(lambda self: self.rt.running)
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), retain=st.booleans(), fail=st.sampled_from([None, None, "insert"]))
+    def release(self, data: st.DataObject, retain: bool, fail: str | None) -> None:
+        """Release, retaining the decoded tokens under the prompt (the next turn of a
+        conversation replays them: ``seen`` gets the extended prompt, whose reused KV
+        ``_prefill`` checks), or not; a failing retention must still release everything."""
         seq = data.draw(st.sampled_from(sorted(self.rt.running.values(), key=lambda s: s.row)))
-        self.rt.release(seq)
+        lease, extended = seq.lease, seq.prompt.extended(seq.fed)
+        node = lease.lock_node
+        taken = node is not None and any(
+            c.key == TextToken(f).key for c in node.children.values() for f in seq.fed[:1]
+        )  # another request's copy of this answer's first token is cached there already
+        eligible = retain and bool(seq.fed) and lease.can_retain() and not taken
+        try:
+            self.rt.release(seq, retain, fail)
+        except InjectedFailure:
+            assert eligible and fail == "insert" and lease.released
+            return
+        assert lease.released and lease.retained in (0, len(seq.fed))
+        assert bool(lease.retained) == eligible
+        if eligible:
+            m = self.cache.match_prefix(extended.cache_tokens(), extended.namespace)
+            assert m.matched_kv_length == extended.length  # the answer is a hit now
+            self.seen.append(extended)
 
     @rule(k=st.integers(0, 100))
     def evict(self, k: int) -> None:

@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from kestrel.engine.chat import MAX_IMAGES, parse_messages
+from kestrel.engine.replies import ReplyMemory
 from kestrel.errors import InvalidInputError
 from kestrel.skills import ChatSkill, ChatTurn, QuerySkill, Settings, chat_prompt
 from kestrel.tokens import TextToken
@@ -163,3 +164,37 @@ def test_the_image_limit_is_named() -> None:
     many = [{"role": "user", "content": [IMG, IMG, {"type": "text", "text": "q"}]}]
     with pytest.raises(InvalidInputError, match=f"at most {MAX_IMAGES} image"):
         parse_messages(many)
+
+
+def test_a_reply_with_ids_replays_them_instead_of_tokenizing() -> None:
+    ops = Script([])
+    spelled = chat_prompt(ops, [ChatTurn("q", "a red ball"), ChatTurn("why")])
+    replayed = chat_prompt(ops, [ChatTurn("q", "a red ball", (7, 8, 9)), ChatTurn("why")])
+    first = len(chat_prompt(ops, [ChatTurn("q")]))
+    reply = len(ops.encode("a red ball"))
+    assert _ids(replayed)[first : first + 3] == [7, 8, 9]
+    assert replayed[first + 3 :] == spelled[first + reply :]  # the next block is unchanged
+
+
+def test_reply_memory_is_bounded_per_namespace_and_over_namespaces() -> None:
+    memory = ReplyMemory(per_namespace=2, namespaces=2)
+    memory.remember("a", "one", [1])
+    memory.remember("a", "two", [2])
+    assert memory.recall("a", "one") == (1,)  # refreshed: "two" is now the oldest
+    memory.remember("a", "three", [3])
+    assert memory.recall("a", "two") is None and memory.recall("a", "three") == (3,)
+    assert memory.recall("b", "one") is None  # per namespace
+    memory.remember("b", "one", [4])
+    memory.remember("c", "one", [5])  # three namespaces: the least recent ("a") goes
+    assert memory.recall("a", "one") is None and memory.recall("b", "one") == (4,)
+    assert len(memory) == 2
+    memory.remember("c", "", [6])  # nothing to replay
+    memory.remember("c", "x", [])
+    assert memory.recall("c", "") is None and memory.recall("c", "x") is None
+    turns = memory.replay("c", [ChatTurn("q", "one"), ChatTurn("q", "two"), ChatTurn("r")])
+    assert [t.reply_ids for t in turns] == [(5,), None, None]
+    build = memory.recording("d", lambda *a: type("R", (), {"content": "z", "tokens": (9,)})())
+    build(object(), object())
+    assert memory.recall("d", "z") == (9,)
+    with pytest.raises(ValueError):
+        ReplyMemory(per_namespace=0)
