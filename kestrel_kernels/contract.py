@@ -14,13 +14,16 @@ softmax_scale)`` with
 Masking rule (right-aligned causal). Query ``i`` of row ``b`` (``Lb = seqused_q[b]``,
 ``K = seqused_k[b]``) sits at absolute position ``p = K - Lb + i`` and sees keys ``j <= p``. With
 ``bidir_regions[b] = (s, e)`` (``s >= e`` means none), a query with ``s <= p < e`` additionally sees
-every key ``j`` with ``s <= j < min(e, K)``. With ``causal=False`` every real query sees ``0..K-1``.
+every key ``j`` with ``s <= j < min(e, K)``. ``bidir_regions`` ``[B, R, 2]`` gives each row up to
+``R`` such regions (one per image of a multi-image prompt), in order and disjoint; unused ones are
+``(0, 0)``; each applies on its own. With ``causal=False`` every real query sees ``0..K-1``.
 The one rule serves full prefill (``Lq = K``), append prefill (cached prefix + new suffix in one
 call), decode (``Lq = 1``) and varlen batches.
 
 Segment decomposition (how a kernel without mask functions serves the rule): for one region
 ``(s, e)`` the queries of a row split into at most three runs -- before ``s`` (causal), inside
-``[s, e)`` (they see exactly keys ``[0, min(e, K))``, non-causally) and from ``e`` on (causal). Each
+``[s, e)`` (they see exactly keys ``[0, min(e, K))``, non-causally) and from ``e`` on (causal);
+``R`` regions give ``2R + 1`` runs, alternating. Each
 run is a varlen "sequence" whose right-aligned causal mask, with the right key length, is the rule
 above. ``build_segment_plan`` computes the runs on the device (no host syncs) and ``run_segmented``
 drives any varlen paged kernel over them: one causal call and, only with regions, one non-causal
@@ -29,6 +32,7 @@ call.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,6 +47,7 @@ __all__ = [
     "SegmentPlan",
     "VarlenPagedKernel",
     "build_segment_plan",
+    "regions_BR2",
     "run_segmented",
     "validate_attention_inputs",
     "validate_write_kv_inputs",
@@ -140,13 +145,32 @@ def validate_attention_inputs(
     _check_int_vector(page_table.reshape(-1), "page_table", (page_table.numel(),), q.device)
     _check_int_vector(seqused_k, "seqused_k", (batch,), q.device)
     _check_int_vector(seqused_q, "seqused_q", (batch,), q.device)
-    _check_int_vector(bidir_regions, "bidir_regions", (batch, 2), q.device)
+    several = isinstance(bidir_regions, Tensor) and bidir_regions.dim() == 3
+    want = (batch, max(1, bidir_regions.shape[1]), 2) if several else (batch, 2)
+    _check_int_vector(bidir_regions, "bidir_regions", want, q.device)
     shape = AttentionShape(
         batch, q_len, q_heads, kv_heads, head_dim, n_pages, int(page_table.shape[1])
     )
     if q.device.type == "cpu":
         _check_values(shape, page_table, seqused_k, seqused_q)
+        if several:
+            _check_regions(bidir_regions)
     return shape
+
+
+def regions_BR2(bidir_regions: Tensor | None) -> Tensor | None:
+    """``bidir_regions`` as ``[B, R, 2]`` (a ``[B, 2]`` tensor is one region per row)."""
+    if bidir_regions is None or bidir_regions.dim() == 3:
+        return bidir_regions
+    return bidir_regions[:, None, :]
+
+
+def _check_regions(regions_BR2: Tensor) -> None:
+    """Each row's non-empty regions are in order and disjoint (CPU only: a host read)."""
+    for b, row in enumerate(regions_BR2.tolist()):
+        spans = [(s, e) for s, e in row if s < e]
+        for (_, e0), (s1, _) in itertools.pairwise(spans):
+            _need(s1 >= e0, f"bidir_regions[{b}] must be in order and disjoint, got {row}")
 
 
 def _check_values(
@@ -253,17 +277,25 @@ def build_segment_plan(
         k_S = torch.stack(keys, 1).reshape(-1)
         causal_k, noncausal_k = (k_S, None) if causal else (None, k_S)
         return SegmentPlan(len(keys), cu, causal_k, noncausal_k, None, valid)
-    start, end = bidir_regions[:, 0], bidir_regions[:, 1]
     offset = k_len - q_used  # absolute position of query 0
-    has = start < end
-    a = torch.where(has, (start - offset).clamp(min=0).minimum(q_used), q_used)
-    c = torch.where(has, (end - offset).maximum(a).minimum(q_used), q_used)
-    cu = _cu_seqlens(torch.stack([zeros, a, c, q_used, full], 1))
-    # before: causal with keys up to its last query; inside: all of [0, min(e, K)); after: causal.
-    causal_k = torch.stack([offset + a, zeros, k_len, zeros], 1).reshape(-1)
-    noncausal_k = torch.stack([zeros, end.minimum(k_len), zeros, zeros], 1).reshape(-1)
-    inside = (rows >= a[:, None]) & (rows < c[:, None])
-    return SegmentPlan(4, cu, causal_k, noncausal_k, inside, valid)
+    regions = regions_BR2(bidir_regions)
+    cols, causal_runs, inside_runs = [zeros], [], []
+    inside = torch.zeros(k_len.shape[0], q_len, dtype=torch.bool, device=device)
+    for r in range(regions.shape[1]):
+        start, end, prev = regions[:, r, 0], regions[:, r, 1], cols[-1]
+        has = start < end
+        # the region's queries [a, c); regions are ordered, so a run never starts before the last
+        a = torch.where(has, (start - offset).clamp(min=0).minimum(q_used).maximum(prev), prev)
+        c = torch.where(has, (end - offset).maximum(a).minimum(q_used), a)
+        cols += [a, c]
+        # before it: causal with keys up to its last query; inside: all of [0, min(e, K)).
+        causal_runs += [offset + a, zeros]
+        inside_runs += [zeros, torch.where(c > a, end.minimum(k_len), zeros)]
+        inside |= (rows >= a[:, None]) & (rows < c[:, None])
+    cu = _cu_seqlens(torch.stack([*cols, q_used, full], 1))
+    causal_k = torch.stack([*causal_runs, k_len, zeros], 1).reshape(-1)  # after the last: causal
+    noncausal_k = torch.stack([*inside_runs, zeros, zeros], 1).reshape(-1)
+    return SegmentPlan(len(cols) + 1, cu, causal_k, noncausal_k, inside, valid)
 
 
 class VarlenPagedKernel(Protocol):

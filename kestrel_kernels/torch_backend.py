@@ -18,6 +18,7 @@ from kestrel_kernels.contract import (
     AttentionShape,
     SegmentPlan,
     build_segment_plan,
+    regions_BR2,
     run_segmented,
 )
 
@@ -67,11 +68,13 @@ def _mask_for_keys(
     key_ok = (j >= 0) & (j < k_len)
     visible = key_ok & (j <= pos) if causal else key_ok
     if causal and bidir_regions is not None:
-        start = bidir_regions[:, 0].long()[:, None, None]
-        end = bidir_regions[:, 1].long()[:, None, None]
-        in_region_q = (pos >= start) & (pos < end)
-        in_region_k = (j >= start) & (j < end)
-        visible = visible | (in_region_q & in_region_k & key_ok)
+        regions = regions_BR2(bidir_regions)
+        for r in range(regions.shape[1]):  # one bidirectional block per region (image)
+            start = regions[:, r, 0].long()[:, None, None]
+            end = regions[:, r, 1].long()[:, None, None]
+            in_region_q = (pos >= start) & (pos < end)
+            in_region_k = (j >= start) & (j < end)
+            visible = visible | (in_region_q & in_region_k & key_ok)
     real = (i < q_used).squeeze(-1)  # [B, Lq]
     first = torch.arange(j.shape[-1], device=device)[None, None, :] == 0
     visible = torch.where(real[:, :, None], visible, first)

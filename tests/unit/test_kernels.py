@@ -43,7 +43,7 @@ def make_case(
     hq: int = 4,
     hkv: int = 2,
     d: int = 16,
-    regions: list[tuple[int, int]] | None = None,
+    regions: list | None = None,  # one (s, e) per row, or a list of them per row
     dtype: torch.dtype = torch.float32,
     share_prefix: int = 0,
 ) -> Case:
@@ -85,10 +85,14 @@ def naive_attention(c: Case, causal: bool = True, scale: float | None = None) ->
         n_q = lq if c.seqused_q is None else int(c.seqused_q[b])
         pages = c.page_table[b, :k_len].long()
         keys, vals = c.k_cache[pages].double(), c.v_cache[pages].double()  # [K, Hkv, D]
-        s, e = (0, 0) if c.regions is None else (int(c.regions[b, 0]), int(c.regions[b, 1]))
+        spans = [] if c.regions is None else c.regions[b].reshape(-1, 2).tolist()
         for i in range(n_q):
             p = k_len - n_q + i
-            vis = [j for j in range(k_len) if not causal or j <= p or (s <= p < e and s <= j < e)]
+            vis = [
+                j
+                for j in range(k_len)
+                if not causal or j <= p or any(s <= p < e and s <= j < e for s, e in spans)
+            ]
             kh = keys[vis][:, heads]  # [n, Hq, D]
             vh = vals[vis][:, heads]
             scores = torch.einsum("hd,nhd->hn", c.q[b, i].double(), kh) * scale
@@ -139,6 +143,22 @@ CASES = {
     ),
     "varlen_regions": dict(
         k_lens=[15, 31, 9, 22], q_lens=[15, 6, 2, 0], regions=[(0, 6), (20, 29), (9, 3), (1, 2)]
+    ),
+    # several regions per row (one per image of a multi-image prompt), unused ones (0, 0)
+    "two_images_prefill": dict(
+        k_lens=[30, 26], q_lens=[30, 26], regions=[[(0, 8), (14, 22)], [(3, 9), (0, 0)]]
+    ),
+    "three_regions_append": dict(
+        k_lens=[40, 35, 12],
+        q_lens=[25, 6, 12],
+        regions=[
+            [(0, 5), (10, 18), (30, 37)],
+            [(0, 0), (0, 0), (28, 33)],
+            [(2, 4), (4, 9), (0, 0)],
+        ],
+    ),
+    "regions_and_shared_pages": dict(
+        k_lens=[34, 30], q_lens=[20, 9], regions=[[(0, 9), (20, 28)]] * 2, share_prefix=18
     ),
 }
 
@@ -240,9 +260,15 @@ def test_segment_decomposition_random(seed: int) -> None:
     k_lens = torch.randint(0, 40, (batch,), generator=g).tolist()
     q_lens = [int(torch.randint(0, k + 1, (1,), generator=g)) for k in k_lens]
     regions = []
-    for k in k_lens:
-        s = int(torch.randint(0, k + 5, (1,), generator=g))
-        regions.append((s, s + int(torch.randint(-3, 25, (1,), generator=g))))
+    n_regions = int(torch.randint(1, 4, (1,), generator=g))
+    for k in k_lens:  # n_regions ordered, disjoint spans per row (some empty)
+        row, s = [], 0
+        for _ in range(n_regions):
+            s += int(torch.randint(0, k // 2 + 3, (1,), generator=g))
+            e = s + int(torch.randint(-3, 14, (1,), generator=g))
+            row.append((s, e) if e > s else (0, 0))
+            s = max(s, e)
+        regions.append(row if n_regions > 1 else row[0])
     c = make_case(seed, k_lens, q_lens, q_len=max(q_lens) + 1, regions=regions, hq=4, hkv=2)
     ref = naive_attention(c)
     assert_close(run(c), ref)
@@ -255,10 +281,17 @@ def test_segment_plan_shape() -> None:
     regions = torch.tensor([[10, 16], [0, 0]], dtype=I32)
     plan = build_segment_plan(8, k, q_used, regions, causal=True)
     assert plan.segs_per_row == 4
-    # row 0: queries at 12..19; 12..15 inside (10, 16); row 1: no region, all causal.
-    assert plan.cu_seqlens_q.tolist() == [0, 0, 4, 8, 8, 11, 11, 11, 16]
-    assert plan.causal_k.tolist() == [12, 0, 20, 0, 9, 0, 9, 0]
+    # row 0: queries at 12..19; 12..15 inside (10, 16); row 1: no region, all in the last
+    # (causal) run; runs: before, inside, after, padding.
+    assert plan.cu_seqlens_q.tolist() == [0, 0, 4, 8, 8, 8, 8, 11, 16]
+    assert plan.causal_k.tolist() == [12, 0, 20, 0, 6, 0, 9, 0]
     assert plan.noncausal_k.tolist() == [0, 16, 0, 0, 0, 0, 0, 0]
+    two = torch.tensor([[[0, 3], [10, 16]], [[0, 0], [0, 0]]], dtype=I32)
+    plan = build_segment_plan(8, k, q_used, two, causal=True)
+    # row 0: queries 12..19: (0, 3) lies before them, (10, 16) as above; 2 regions: 6 runs
+    assert plan.segs_per_row == 6
+    assert plan.cu_seqlens_q.tolist() == [0, 0, 0, 0, 4, 8, 8, 8, 8, 8, 8, 11, 16]
+    assert plan.noncausal_k.tolist() == [0, 0, 0, 16, 0, 0] + [0] * 6
     simple = build_segment_plan(1, k, None, None, causal=True)
     assert simple.segs_per_row == 1 and simple.noncausal_k is None
     assert simple.cu_seqlens_q.tolist() == [0, 1, 2]
@@ -326,6 +359,11 @@ def _with(c: Case, **changes) -> dict:
         (lambda c: {"seqused_k": c.seqused_k.long()}, "seqused_k must be int32"),
         (lambda c: {"seqused_q": c.seqused_q[:1]}, "seqused_q must have shape"),
         (lambda c: {"bidir_regions": torch.zeros(2, 3, dtype=I32)}, "bidir_regions must"),
+        (lambda c: {"bidir_regions": torch.zeros(2, 2, 3, dtype=I32)}, "bidir_regions must"),
+        (
+            lambda c: {"bidir_regions": torch.tensor([[[4, 8], [2, 5]]] * 2, dtype=I32)},
+            "in order and disjoint",
+        ),
         (lambda c: {"seqused_q": torch.tensor([4, 2], dtype=I32)}, "only 3 keys"),
         (lambda c: {"seqused_k": torch.tensor([3, 99], dtype=I32)}, "outside [0, max_pages"),
         (lambda c: {"page_table": c.page_table + 1000}, "the cache has"),
