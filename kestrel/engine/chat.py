@@ -5,9 +5,10 @@ Messages are ``{"role": "system" | "developer" | "user" | "assistant", "content"
 "image_url", "image_url": {"url": "data:image/...;base64,..."}}`` or, from Python, ``{"type":
 "image", "image": <anything Engine.query accepts>}``. A leading system (or developer) message is
 folded into the first user turn's text; then user and assistant messages alternate, ending with
-the user turn to answer. Images only in user messages; this version serves at most
-:data:`MAX_IMAGES` image per conversation, in the first user turn (where the runtime places it,
-right after BOS). Everything is checked, and images decoded, on the caller's thread.
+the user turn to answer. Images only in user messages, at most :data:`MAX_IMAGES` per
+conversation (and as many as the model's context holds: 729 positions each for Moondream 2),
+in any user turn; each turn's go before its block. Everything is checked, and images decoded,
+on the caller's thread.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from kestrel.engine.replies import ReplyMemory
 from kestrel.engine.requests import Draft, salted
 from kestrel.engine.streams import TextStream
 from kestrel.errors import InvalidInputError
-from kestrel.images import PreparedImage, prepare_image
+from kestrel.images import PreparedImage, image_hash_int, prepare_image
 from kestrel.skills import ChatTurn
+from kestrel.tokens import ImageToken
 
 __all__ = ["MAX_IMAGES", "ChatCalls", "Conversation", "parse_messages"]
 
-MAX_IMAGES = 1
+MAX_IMAGES = 4
 _SYSTEM_ROLES = frozenset({"system", "developer"})
 _ROLES = _SYSTEM_ROLES | {"user", "assistant"}
 _UNSUPPORTED_KEYS = ("tool_calls", "tool_call_id", "function_call", "audio")
@@ -39,10 +41,24 @@ _Source = Callable[[], object]  # gives an image source, decoded only once count
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Conversation:
-    """Validated turns (the last awaits its reply) and the conversation's image, if any."""
+    """Validated turns (the last awaits its reply) and the conversation's images, each with
+    the index of the turn it belongs to, in order."""
 
     turns: tuple[ChatTurn, ...]
-    image: PreparedImage | None
+    images: tuple[tuple[int, PreparedImage], ...] = ()
+
+    @property
+    def image(self) -> PreparedImage | None:
+        """The first image (it keys the conversation's cache namespace), or None."""
+        return self.images[0][1] if self.images else None
+
+    def placed(self, image_tokens: int) -> tuple[ChatTurn, ...]:
+        """The turns with their images as cache tokens of ``image_tokens`` positions each."""
+        turns = list(self.turns)
+        for turn, image in self.images:
+            token = ImageToken(image_hash_int(image.digest), image_tokens)
+            turns[turn] = replace(turns[turn], images=(*turns[turn].images, token))
+        return tuple(turns)
 
 
 def _where(i: int, message: Mapping[str, Any]) -> str:
@@ -160,24 +176,15 @@ def parse_messages(
     turns, images = _turns(messages)
     if len(images) > MAX_IMAGES:
         raise InvalidInputError(
-            f"this server accepts at most {MAX_IMAGES} image per conversation, got {len(images)}"
+            f"this server accepts at most {MAX_IMAGES} images per conversation, got {len(images)}"
         )
-    image = None
-    if images:
-        turn, source = images[0]
-        if turn != 0:
-            raise InvalidInputError(
-                "the conversation's image must be in the first user message (images in later "
-                "turns are not supported yet)"
-            )
-        image = prepare(source())
-    return Conversation(tuple(turns), image)
+    return Conversation(tuple(turns), tuple((turn, prepare(src())) for turn, src in images))
 
 
 class ChatCalls:
     """Mixed into :class:`kestrel.Engine`: ``chat`` and ``submit_chat`` (``achat`` is with
     the other asyncio twins). Relies on the Engine's ``_check_open``, ``_factory``,
-    ``_adapter``, ``prepare_image``, ``_submit``, ``_stream`` and ``_replies``."""
+    ``_adapter``, ``prepare_image``, ``_submit``, ``_stream``, ``_replies`` and ``config``."""
 
     _check_open: Callable[[], None]
     _factory: Any
@@ -186,6 +193,7 @@ class ChatCalls:
     _submit: Callable[..., Future]
     _stream: Callable[..., Any]
     _replies: ReplyMemory
+    config: Any
 
     def submit_chat(
         self,
@@ -220,10 +228,11 @@ class ChatCalls:
         self._check_open()
         conversation = parse_messages(messages, self.prepare_image)
         lora = self._adapter(adapter)
-        image = conversation.image
+        first = conversation.image
         # the cache namespace's identity: replies are replayed only where they were retained
-        key = (getattr(lora, "lora_id", None), cache_salt, image.digest if image else None)
-        turns = self._replies.replay(key, conversation.turns)
-        draft = self._factory.chat(turns, image, settings, lora, reasoning=reasoning)
+        key = (getattr(lora, "lora_id", None), cache_salt, first.digest if first else None)
+        turns = self._replies.replay(key, conversation.placed(self.config.image_tokens))
+        images = tuple(image for _, image in conversation.images) or None
+        draft = self._factory.chat(turns, images, settings, lora, reasoning=reasoning)
         draft = replace(draft, build_result=self._replies.recording(key, draft.build_result))
         return salted(draft, cache_salt)

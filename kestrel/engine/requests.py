@@ -37,6 +37,7 @@ from kestrel.skills import (
     family_settings,
     parse_settings,
 )
+from kestrel.tokens import kv_length
 
 __all__ = ["Draft", "RequestFactory", "salted"]
 
@@ -149,7 +150,7 @@ class RequestFactory:
     def chat(
         self,
         turns: Sequence[ChatTurn],
-        image: PreparedImage | None,
+        images: tuple[PreparedImage, ...] | None,
         settings: object,
         adapter: Any,
         *,
@@ -159,7 +160,7 @@ class RequestFactory:
         skill = ChatSkill(
             self.ops, turns, parse_settings(settings, self.defaults), reasoning=bool(reasoning)
         )
-        return self._draft(skill, image, adapter, _chat_result)
+        return self._draft(skill, images, adapter, _chat_result)
 
     def caption(self, image: PreparedImage | None, length: object, settings, adapter) -> Draft:
         if image is None:
@@ -183,10 +184,12 @@ class RequestFactory:
         skill = DetectSkill(self.ops, obj, max_objects)
         return self._draft(skill, image, adapter, _detect_result)
 
-    def _draft(
-        self, skill: Skill, image: PreparedImage | None, adapter: Any, build: BuildResult
-    ) -> Draft:
-        positions = len(skill.prompt) + (self.config.image_tokens if image is not None else 0)
+    def _draft(self, skill: Skill, image: Any, adapter: Any, build: BuildResult) -> Draft:
+        """``image``: None, one image (placed after BOS), or a tuple of the images the prompt
+        places itself (``ImageToken``s)."""
+        positions = kv_length(skill.prompt)
+        if isinstance(image, PreparedImage):
+            positions += self.config.image_tokens
         room = self.config.text.max_context - positions
         if room < 1:
             raise PromptTooLongError(

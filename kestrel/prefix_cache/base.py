@@ -33,8 +33,8 @@ The runtime protocol (one request; design.md 3.4, seed ``start_sequence``)
 
     ``CacheLease.prepare`` (steps 1-5)
     1. ``m = match_prefix(cache_tokens, ns)`` (may split a node; never creates a namespace).
-    2. ``skip = min(m.matched_kv_length, prompt_len - 1)``: on a full-prompt hit the last
-       position is recomputed into a private page to get logits.
+    2. ``skip = m.matched_kv_length``; on a full-prompt hit the last cache token (one
+       position, or a whole image block) is recomputed into private pages to get logits.
     3. Allocate a batch row, ``map_pages(row, 0, m.matched_pages[:skip])``.
     4. Temporary lock: ``lock(m.last_node)`` (none on a miss, where it is ``None``).
     5. ``reserve(row, target_len)``: private pages for the suffix and the decode budget

@@ -56,7 +56,8 @@ class CacheLease:
     """A batch row, its pages and its one cache lock, from match to release.
 
     ``row``: the batch row. ``match``: what ``prepare`` matched. ``skip``: reused cached
-    positions (``min(matched, prompt_length - 1)``). ``cache_owned``: the row's leading
+    positions (``matched``; on a full-prompt hit, back one cache token: one position after text,
+    the whole block when the prompt ends in an image). ``cache_owned``: the row's leading
     cache-owned pages (``skip``, then ``skip + inserted`` after commit). ``inserted``: pages
     the commit's insert claimed, ``None`` when nothing was inserted (full-prompt hit, cache
     off). ``locks``: the nodes this lease holds a lock on (one once committed, with the cache
@@ -143,7 +144,9 @@ class CacheLease:
         m = self.match
         self.row = pt.allocate()
         if m.matched_kv_length:
-            skip = min(m.matched_kv_length, self.prompt_length - 1)
+            skip = m.matched_kv_length
+            if skip >= self.prompt_length:  # a full-prompt hit recomputes its last cache token
+                skip = self.prompt_length - self.tokens[-1].kv_length()  # (an image: all of it)
             if skip < min_hit:
                 raise LeaseError(
                     f"prefix-cache invariant violated: a hit covers {m.matched_kv_length} "

@@ -34,15 +34,16 @@ class PrefillItem:
     """One sequence's share of a batched prefill.
 
     ``x_TC``: embeddings of positions ``skip .. prompt_length - 1``; ``row``: its batch row in
-    the page table; ``bidir_end``: end of the BOS + image bidirectional block when some query
-    lies inside it (0 = none); ``adapter``: its LoRA adapter or None.
+    the page table; ``regions``: the ``(start, end)`` bidirectional block of each image some of
+    whose queries are computed (BOS joins a first image's block); ``adapter``: its LoRA
+    adapter or None.
     """
 
     x_TC: Tensor
     row: int
     skip: int
     prompt_length: int
-    bidir_end: int = 0
+    regions: tuple[tuple[int, int], ...] = ()
     adapter: LoraAdapter | None = None
 
     @property
@@ -109,11 +110,7 @@ def _forward(
     pages_BK = page_table_RP.index_select(0, rows_B)[:, :max_k]
     slots_BT = pages_BK.gather(1, torch.where(real_BT, positions_BT, 0)).to(torch.long)
     slots = torch.where(real_BT, slots_BT, -1).reshape(-1)
-    bidir = None
-    if any(it.bidir_end for it in items):
-        bidir = torch.tensor(
-            [[0, it.bidir_end] for it in items], dtype=torch.int32, device=dev
-        )  # (0, 0) = no region for that row
+    bidir = _regions(items, dev)
     adapters = [it.adapter for it in items]
     hidden_BTC = text_forward(
         x_BTC,
@@ -130,3 +127,13 @@ def _forward(
         backend=backend,
     )
     return hidden_BTC[torch.arange(B, device=dev), n_B - 1]
+
+
+def _regions(items: Sequence[PrefillItem], dev: torch.device) -> Tensor | None:
+    """int32 ``[B, 2]`` (at most one block per row) or ``[B, R, 2]``; ``(0, 0)`` = none."""
+    most = max(len(it.regions) for it in items)
+    if most == 0:
+        return None
+    rows = [list(it.regions) + [(0, 0)] * (most - len(it.regions)) for it in items]
+    out = torch.tensor(rows, dtype=torch.int32, device=dev)
+    return out[:, 0] if most == 1 else out

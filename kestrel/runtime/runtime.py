@@ -8,8 +8,9 @@ Life of a sequence (design.md 3.4). The cache protocol itself is written once, i
 steps:
 
 1. ``prepare_sequence`` (no model work): cache tokens ``[BOS, ImageToken(hash, image_tokens),
-   text...]`` in the namespace ``(adapter id, image hash, salt)``; the lease matches the
-   longest cached prefix, maps ``skip = min(matched, prompt_len - 1)`` reused pages into a
+   text...]`` (or wherever the prompt places its images, one ``ImageToken`` each) in the
+   namespace ``(adapter id, first image's hash, salt)``; the lease matches the longest cached
+   prefix, maps ``skip = matched`` reused pages (a full-prompt hit: back one cache token) into a
    fresh row, locks them and reserves private pages for the suffix and the decode budget
    (evicting unlocked cache entries on demand). At least one prompt position is always
    computed, into a private page, so a full-prompt hit still yields logits and never writes a
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.images import PreparedImage, image_hash_int, prepare_image
+from kestrel.images import PreparedImage, image_hash_int
 from kestrel.kv.page_table import PagedKVCache, PageTable
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
@@ -54,6 +55,7 @@ from kestrel.moondream.vision import encode_image
 from kestrel.moondream.weights import resolve_checkpoint
 from kestrel.prefix_cache.lease import CacheLease, LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace
+from kestrel.prefix_cache.node import token_kv_length
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
 from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
@@ -66,8 +68,11 @@ from kestrel.runtime.sequence import (
     build_cache_tokens,
     cacheable_prefix,
     check_request,
+    image_regions,
+    prepared_images,
     validate_image_regions,
 )
+from kestrel.tokens import ImageToken
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
 
@@ -194,20 +199,20 @@ class MoondreamRuntime:
 
         Same arguments as ``start_sequence``. Follow with ``prefill_sequence`` and
         ``commit_sequence``, or ``abort_sequence`` on failure."""
-        check_request(self.config, tokens, image is not None, max_new_tokens)
-        if image is not None and not isinstance(image, PreparedImage):
-            image = prepare_image(image)  # decoded and hashed once; the engine passes it so
+        images = prepared_images(image)
+        check_request(self.config, tokens, len(images), max_new_tokens)
         cfg = self.config
-        image_kv = cfg.image_tokens if image is not None else 0
-        hash_int = image_hash_int(image.digest) if image is not None else None
-        namespace = CacheNamespace(adapter.lora_id if adapter else None, hash_int, cache_salt)
-        cache_tokens = build_cache_tokens(tokens, hash_int, image_kv)
-        image_regions = [(1, 1 + image_kv)] if image is not None else []
-        validate_image_regions(image_regions, cfg)
+        hashes = [image_hash_int(im.digest) for im in images]
+        # the namespace is keyed by the conversation's first image (or none)
+        first = hashes[0] if hashes else None
+        namespace = CacheNamespace(adapter.lora_id if adapter else None, first, cache_salt)
+        cache_tokens = build_cache_tokens(tokens, hashes, cfg.image_tokens)
+        regions = image_regions(cache_tokens)
+        validate_image_regions(regions, cfg)
         cacheable = cache_tokens[
             : cacheable_prefix(cache_tokens, cfg.region.coord_bins, cfg.region.size_bins)
         ]
-        prompt_len = len(tokens) + image_kv
+        prompt_len = token_kv_length(cache_tokens)
         lease = CacheLease.prepare(
             self.page_table,
             self.prefix_cache if self.enable_prefix_cache else None,
@@ -215,16 +220,16 @@ class MoondreamRuntime:
             namespace,
             prompt_length=prompt_len,
             max_length=prompt_len + max_new_tokens,
-            min_hit=cfg.prefix_len if image is not None else 0,
+            min_hit=regions[0][1] if regions and regions[0][0] == 0 else 0,  # BOS + image
         )
         return SequenceState(
             lease=lease,
             namespace=namespace,
             adapter=adapter,
-            image_regions=image_regions,
+            image_regions=regions,
             cache_tokens=cache_tokens,
             prompt=tuple(tokens),
-            image=image,
+            images=images,
         )
 
     def prefill_sequence(self, state: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +260,7 @@ class MoondreamRuntime:
         state.lease.commit()
         state.last_hidden = hidden_C
         state.length = state.prompt_length
-        state.prompt, state.image = (), None
+        state.prompt, state.images = (), ()
         self._active[state.batch_idx] = state
         self._count(state)
 
@@ -263,7 +268,7 @@ class MoondreamRuntime:
         """Give back everything a prepared (or failed) sequence holds; a no-op if it has."""
         state.lease.abort()
         state.released = True
-        state.prompt, state.image = (), None
+        state.prompt, state.images = (), ()
 
     def start_sequence(
         self,
@@ -276,9 +281,11 @@ class MoondreamRuntime:
     ) -> tuple[SequenceState, torch.Tensor]:
         """Prefill a prompt (reusing its cached prefix) and return its state and last logits [V].
 
-        ``tokens`` starts with ``TextToken(bos_id)``; for an image prompt the image's KV block is
-        placed right after BOS. ``image`` is a :class:`~kestrel.images.PreparedImage` (pixels
-        and their digest), or anything ``prepare_image`` takes. ``cache_salt`` puts the prompt
+        ``tokens`` starts with ``TextToken(bos_id)``; one ``image`` is placed right after BOS,
+        unless ``tokens`` places its images itself (an ``ImageToken`` per image, in the order of
+        ``image``, then a tuple; a conversation's later turns). Images are
+        :class:`~kestrel.images.PreparedImage` (pixels and their digest), or anything
+        ``prepare_image`` takes. ``cache_salt`` puts the prompt
         in a namespace of its own (tenant isolation).
         Prepare, prefill and commit in one call.
         """
@@ -366,28 +373,29 @@ class MoondreamRuntime:
 
     def _prefill_item(self, state: SequenceState) -> PrefillItem:
         """The embeddings of a prepared sequence's uncached positions (running the vision
-        encoder on a miss of an image prompt), ready for ``prefill_batch``."""
-        cfg, tokens, image, skip = self.config, state.prompt, state.image, state.reused_page_count
-        has_image = image is not None
-        if skip == 0:
-            parts = [embed_tokens([tokens[0]], self.model)]
-            if has_image:
+        encoder on each image among them), ready for ``prefill_batch``. ``skip`` falls on a
+        cache-token boundary (a match ends on one; the backoff steps back a whole token)."""
+        skip, parts, text, pos = state.reused_page_count, [], [], 0
+        images = iter(state.images)
+        for tok in state.cache_tokens:
+            image = next(images) if isinstance(tok, ImageToken) else None
+            if pos >= skip and image is None:
+                text.append(tok)
+            elif pos >= skip:
+                parts += [embed_tokens(text, self.model)] if text else []
                 parts.append(self._encode_image(image).to(self.dtype))
-                state.vision_encoded = True
-            parts.append(embed_tokens(list(tokens[1:]), self.model))
-            x_TC = torch.cat([p for p in parts if p.shape[0] > 0], dim=0)
-        else:
-            # Tokens before the suffix are cached. With an image the KV layout is
-            # [BOS][image block][text...]: cached text = skip - prefix_len.
-            first = 1 + (skip - cfg.prefix_len) if has_image else skip
-            x_TC = embed_tokens(list(tokens[first:]), self.model)
+                text, state.vision_encoded = [], True
+            elif pos + tok.kv_length() > skip:
+                raise SequenceError(f"reused positions ({skip}) end inside a cache token")
+            pos += tok.kv_length()
+        parts += [embed_tokens(text, self.model)] if text else []
         return PrefillItem(
-            x_TC=x_TC,
+            x_TC=torch.cat(parts, dim=0) if len(parts) > 1 else parts[0],
             row=state.batch_idx,
             skip=skip,
             prompt_length=state.prompt_length,
-            # a hit's queries all follow the image block; a miss's BOS + image attend both ways
-            bidir_end=cfg.prefix_len if has_image and skip < cfg.prefix_len else 0,
+            # a block attends both ways only where some of its queries are computed
+            regions=tuple(r for r in state.image_regions if r[1] > skip),
             adapter=state.adapter,
         )
 

@@ -10,14 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kestrel.images import PreparedImage, prepare_image
 from kestrel.prefix_cache.lease import LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace
-from kestrel.tokens import CoordToken, ImageToken, SizeToken, TextToken
+from kestrel.tokens import IMAGE_TAG, CoordToken, ImageToken, SizeToken, TextToken
 
 if TYPE_CHECKING:
     import torch
 
-    from kestrel.images import PreparedImage
     from kestrel.moondream.config import MoondreamConfig
     from kestrel.moondream.lora import LoraAdapter
     from kestrel.prefix_cache.lease import CacheLease
@@ -30,6 +30,8 @@ __all__ = [
     "build_cache_tokens",
     "cacheable_prefix",
     "check_request",
+    "image_regions",
+    "prepared_images",
     "validate_image_regions",
 ]
 
@@ -49,7 +51,7 @@ class SequenceState:
     belong to the cache tree (``reused_page_count`` of them were reused at start, the rest were
     inserted by this sequence); every page after them is private to this row and is freed by
     ``release_sequence``. The sequence holds exactly one lock, on ``cache_lock_node`` (None
-    when the cache is off). ``prompt`` and ``image`` are kept only until the prefill.
+    when the cache is off). ``prompt`` and ``images`` are kept only until the prefill.
     ``fed`` lists the tokens fed by ``decode_step``, one per KV position written after the
     prompt (``len(fed) == length - prompt_length``); the release may retain them in the cache.
     """
@@ -62,7 +64,7 @@ class SequenceState:
     image_regions: list[tuple[int, int]] = field(default_factory=list)
     cache_tokens: list = field(default_factory=list)
     prompt: tuple[PromptToken, ...] = ()
-    image: PreparedImage | None = None
+    images: tuple[PreparedImage, ...] = ()
     fed: list[PromptToken] = field(default_factory=list)
     vision_encoded: bool = False
     released: bool = False
@@ -119,22 +121,57 @@ class SequenceState:
         return self.max_length - self.length
 
 
+def prepared_images(image: object) -> tuple[PreparedImage, ...]:
+    """``image`` (None, one image or a tuple of them) as prepared images: decoded and hashed
+    once (the engine passes them prepared)."""
+    if image is None:
+        return ()
+    items = image if isinstance(image, tuple) else (image,)
+    return tuple(im if isinstance(im, PreparedImage) else prepare_image(im) for im in items)
+
+
 def validate_image_regions(regions: Sequence[tuple[int, int]], config: MoondreamConfig) -> None:
-    """Single-image mode: regions are ``[]`` or exactly ``[(1, prefix_len)]``."""
-    if not regions:
-        return
-    expected = (1, config.prefix_len)
-    if len(regions) != 1 or tuple(regions[0]) != expected:
-        raise SequenceError(
-            f"image_regions must be [] or [{expected}] (one image per prompt), got {list(regions)}"
-        )
+    """Image blocks: in order, disjoint, each ``image_tokens`` positions; only the first may
+    start at 0 (BOS joins the block of an image that directly follows it)."""
+    n, prev = config.image_tokens, 0
+    for i, (start, end) in enumerate(regions):
+        bos = start == 0 and i == 0
+        if start < prev or end - start != n + int(bos) or (start == 0 and not bos):
+            raise SequenceError(
+                f"image_regions must be ordered, disjoint blocks of {n} positions (BOS joins "
+                f"a first image right after it), got {list(regions)}"
+            )
+        prev = end
 
 
-def build_cache_tokens(tokens: Sequence[PromptToken], image_hash: int | None, image_tokens: int):
-    """``[BOS, ImageToken(hash, image_tokens), text...]`` (no ImageToken for text-only)."""
+def image_regions(cache_tokens: Sequence) -> list[tuple[int, int]]:
+    """The bidirectional block ``(start, end)`` of each image, in KV positions; an image right
+    after BOS takes BOS into its block (``(0, 1 + n)``), as Moondream was trained."""
+    out, pos = [], 0
+    for tok in cache_tokens:
+        n = tok.kv_length()
+        if isinstance(tok, ImageToken):
+            out.append((0, pos + n) if pos == 1 else (pos, pos + n))
+        pos += n
+    return out
+
+
+def build_cache_tokens(tokens: Sequence, image_hashes: Sequence[int], image_tokens: int) -> list:
+    """The prompt's cache tokens. A prompt that places its images itself (``ImageToken``s in
+    ``tokens``, one per image, in order) is its own; otherwise its one image goes right after
+    BOS: ``[BOS, ImageToken(hash, image_tokens), text...]`` (nothing for text-only)."""
+    placed = [t for t in tokens if isinstance(t, ImageToken)]
+    if placed:
+        if [t.key for t in placed] != [(IMAGE_TAG, h, image_tokens) for h in image_hashes]:
+            raise SequenceError(
+                f"the prompt places {len(placed)} image(s) that are not the {len(image_hashes)} "
+                f"given ({image_tokens} positions each, in order)"
+            )
+        return list(tokens)
     out: list = [tokens[0]]
-    if image_hash is not None:
-        out.append(ImageToken(image_hash, image_tokens))
+    if len(image_hashes) > 1:
+        raise SequenceError("a prompt with several images must place them (ImageToken)")
+    out.extend(ImageToken(h, image_tokens) for h in image_hashes)
     out.extend(tokens[1:])
     return out
 
@@ -170,11 +207,12 @@ def cacheable_prefix(cache_tokens: Sequence, coord_bins: int, size_bins: int) ->
 
 def check_request(
     config: MoondreamConfig,
-    tokens: Sequence[PromptToken],
-    has_image: bool,
+    tokens: Sequence[PromptToken | ImageToken],
+    n_images: int,
     max_new_tokens: int,
 ) -> None:
-    """Validate a ``start_sequence`` request (before anything is decoded or taken)."""
+    """Validate a ``start_sequence`` request (before anything is decoded or taken): ``tokens``
+    may place its ``n_images`` images itself (``ImageToken``s), else one goes after BOS."""
     if not tokens or not isinstance(tokens[0], TextToken):
         raise SequenceError("a prompt must start with TextToken(bos_id)")
     if tokens[0].token_id != config.tokenizer.bos_id:
@@ -182,17 +220,20 @@ def check_request(
             f"a prompt must start with BOS ({config.tokenizer.bos_id}), got {tokens[0]!r}"
         )
     for t in tokens:
-        if not isinstance(t, PromptToken):
-            raise SequenceError(f"prompt tokens must be Text/Coord/Size tokens, got {t!r}")
+        if not isinstance(t, PromptToken | ImageToken):
+            raise SequenceError(f"prompt tokens must be Text/Coord/Size/Image tokens, got {t!r}")
         if isinstance(t, TextToken) and t.token_id >= config.text.vocab_size:
             raise SequenceError(f"token id {t.token_id} >= vocab size {config.text.vocab_size}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise SequenceError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise SequenceError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if has_image and len(tokens) < 2:
+    placed = sum(isinstance(t, ImageToken) for t in tokens)
+    if placed not in (0, n_images) or (not placed and n_images > 1):
+        raise SequenceError(f"the prompt places {placed} images but {n_images} were given")
+    if n_images and len(tokens) - placed < 2:
         raise SequenceError("an image prompt needs at least one token after BOS")
-    prompt = len(tokens) + (config.image_tokens if has_image else 0)
+    prompt = len(tokens) - placed + config.image_tokens * n_images
     if prompt + max_new_tokens > config.text.max_context:
         raise SequenceError(
             f"prompt ({prompt} positions) + max_new_tokens ({max_new_tokens}) exceeds the "

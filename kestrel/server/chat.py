@@ -99,7 +99,7 @@ def _decoded(messages: list[Any], max_pixels: int, exif_orientation: bool) -> li
     """``messages`` with each user image_url part decoded into a PreparedImage."""
     parts = _image_parts(messages)
     if len(parts) > MAX_IMAGES:
-        raise _invalid(f"at most {MAX_IMAGES} image per conversation, got {len(parts)}")
+        raise _invalid(f"at most {MAX_IMAGES} images per conversation, got {len(parts)}")
     decoded: dict[int, Any] = {}
     for part in parts:
         value = part.get("image_url")

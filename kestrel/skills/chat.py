@@ -8,11 +8,12 @@ user turn (the query template's pieces, see :mod:`kestrel.skills.prompts`)::
           ...
           prefix + user_n + [answer, answer]          (or [answer, thinking] when reasoning)
 
-A one-turn conversation is exactly the query prompt, and turn n+1's prompt starts with turn
-n's prompt followed by its reply (the generated ids when the engine remembers them), so the
-prefix cache, which retains each answer, hits through every earlier turn. The
-image (at most one, in the first turn) is placed by the runtime right after BOS, as for a
-query. Decoding is the query skill's, reasoning and grounding included.
+Each user turn's images (``ImageToken``s, one 729-position block each) come first in its
+block; the first turn's follow BOS, as for a query. A one-turn conversation is exactly the
+query prompt, and turn n+1's prompt starts with turn n's prompt followed by its reply (the
+generated ids when the engine remembers them), so the prefix cache, which retains each answer,
+hits through every earlier turn. Decoding is the query skill's, reasoning and grounding
+included.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kestrel.skills.base import PromptToken, SkillOps
 from kestrel.skills.prompts import PromptError, query_prompt
 from kestrel.skills.settings import Settings
 from kestrel.skills.text import QuerySkill
-from kestrel.tokens import TextToken
+from kestrel.tokens import ImageToken, TextToken
 
 __all__ = ["ChatSkill", "ChatTurn", "chat_prompt"]
 
@@ -38,6 +39,7 @@ class ChatTurn:
     user: str
     reply: str | None = None
     reply_ids: tuple[int, ...] | None = None
+    images: tuple[ImageToken, ...] = ()  # the user message's images, placed before its block
 
 
 def chat_prompt(
@@ -52,7 +54,7 @@ def chat_prompt(
     for i, turn in enumerate(turns):
         last = i == len(turns) - 1
         block = query_prompt(ops.tokens, ops.encode, turn.user, reasoning=last and reasoning)
-        out.extend(block if i == 0 else block[1:])  # BOS opens the conversation only
+        out.extend([*block[:1], *turn.images, *block[1:]] if i == 0 else [*turn.images, *block[1:]])
         if turn.reply:
             ids = turn.reply_ids if turn.reply_ids is not None else ops.encode(turn.reply)
             out.extend(TextToken(t) for t in ids)

@@ -9,12 +9,14 @@ from itertools import pairwise
 
 import pytest
 
+from kestrel.engine.chat import MAX_IMAGES
 from kestrel.errors import InvalidInputError, PromptTooLongError
 from kestrel.skills.prompts import query_prompt
 from tests.conftest import fixture_dir
 from tests.integration.conftest import GREEDY, assert_idle
 
 SHAPES = (fixture_dir() / "images" / "shapes_378.png").read_bytes()
+SCENE = (fixture_dir() / "images" / "scene_800x600.png").read_bytes()
 QUESTIONS = ("What is in the picture?", "Which colour is it?", "How many are there?")
 
 
@@ -156,6 +158,40 @@ def test_a_returned_reply_replays_its_generated_ids(engines) -> None:
     assert third.metrics.cached_tokens == first.metrics.input_tokens  # a miss from the reply on
 
 
+def test_four_turns_over_two_images_compute_only_each_new_block(engines) -> None:
+    """Turn 1 shows one image, turn 3 a second: every later turn's uncached positions are its
+    new user block and, in turn 3, the new image's block; never the previous answer. Greedy
+    answers equal a cache-off engine's; the namespace is the first image's."""
+    on, off = engines
+    ops, n = on._factory.ops, on.config.image_tokens
+    questions = ("What is it?", "Which colour?", "And this one?", "Which is bigger?")
+    images = {0: SHAPES, 2: SCENE}
+
+    def converse(engine, **kw) -> list:
+        messages, out = [], []
+        for i, q in enumerate(questions):
+            messages.append(_user(q, images.get(i)))
+            out.append(engine.chat(messages, settings=GREEDY, **kw))
+            messages.append(out[-1].message)
+        return out
+
+    encodes = on.runtime.counters.vision_encodes
+    results, baseline = converse(on, cache_salt="two-images"), converse(off)
+    assert on.runtime.counters.vision_encodes - encodes == 2  # each image once, in its turn
+    assert [r.tokens for r in results] == [r.tokens for r in baseline]
+    assert results[0].metrics.input_tokens == n + len(
+        query_prompt(ops.tokens, ops.encode, questions[0])
+    )
+    for i, (before, after) in enumerate(pairwise(results), start=1):
+        assert after.metrics.cached_tokens == before.metrics.input_tokens + len(before.tokens)
+        block = len(query_prompt(ops.tokens, ops.encode, questions[i])) - 1 + (n if i == 2 else 0)
+        assert after.metrics.input_tokens - after.metrics.cached_tokens == block
+    # a conversation starting from the same first image shares turn 1 (same namespace)
+    again = on.chat([_user(questions[0], SHAPES)], settings=GREEDY, cache_salt="two-images")
+    assert again.metrics.cached_tokens == again.metrics.input_tokens - 1
+    on.check_integrity()
+
+
 def test_stream_equals_blocking_and_async_equals_sync(engines) -> None:
     on, _ = engines
     messages = [
@@ -180,18 +216,19 @@ def test_stream_equals_blocking_and_async_equals_sync(engines) -> None:
 def test_bad_conversations_fail_on_the_callers_thread(engines) -> None:
     on, _ = engines
     before = on.stats().requests_failed
-    with pytest.raises(InvalidInputError, match="at most 1 image"):
+    with pytest.raises(InvalidInputError, match=f"at most {MAX_IMAGES} images"):
         on.chat(
             [
                 {
                     "role": "user",
-                    "content": [{"type": "image", "image": SHAPES}] * 2
+                    "content": [{"type": "image", "image": SHAPES}] * (MAX_IMAGES + 1)
                     + [{"type": "text", "text": "q"}],
                 }
             ]
         )
-    with pytest.raises(InvalidInputError, match="first user message"):
-        on.chat([_user("a"), {"role": "assistant", "content": "b"}, _user("c", SHAPES)])
+    with pytest.raises(PromptTooLongError):  # three 729-position images overflow 2,048
+        on.chat([_user("a", SHAPES), {"role": "assistant", "content": "b"}, _user("c", SCENE),
+                 {"role": "assistant", "content": "d"}, _user("e", SHAPES)])  # fmt: skip
     with pytest.raises(PromptTooLongError):
         on.chat(
             [_user("word " * 600), {"role": "assistant", "content": "word " * 600}, _user("more?")]

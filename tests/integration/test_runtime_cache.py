@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.images import prepare_image
+from kestrel.runtime.runtime import MoondreamRuntime, SequenceError
 from kestrel.tokens import TextToken
 from tests.integration.conftest import text_tokens
 
@@ -285,3 +286,65 @@ def test_check_integrity_catches_a_fed_record_out_of_step(make_runtime, model):
         rt.check_integrity()
     state.fed.pop()
     rt.release_sequence(state)
+
+
+def _placed(cfg, img, *ids) -> list:
+    """A prompt that places ``img`` itself after its text (as a later chat turn does)."""
+    from kestrel.images import image_hash_int
+    from kestrel.tokens import ImageToken
+
+    token = ImageToken(image_hash_int(img.digest), cfg.image_tokens)
+    return [*query_prompt(cfg, list(ids)), token]
+
+
+def test_a_full_hit_of_a_prompt_ending_in_an_image_recomputes_the_whole_block(
+    make_runtime, model, images
+):
+    """The full-prompt backoff steps back one cache token: a whole image block, never into
+    it; its logits equal the miss's and a cache-off runtime's."""
+    rt, off = make_runtime(), make_runtime(enable_prefix_cache=False)
+    cfg, img = model.config, prepare_image(images["shapes_378"])
+    prompt = _placed(cfg, img, 320, 321)
+    s1, miss = rt.start_sequence(prompt, (img,), max_new_tokens=2)
+    assert s1.image_regions == [(len(prompt) - 1, len(prompt) - 1 + cfg.image_tokens)]
+    rt.release_sequence(s1)
+    s2, hit = rt.start_sequence(prompt, (img,), max_new_tokens=2)
+    assert s2.reused_page_count == len(prompt) - 1 and s2.vision_encoded
+    s3, ref = off.start_sequence(prompt, (img,), max_new_tokens=2)
+    torch.testing.assert_close(hit, miss, atol=ATOL, rtol=0)
+    torch.testing.assert_close(hit, ref, atol=ATOL, rtol=0)
+    for rt_, s in ((rt, s2), (off, s3)):
+        rt_.release_sequence(s)
+    conserved(rt)
+
+
+def test_two_images_in_one_prompt_each_attend_within_their_block(make_runtime, model, images):
+    """A miss of a two-image prompt (two bidirectional blocks in one forward) equals building
+    it in two steps (the second image a cache hit's suffix, its block alone), and namespace
+    is the first image's; placed images must be the ones given."""
+    rt, off = make_runtime(), make_runtime(enable_prefix_cache=False)
+    cfg = model.config
+    a, b = prepare_image(images["shapes_378"]), prepare_image(images["scene_800x600"])
+    first = query_prompt(cfg, [330, 331])
+    from kestrel.images import image_hash_int
+    from kestrel.tokens import ImageToken
+
+    both = [first[0], ImageToken(image_hash_int(a.digest), cfg.image_tokens), *first[1:]]
+    both += _placed(cfg, b, 332)[1:]  # the second block's framing, its image last...
+    both.append(TextToken(333))  # ...then one more token
+    s, _ = rt.start_sequence(first, a, max_new_tokens=1)  # caches BOS + a + the first block
+    rt.release_sequence(s)
+    s1, hit = rt.start_sequence(both, (a, b), max_new_tokens=1)
+    s2, miss = off.start_sequence(both, (a, b), max_new_tokens=1)
+    n = cfg.image_tokens
+    b_at = len(both) - 3 + n  # BOS, the first block, the second framing (all but 3 tokens)
+    assert s2.image_regions == [(0, 1 + n), (b_at, b_at + n)]
+    assert s1.reused_page_count == len(first) + n and s1.namespace == s.namespace
+    torch.testing.assert_close(hit, miss, atol=ATOL, rtol=0)
+    rt.release_sequence(s1)
+    off.release_sequence(s2)
+    with pytest.raises(SequenceError, match="not the 2 given"):
+        rt.start_sequence(both, (b, a), max_new_tokens=1)
+    with pytest.raises(SequenceError, match="places 2 images but 1"):
+        rt.start_sequence(both, a, max_new_tokens=1)
+    conserved(rt)

@@ -13,6 +13,7 @@ pytest.importorskip("httpx", reason="Starlette's TestClient needs httpx (the tes
 
 from starlette.testclient import TestClient
 
+from kestrel.engine.chat import MAX_IMAGES
 from kestrel.server import create_app
 from tests.integration.conftest import assert_idle
 from tests.server.conftest import SHAPES, data_url, png, png_header
@@ -131,8 +132,10 @@ HOSTILE = [
     ("path-as-image", {"messages": [{"role": "user", "content": [
      {"type": "image", "image": "/etc/passwd"}, {"type": "text", "text": "q"}]}]}, 400,
      "invalid_request"),
-    ("two-images", {"messages": [{"role": "user", "content": [_image_part(data_url(SHAPES))] * 2
-     + [{"type": "text", "text": "q"}]}]}, 400, "invalid_request"),
+    ("too-many-images", {"messages": [{"role": "user", "content": [_image_part(data_url(SHAPES))]
+     * (MAX_IMAGES + 1) + [{"type": "text", "text": "q"}]}]}, 400, "invalid_request"),
+    ("images-over-context", {"messages": [{"role": "user", "content": [_image_part(
+     data_url(SHAPES))] * 3 + [{"type": "text", "text": "q"}]}]}, 400, "prompt_too_long"),
     ("remote-url", {"messages": [_user("q", "https://example.com/a.png")]}, 400, "invalid_image"),
     ("bad-base64", {"messages": [_user("q", "data:image/png;base64,@@@")]}, 400, "invalid_image"),
     ("not-an-image", {"messages": [_user("q", data_url(b"hello"))]}, 400, "invalid_image"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kestrel.kv.page_table import PageTable
 from kestrel.prefix_cache import (
@@ -94,24 +94,28 @@ class Injector:
 
 @dataclass(frozen=True)
 class Prompt:
-    text: tuple[int, ...]  # token ids after BOS (at least one: prompts end in text)
-    image: tuple[int, int] | None = None  # (content hash, kv length)
+    text: tuple[int, ...]  # token ids after BOS (and after the first image)
+    image: tuple[int, int] | None = None  # (content hash, kv length), right after BOS
     lora: str | None = None
+    after: tuple = ()  # cache tokens after the text: later images, decoded tokens, more text
 
     def cache_tokens(self) -> list:
         toks: list = [TextToken(BOS)]
         if self.image is not None:
             toks.append(ImageToken(*self.image))
         toks.extend(TextToken(t) for t in self.text)
+        toks.extend(self.after)
         return toks
 
-    def extended(self, fed: tuple[int, ...]) -> Prompt:
-        """This prompt followed by decoded tokens (what the next turn replays)."""
-        return Prompt(self.text + fed, self.image, self.lora)
+    def extended(self, ids: tuple[int, ...] | list[int]) -> Prompt:
+        """This prompt followed by text tokens (decoded ones: what the next turn replays)."""
+        return replace(self, after=(*self.after, *(TextToken(i) for i in ids)))
 
     @property
     def namespace(self) -> CacheNamespace:
-        return CacheNamespace(self.lora, self.image[0] if self.image else None)
+        """Keyed by the prompt's first image (or none), as the runtime keys a conversation."""
+        first = [t.content_hash for t in self.cache_tokens() if isinstance(t, ImageToken)]
+        return CacheNamespace(self.lora, first[0] if first else None)
 
     @property
     def length(self) -> int:

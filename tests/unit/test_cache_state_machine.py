@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kestrel.kv.page_table import BatchSlotsExhausted, PagePoolExhausted, PageTable
-from kestrel.prefix_cache import RadixPrefixCache, TextToken
+from kestrel.prefix_cache import ImageToken, RadixPrefixCache, TextToken
 
 from .cache_protocol import FAIL_POINTS, FakeRuntime, InjectedFailure, Prompt, check_all
 
@@ -23,12 +23,15 @@ LORAS = (None, "a@0123456789abcdef", "b@fedcba9876543210")
 IMAGES = (None, (11, 3), (12, 3), (13, 729), (14, 729))
 STEMS = ((5, 6), (5, 6, 7, 8), (9,), (5, 7, 7))
 
+LATER = ((), (), (ImageToken(15, 3),), (ImageToken(16, 3), TextToken(5)))  # a later image
+
 prompts = st.builds(
-    lambda lora, image, stem, tail: Prompt(stem + tuple(tail), image, lora),
+    lambda lora, image, stem, tail, later: Prompt(stem + tuple(tail), image, lora, later),
     st.sampled_from(LORAS),
     st.sampled_from(IMAGES),
     st.sampled_from(STEMS),
     st.lists(st.integers(1, 4), max_size=4),
+    st.sampled_from(LATER),
 )
 failures = st.one_of(st.none(), st.none(), st.none(), st.sampled_from(FAIL_POINTS))
 
@@ -53,8 +56,9 @@ class CacheProtocolMachine(RuleBasedStateMachine):
                 return
             assert not self.rt.last_injector.fired  # (a point this path never reaches)
             self.seen.append(prompt)
-            if seq.inserted is None:  # full-prompt hit: last position recomputed privately
-                assert seq.skip == prompt.length - 1 and seq.cache_owned == seq.skip
+            if seq.inserted is None:  # full-prompt hit: last cache token recomputed privately
+                last = prompt.cache_tokens()[-1].kv_length()  # a whole image block, if last
+                assert seq.skip == prompt.length - last and seq.cache_owned == seq.skip
             return
         if len(self.rt.running) >= self.pt.max_batch_size:
             with pytest.raises(BatchSlotsExhausted):
@@ -83,7 +87,7 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         """A seen prompt plus new tokens: a partial hit whose insert moves the lock (the
         lock transfer, and failures inside it)."""
         seen = data.draw(st.sampled_from(self.seen))
-        self._start(Prompt(seen.text + tuple(tail), seen.image, seen.lora), 2, fail_at)
+        self._start(seen.extended(tail), 2, fail_at)
 
     @rule(prompt=prompts, max_new=st.integers(0, 3))
     def duplicate_prefill_race(self, prompt: Prompt, max_new: int) -> None:

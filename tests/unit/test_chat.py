@@ -12,7 +12,7 @@ from kestrel.engine.chat import MAX_IMAGES, parse_messages
 from kestrel.engine.replies import ReplyMemory
 from kestrel.errors import InvalidInputError
 from kestrel.skills import ChatSkill, ChatTurn, QuerySkill, Settings, chat_prompt
-from kestrel.tokens import TextToken
+from kestrel.tokens import ImageToken, TextToken
 from tests.unit.test_skills import ANSWER, EOS, THINKING, Script, drive
 
 
@@ -119,14 +119,6 @@ BAD = [
         [{"role": "user", "content": [IMG] * (MAX_IMAGES + 1) + [TEXT]}],
     ),
     (
-        "image-in-later-turn",
-        [
-            USER,
-            {"role": "assistant", "content": "x"},
-            {"role": "user", "content": [IMG, {"type": "text", "text": "q"}]},
-        ],
-    ),
-    (
         "remote-url",
         [
             {
@@ -161,9 +153,36 @@ def test_bad_messages_raise_invalid_input(messages) -> None:
 
 
 def test_the_image_limit_is_named() -> None:
-    many = [{"role": "user", "content": [IMG, IMG, {"type": "text", "text": "q"}]}]
-    with pytest.raises(InvalidInputError, match=f"at most {MAX_IMAGES} image"):
-        parse_messages(many)
+    many = [{"role": "user", "content": [IMG] * (MAX_IMAGES + 1) + [TEXT]}]
+    with pytest.raises(InvalidInputError, match=f"at most {MAX_IMAGES} images"):
+        parse_messages(many)  # counted before anything is decoded (IMG is not an image)
+
+
+def test_images_in_several_turns_are_placed_before_their_blocks() -> None:
+    red, blue = _png((200, 0, 0)), _png((0, 0, 200))
+    conv = parse_messages(
+        [
+            {"role": "user", "content": [{"type": "image", "image": red}, TEXT]},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "no image"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": [{"type": "image", "image": blue}, TEXT]},
+        ]
+    )
+    assert [turn for turn, _ in conv.images] == [0, 2]
+    assert conv.image is conv.images[0][1]  # the first image keys the namespace
+    turns = conv.placed(5)
+    assert [len(t.images) for t in turns] == [1, 0, 1]
+    assert turns[0].images[0] != turns[2].images[0]
+    assert all(t.images[0].kv_length() == 5 for t in (turns[0], turns[2]))
+    ops = Script([])
+    prompt = chat_prompt(ops, turns)
+    plain = chat_prompt(ops, conv.turns)
+    at = [i for i, t in enumerate(prompt) if isinstance(t, ImageToken)]
+    assert at[0] == 1  # right after BOS, as for a query
+    # the third turn's image opens its block: right after the second reply
+    assert prompt[at[1] + 1 :] == plain[at[1] - 1 :]
+    assert [t for t in prompt if not isinstance(t, ImageToken)] == plain
 
 
 def test_a_reply_with_ids_replays_them_instead_of_tokenizing() -> None:
