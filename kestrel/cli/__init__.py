@@ -25,7 +25,9 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 
 PROG = "kestrel"
 # Subcommand modules, in --help order.
-COMMANDS: tuple[str, ...] = ("demo", "query", "caption", "point", "detect", "batch", "serve")
+COMMANDS: tuple[str, ...] = (
+    "demo", "query", "chat", "caption", "point", "detect", "batch", "serve",
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
