@@ -264,6 +264,27 @@ def test_disconnect_while_waiting_for_a_blocking_answer_cancels_it(server) -> No
     _assert_pages_conserved(after)
 
 
+def test_chat_disconnect_mid_stream_cancels_and_frees_pages(server) -> None:
+    before = _idle_stats(server)
+    conn = http.client.HTTPConnection(*server.address, timeout=60)
+    body = {"model": "moondream3-preview", "stream": True, "temperature": 0, "max_tokens": 1800,
+            "messages": [{"role": "user", "content": "Tell me everything."}]}  # fmt: skip
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: {")  # the first chunk is out
+    response.close()
+    conn.close()  # the client leaves long before 1800 tokens
+    after = _idle_stats(server)
+    assert after["requests_cancelled"] == before["requests_cancelled"] + 1
+    assert after["requests_served"] == before["requests_served"]
+    _assert_pages_conserved(after)
+    status, _ = _post(server, "query", {"question": "Next?", "settings": GREEDY})
+    assert status == 200  # and it keeps serving
+
+
 def test_moondream_client_chat_plain_and_streamed(server, engine) -> None:
     client = md.vl(endpoint=server.url)
     user = {"role": "user", "content": [
