@@ -13,7 +13,7 @@ per row is the single-sequence prefill's, so greedy answers do not change with b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +21,12 @@ from torch import Tensor
 
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import PagedKV, text_forward
+from kestrel.runtime.sequence import SequenceError, SequenceState
+from kestrel.tokens import ImageToken
 
-__all__ = ["MAX_PADDING", "PrefillItem", "group_by_length", "prefill_batch"]
+__all__ = ["MAX_PADDING", "PrefillItem", "group_by_length", "prefill_batch", "prefill_item"]
 
 # A group's padded size may exceed its real positions by at most this fraction.
 MAX_PADDING = 0.25
@@ -137,3 +140,37 @@ def _regions(items: Sequence[PrefillItem], dev: torch.device) -> Tensor | None:
     rows = [list(it.regions) + [(0, 0)] * (most - len(it.regions)) for it in items]
     out = torch.tensor(rows, dtype=torch.int32, device=dev)
     return out[:, 0] if most == 1 else out
+
+
+def prefill_item(
+    state: SequenceState,
+    model: MoondreamModel,
+    dtype: torch.dtype,
+    encode: Callable[[object], Tensor],
+) -> PrefillItem:
+    """The embeddings of a prepared sequence's uncached positions (``encode`` runs the vision
+    encoder on each image among them), ready for ``prefill_batch``. ``skip`` falls on a
+    cache-token boundary (a match ends on one; the backoff steps back a whole token)."""
+    skip, parts, text, pos = state.reused_page_count, [], [], 0
+    images = iter(state.images)
+    for tok in state.cache_tokens:
+        image = next(images) if isinstance(tok, ImageToken) else None
+        if pos >= skip and image is None:
+            text.append(tok)
+        elif pos >= skip:
+            parts += [embed_tokens(text, model)] if text else []
+            parts.append(encode(image).to(dtype))
+            text, state.vision_encoded = [], True
+        elif pos + tok.kv_length() > skip:
+            raise SequenceError(f"reused positions ({skip}) end inside a cache token")
+        pos += tok.kv_length()
+    parts += [embed_tokens(text, model)] if text else []
+    return PrefillItem(
+        x_TC=torch.cat(parts, dim=0) if len(parts) > 1 else parts[0],
+        row=state.batch_idx,
+        skip=skip,
+        prompt_length=state.prompt_length,
+        # a block attends both ways only where some of its queries are computed
+        regions=tuple(r for r in state.image_regions if r[1] > skip),
+        adapter=state.adapter,
+    )

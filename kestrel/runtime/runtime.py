@@ -60,7 +60,7 @@ from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
 from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
 from kestrel.runtime.decode import decode_eager
-from kestrel.runtime.prefill import PrefillItem, prefill_batch
+from kestrel.runtime.prefill import prefill_batch, prefill_item
 from kestrel.runtime.sequence import (
     PromptToken,
     SequenceError,
@@ -72,7 +72,6 @@ from kestrel.runtime.sequence import (
     prepared_images,
     validate_image_regions,
 )
-from kestrel.tokens import ImageToken
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
 
@@ -248,7 +247,7 @@ class MoondreamRuntime:
         for s in states:
             if s.lease.phase is not LeasePhase.PREPARED or s.released:
                 raise SequenceError(f"sequence in batch row {s.batch_idx} is not prepared")
-        items = [self._prefill_item(s) for s in states]
+        items = [prefill_item(s, self.model, self.dtype, self._encode_image) for s in states]
         hidden_BC = prefill_batch(
             self.model, self.kv, self.page_table.page_table, items, self.attention_backend
         )
@@ -370,34 +369,6 @@ class MoondreamRuntime:
         crops = overlap_crops(image.pixels, self.config.vision)
         pixels = normalize_pixels(crops.crops, self.dtype, self.device)
         return encode_image(pixels, crops.tiling, self.model.vision, self.config.vision)
-
-    def _prefill_item(self, state: SequenceState) -> PrefillItem:
-        """The embeddings of a prepared sequence's uncached positions (running the vision
-        encoder on each image among them), ready for ``prefill_batch``. ``skip`` falls on a
-        cache-token boundary (a match ends on one; the backoff steps back a whole token)."""
-        skip, parts, text, pos = state.reused_page_count, [], [], 0
-        images = iter(state.images)
-        for tok in state.cache_tokens:
-            image = next(images) if isinstance(tok, ImageToken) else None
-            if pos >= skip and image is None:
-                text.append(tok)
-            elif pos >= skip:
-                parts += [embed_tokens(text, self.model)] if text else []
-                parts.append(self._encode_image(image).to(self.dtype))
-                text, state.vision_encoded = [], True
-            elif pos + tok.kv_length() > skip:
-                raise SequenceError(f"reused positions ({skip}) end inside a cache token")
-            pos += tok.kv_length()
-        parts += [embed_tokens(text, self.model)] if text else []
-        return PrefillItem(
-            x_TC=torch.cat(parts, dim=0) if len(parts) > 1 else parts[0],
-            row=state.batch_idx,
-            skip=skip,
-            prompt_length=state.prompt_length,
-            # a block attends both ways only where some of its queries are computed
-            regions=tuple(r for r in state.image_regions if r[1] > skip),
-            adapter=state.adapter,
-        )
 
     def _count(self, state: SequenceState) -> None:
         c = self.counters
