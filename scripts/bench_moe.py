@@ -47,8 +47,11 @@ FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md3-tiny
 def configs(args: argparse.Namespace) -> tuple[MoondreamConfig, MoondreamConfig]:
     """(the Moondream-3-shaped config, its dense equivalent) for the requested widths."""
     fixture = json.loads((FIXTURE / "config.json").read_text())["config"]
-    if args.vocab < fixture["text"]["vocab_size"]:  # the prompts use the fixture's tokenizer
-        raise SystemExit(f"--vocab must be >= {fixture['text']['vocab_size']} (the tokenizer's)")
+    if args.vocab != fixture["text"]["vocab_size"]:  # prompts and answers use its tokenizer
+        raise SystemExit(
+            f"--vocab must be {fixture['text']['vocab_size']}, the fixture tokenizer's: a random "
+            "model samples every id of its vocabulary, and the tokenizer must decode each"
+        )
     moe = {"num_experts": args.experts, "start_layer": args.moe_start,
            "experts_per_token": args.top_k, "expert_inner_dim": args.expert_inner}  # fmt: skip
     text = {"dim": args.dim, "ff_dim": 4 * args.dim, "n_layers": args.layers,
@@ -194,7 +197,7 @@ def parse_args() -> argparse.Namespace:
     size = p.add_argument_group("model (reduced Moondream 3 widths)")
     for flag, default in (("--dim", 384), ("--heads", 6), ("--layers", 8), ("--moe-start", 2),
                           ("--experts", 64), ("--top-k", 8), ("--expert-inner", 192),
-                          ("--vocab", 1024), ("--vision-dim", 192),
+                          ("--vocab", 768), ("--vision-dim", 192),
                           ("--vision-layers", 27)):  # fmt: skip
         size.add_argument(flag, type=int, default=default)
     size.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -3,8 +3,11 @@
 No model: the cache and page table are pure Python (plus numpy). The tree is populated like a
 busy server: hundreds of image namespaces (``[BOS, ImageToken(h, 729), stem, question]``,
 several questions per image) and dozens of adapter namespaces holding 1024-token text prompts
-that share a 900-token system prefix. Each figure is the median (and p90) of many timed calls
-(``time.perf_counter_ns``, GC paused while timing).
+that share a 900-token system prefix. In each round both trees are built afresh and every row
+is timed on ours, then on 0.9.2's: a row's figure for the round is the median of many timed calls
+(``time.perf_counter_ns``, GC paused while timing). Through the benchmark harness (``harness.py``:
+idle check, ``--rounds`` rounds), each figure is printed as the median over the rounds (min-max),
+and the speedup as the ratio of the medians with its per-round range.
 
 The comparator is the ``kestrel`` 0.9.2 wheel from PyPI (m87-labs' inference engine, whose
 ``prefix_cache`` package this project's cache descends from). Its ``prefix_cache`` modules and
@@ -37,6 +40,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import numpy as np
 
 BOS = 0
@@ -307,51 +311,80 @@ def verdict(kind: str, med: float, speedup: float | None) -> str:
     return ", ".join(out)
 
 
+def one_round(impls: list[type[Impl]], w: Workload) -> tuple[dict, dict[str, str], str]:
+    """Fresh trees for every implementation, then each row timed on each, row by row.
+
+    Returns ({impl name: {row: median us}}, {row: kind}, a description of our tree)."""
+    built = []
+    for cls in impls:
+        impl = cls(w.pages)
+        populate(impl, w)
+        built.append((cls.name, impl, operations(impl, w)))
+    out: dict[str, dict[str, float]] = {name: {} for name, _i, _o in built}
+    kinds: dict[str, str] = {}
+    for k, (row, *_rest, kind) in enumerate(built[0][2]):
+        kinds[row] = kind
+        for name, _impl, ops in built:
+            out[name][row] = time_us(w.reps, ops[k][1], ops[k][2])[0]
+    ours = built[0][1].cache
+    ours.check_integrity()
+    tree = (f"{ours.node_count} nodes, {ours.namespace_count} namespaces, "
+            f"{ours.total_cached_pages} cached pages")  # fmt: skip
+    for cls in impls:
+        med, _p90, pages, nodes = evict_all(cls, w)
+        row = f"evict all: {pages} pages in {nodes} nodes (median of {w.evict_reps} trees)"
+        out[cls.name][row] = med
+        kinds[row] = "write"
+    return out, kinds, tree
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small tree, fewer repetitions")
     ap.add_argument("--kestrel-092", type=Path, help="kestrel-0.9.2 wheel to compare against")
+    harness.add_arguments(ap)
     args = ap.parse_args()
     w = Workload(args.quick)
     impls: list[type[Impl]] = [Impl]
     if args.kestrel_092 is not None:
         Kestrel092.load(args.kestrel_092)
         impls.append(Kestrel092)
-    built = []
-    for cls in impls:
+    bench = harness.start(args, "Radix prefix cache micro-benchmark (bench_radix.py)")
+    runs: dict[str, list[dict[str, float]]] = {cls.name: [] for cls in impls}
+    for r in range(args.rounds):
         t0 = time.perf_counter()
-        impl = cls(w.pages)
-        populate(impl, w)
-        built.append((impl, operations(impl, w), time.perf_counter() - t0))
-    c = built[0][0].cache
-    print(
-        f"tree: {c.node_count} nodes, {c.namespace_count} namespaces, {c.total_cached_pages} "
-        f"cached pages (built in {built[0][2]:.1f} s); {w.reps} timed calls per row"
-    )
-    rows = []
-    for k, (name, *_rest, kind) in enumerate(built[0][1]):
-        meds = [time_us(w.reps, ops[k][1], ops[k][2]) for _impl, ops, _t in built]
-        rows.append((name, meds, kind))
-    meds = [evict_all(cls, w) for cls in impls]
-    name = f"evict all: {meds[0][2]} pages in {meds[0][3]} nodes ({w.evict_reps} trees)"
-    rows.append((name, [m[:2] for m in meds], "write"))
-    report(rows, [cls.name for cls in impls])
-    c.check_integrity()
+        out, kinds, tree = one_round(impls, w)
+        for name, rows in out.items():
+            runs[name].append(rows)
+        bench.progress(f"round {r + 1}/{args.rounds}: both trees built and timed "
+                       f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+    bench.emit(f"tree: {tree}; {w.reps} timed calls per row and round (median per round)")
+    report(bench, runs, kinds, [cls.name for cls in impls])
+    bench.finish()
 
 
-def report(rows: list, names: list[str]) -> None:
-    width = max(len(r[0]) for r in rows)
-    head = f"{'operation':<{width}}  {'median us':>9}  {'p90 us':>8}"
+def report(bench: harness.Bench, runs: dict, kinds: dict[str, str], names: list[str]) -> None:
+    """One row per operation: our median us (min-max over rounds), 0.9.2's, the speedup."""
+    head = ["operation", "median us"]
     if len(names) > 1:
-        head += f"  {'0.9.2 median':>12}  {'0.9.2 p90':>9}  {'speedup':>7}"
-    print(f"\n{head}  target\n" + "-" * (len(head) + 30))
-    for name, meds, kind in rows:
-        (med, p90), speedup = meds[0], None
-        line = f"{name:<{width}}  {med:>9.1f}  {p90:>8.1f}"
-        if len(meds) > 1:
-            speedup = meds[1][0] / med
-            line += f"  {meds[1][0]:>12.1f}  {meds[1][1]:>9.1f}  {speedup:>6.2f}x"
-        print(f"{line}  {verdict(kind, med, speedup)}")
+        head += ["0.9.2 median us", "speedup (0.9.2 / ours)"]
+    bench.emit("\n| " + " | ".join([*head, "target"]) + " |\n|" + "---|" * (len(head) + 1))
+    for row, kind in kinds.items():
+        ours_us = [r[row] for r in runs[names[0]]]
+        ours = harness.spread(ours_us)
+        cells = [row, ours.fmt(".1f")]
+        fig: dict[str, object] = {"ours_us": harness.s_dict(ours)}
+        speedup = None
+        if len(names) > 1:
+            theirs_us = [r[row] for r in runs[names[1]]]
+            q = harness.ratio(theirs_us, ours_us)
+            speedup = q.median
+            cells += [harness.spread(theirs_us).fmt(".1f"), q.fmt(suffix="x")]
+            fig |= {"kestrel_092_us": harness.s_dict(harness.spread(theirs_us)),
+                    "speedup": harness.s_dict(q)}  # fmt: skip
+        cells.append(verdict(kind, ours.median, speedup))
+        bench.figures[row] = fig
+        bench.emit("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ ratio between them is bounded by that shared cost.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -42,6 +43,23 @@ Get it with:
     git -C moondream-reference checkout 44146f1
 then run:
     python scripts/bench_reference.py --reference moondream-reference"""
+
+
+def reference_config(ref_config, cfg: dict) -> object:
+    """The reference's config from the checkpoint's: keys its dataclasses do not have (fields
+    this project added for Moondream 3, such as ``rope_theta``, whose Moondream 2 values the
+    reference hard-codes) are left out."""
+    sections = {
+        "text": ref_config.TextConfig,
+        "vision": ref_config.VisionConfig,
+        "region": ref_config.RegionConfig,
+        "tokenizer": ref_config.TokenizerConfig,
+    }
+    kept = {}
+    for name, cls in sections.items():
+        known = {f.name for f in dataclasses.fields(cls)}
+        kept[name] = {k: v for k, v in cfg.get(name, {}).items() if k in known}
+    return ref_config.MoondreamConfig.from_dict(kept)
 
 
 def load_reference(checkout: Path, model_dir: Path):
@@ -67,7 +85,7 @@ def load_reference(checkout: Path, model_dir: Path):
     ref_model.prepare_crops = crops_float32
     cfg = json.loads((model_dir / "config.json").read_text())["config"]
     model = ref_model.MoondreamModel(
-        ref_config.MoondreamConfig.from_dict(cfg), dtype=torch.float32, setup_caches=False
+        reference_config(ref_config, cfg), dtype=torch.float32, setup_caches=False
     )
     ref_weights.load_weights_into_model(str(model_dir / "model.safetensors"), model)
     model._setup_caches()
