@@ -32,8 +32,7 @@ import torch
 import kestrel_kernels
 from kestrel.images import image_digest, load_image
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
-from kestrel.moondream.vision import encode_image
+from kestrel.moondream.vision import encode_image, normalize_pixels, overlap_crops
 from kestrel.reference.random_weights import random_model
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken

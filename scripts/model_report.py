@@ -15,9 +15,8 @@ import time
 import numpy as np
 import torch
 
-from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.vision import encode_image
+from kestrel.moondream.vision import encode_image, normalize_pixels, overlap_crops
 from kestrel.reference.eager import EagerMoondream
 
 

@@ -26,7 +26,7 @@ import torch
 from timing import bench_model, instrument, measure
 
 from kestrel import Engine
-from kestrel.moondream import image_crops
+from kestrel.moondream import vision
 
 
 def matmul_peak() -> float:
@@ -126,7 +126,7 @@ def main() -> None:
             rounds.append(profile_round(engine, images, questions, args.batch, args.repeats))
             bench.progress(f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.1f} s)")
     report(bench, rounds, args.batch)
-    crops = image_crops.overlap_crops(next(images), cfg.vision).crops.shape[0]
+    crops = vision.overlap_crops(next(images), cfg.vision).crops.shape[0]
     vis = [vision_flops(cfg, crops) / r["miss"]["vision encoder"] / 1e9 for r in rounds]
     pre_flops = prefill_flops(cfg, cfg.prefix_len + 8)
     pre = [pre_flops / r["miss"]["decoder (matmuls, norms, rope)"] / 1e9 for r in rounds]

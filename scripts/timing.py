@@ -15,7 +15,7 @@ from pathlib import Path
 
 import kestrel_kernels
 from kestrel.kv.page_table import PageTable
-from kestrel.moondream import image_crops, region, text, vision
+from kestrel.moondream import region, text, vision
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 from kestrel.runtime.heads import ModelHeads
 
@@ -41,8 +41,8 @@ def _timed(fn: Callable, label: str) -> Callable:
 def instrument() -> None:
     """Wrap each target function in every kestrel module that refers to it."""
     targets = {
-        image_crops.overlap_crops: "image crops (host)",
-        image_crops.normalize_pixels: "image crops (host)",
+        vision.overlap_crops: "image crops (host)",
+        vision.normalize_pixels: "image crops (host)",
         vision.encode_image: "vision encoder",
         region.embed_tokens: "embedding",
         text.text_forward: "decoder (matmuls, norms, rope)",

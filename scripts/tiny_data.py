@@ -17,9 +17,9 @@ from kestrel.moondream.config import (
     TokenizerConfig,
     VisionConfig,
 )
-from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.region import coord_to_bin, coord_token, size_to_bin, size_token
 from kestrel.moondream.tokenizer import MoondreamTokenizer
+from kestrel.moondream.vision import normalize_pixels, overlap_crops
 from kestrel.reference.train_forward import NO_TARGET, Segment
 from kestrel.skills import prompts
 from kestrel.tiny import synthetic

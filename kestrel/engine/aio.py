@@ -14,7 +14,8 @@ __all__ = ["AsyncTwins"]
 
 
 class AsyncTwins:
-    """Mixed into :class:`kestrel.Engine`; relies on its ``_draft_*`` and ``_await``."""
+    """Mixed into :class:`kestrel.Engine`; relies on its ``_draft``, ``_draft_chat``,
+    ``_factory`` and ``_await``."""
 
     async def aquery(
         self,
@@ -31,14 +32,15 @@ class AsyncTwins:
         """``await engine.aquery(...)`` -> QueryResult; with ``stream=True`` an
         AsyncTextStream to ``async for`` over (then ``await stream.result()``)."""
         draft = await asyncio.to_thread(
-            self._draft_query,
+            self._draft,
+            self._factory.query,
             image,
             question,
             settings,
             adapter,
-            reasoning,
-            spatial_refs,
             cache_salt,
+            reasoning=reasoning,
+            spatial_refs=spatial_refs,
         )
         return await self._await(draft, stream)
 
@@ -69,7 +71,7 @@ class AsyncTwins:
         stream: bool = False,
     ) -> Any:
         draft = await asyncio.to_thread(
-            self._draft_caption, image, length, settings, adapter, cache_salt
+            self._draft, self._factory.caption, image, length, settings, adapter, cache_salt
         )
         return await self._await(draft, stream)
 
@@ -83,7 +85,7 @@ class AsyncTwins:
         cache_salt: str | None = None,
     ) -> Any:
         draft = await asyncio.to_thread(
-            self._draft_region, "point", image, object, settings, adapter, cache_salt
+            self._draft, self._factory.point, image, object, settings, adapter, cache_salt
         )
         return await self._await(draft, False)
 
@@ -97,6 +99,6 @@ class AsyncTwins:
         cache_salt: str | None = None,
     ) -> Any:
         draft = await asyncio.to_thread(
-            self._draft_region, "detect", image, object, settings, adapter, cache_salt
+            self._draft, self._factory.detect, image, object, settings, adapter, cache_salt
         )
         return await self._await(draft, False)

@@ -23,7 +23,6 @@ from typing import Any
 
 from kestrel.engine.replies import ReplyMemory
 from kestrel.engine.requests import Draft, salted
-from kestrel.engine.streams import TextStream
 from kestrel.errors import InvalidInputError
 from kestrel.images import PreparedImage, image_hash_int, prepare_image
 from kestrel.skills import ChatTurn
@@ -184,14 +183,14 @@ def parse_messages(
 class ChatCalls:
     """Mixed into :class:`kestrel.Engine`: ``chat`` and ``submit_chat`` (``achat`` is with
     the other asyncio twins). Relies on the Engine's ``_check_open``, ``_factory``,
-    ``_adapter``, ``prepare_image``, ``_submit``, ``_stream``, ``_replies`` and ``config``."""
+    ``_adapter``, ``prepare_image``, ``_submit``, ``_call``, ``_replies`` and ``config``."""
 
     _check_open: Callable[[], None]
     _factory: Any
     _adapter: Callable[[str | None], Any]
     prepare_image: Callable[[object], PreparedImage]
     _submit: Callable[..., Future]
-    _stream: Callable[..., Any]
+    _call: Callable[..., Any]
     _replies: ReplyMemory
     config: Any
 
@@ -220,9 +219,7 @@ class ChatCalls:
         """The assistant's reply to ``messages`` (ChatResult), or with ``stream=True`` a
         TextStream of the answer's deltas. Message shapes and limits: docs/chat.md."""
         draft = self._draft_chat(messages, settings, adapter, cache_salt, reasoning)
-        if stream:
-            return self._stream(draft, TextStream())
-        return self._submit(draft).result()
+        return self._call(draft, stream)
 
     def _draft_chat(self, messages, settings, adapter, cache_salt, reasoning) -> Draft:
         self._check_open()

@@ -143,11 +143,17 @@ class Engine(AsyncTwins, ChatCalls):
         spatial_refs: Sequence[Sequence[float]] | None = None,
     ) -> Future:
         """Queue a question about ``image`` (None: text only); the future gives a QueryResult."""
-        return self._submit(
-            self._draft_query(
-                image, question, settings, adapter, reasoning, spatial_refs, cache_salt
-            )
+        draft = self._draft(
+            self._factory.query,
+            image,
+            question,
+            settings,
+            adapter,
+            cache_salt,
+            reasoning=reasoning,
+            spatial_refs=spatial_refs,
         )
+        return self._submit(draft)
 
     def submit_caption(
         self,
@@ -159,7 +165,8 @@ class Engine(AsyncTwins, ChatCalls):
         cache_salt: str | None = None,
     ) -> Future:
         """Queue a caption ("short", "normal" or "long"); the future gives a CaptionResult."""
-        return self._submit(self._draft_caption(image, length, settings, adapter, cache_salt))
+        draft = self._draft(self._factory.caption, image, length, settings, adapter, cache_salt)
+        return self._submit(draft)
 
     def submit_point(
         self,
@@ -171,9 +178,8 @@ class Engine(AsyncTwins, ChatCalls):
         cache_salt: str | None = None,
     ) -> Future:
         """Queue pointing at every ``object``; the future gives a PointResult."""
-        return self._submit(
-            self._draft_region("point", image, object, settings, adapter, cache_salt)
-        )
+        draft = self._draft(self._factory.point, image, object, settings, adapter, cache_salt)
+        return self._submit(draft)
 
     def submit_detect(
         self,
@@ -185,35 +191,24 @@ class Engine(AsyncTwins, ChatCalls):
         cache_salt: str | None = None,
     ) -> Future:
         """Queue detecting every ``object``; the future gives a DetectResult."""
-        return self._submit(
-            self._draft_region("detect", image, object, settings, adapter, cache_salt)
-        )
+        draft = self._draft(self._factory.detect, image, object, settings, adapter, cache_salt)
+        return self._submit(draft)
 
-    def _draft_query(
-        self, image, question, settings, adapter, reasoning, spatial_refs, cache_salt
+    def _draft(
+        self,
+        make: Callable[..., Draft],
+        image: object,
+        subject: object,
+        settings: object,
+        adapter: str | None,
+        cache_salt: object,
+        **options: Any,
     ) -> Draft:
+        """Validate, decode and tokenize on the caller's thread: ``make`` is the factory's
+        builder for the skill (query, caption, point or detect), ``subject`` its text."""
         self._check_open()
-        draft = self._factory.query(
-            self._image(image),
-            question,
-            settings,
-            self._adapter(adapter),
-            reasoning=reasoning,
-            spatial_refs=spatial_refs,
-        )
-        return salted(draft, cache_salt)
-
-    def _draft_caption(self, image, length, settings, adapter, cache_salt) -> Draft:
-        self._check_open()
-        adapter = self._adapter(adapter)
-        return salted(
-            self._factory.caption(self._image(image), length, settings, adapter), cache_salt
-        )
-
-    def _draft_region(self, kind, image, obj, settings, adapter, cache_salt) -> Draft:
-        self._check_open()
-        adapter = self._adapter(adapter)
-        draft = self._factory.region(kind, self._image(image), obj, settings, adapter)
+        lora = self._adapter(adapter)
+        draft = make(self._image(image), subject, settings, lora, **options)
         return salted(draft, cache_salt)
 
     def _check_open(self) -> None:
@@ -238,6 +233,12 @@ class Engine(AsyncTwins, ChatCalls):
         self._loop.submit(request)
         return future
 
+    def _call(self, draft: Draft, stream: bool) -> Any:
+        """A blocking call's answer: the result, or with ``stream`` a TextStream of deltas."""
+        if stream:
+            return self._stream(draft, TextStream())
+        return self._submit(draft).result()
+
     def _stream(self, draft: Draft, stream: TextStream | AsyncTextStream):
         stream.attach(self._submit(draft, on_text=stream.push))
         return stream
@@ -261,12 +262,17 @@ class Engine(AsyncTwins, ChatCalls):
         stream: bool = False,
     ):
         """Answer ``question`` (QueryResult), or with ``stream=True`` a TextStream of deltas."""
-        draft = self._draft_query(
-            image, question, settings, adapter, reasoning, spatial_refs, cache_salt
+        draft = self._draft(
+            self._factory.query,
+            image,
+            question,
+            settings,
+            adapter,
+            cache_salt,
+            reasoning=reasoning,
+            spatial_refs=spatial_refs,
         )
-        if stream:
-            return self._stream(draft, TextStream())
-        return self._submit(draft).result()
+        return self._call(draft, stream)
 
     def caption(
         self,
@@ -279,10 +285,8 @@ class Engine(AsyncTwins, ChatCalls):
         stream: bool = False,
     ):
         """Caption ``image`` (CaptionResult), or with ``stream=True`` a TextStream of deltas."""
-        draft = self._draft_caption(image, length, settings, adapter, cache_salt)
-        if stream:
-            return self._stream(draft, TextStream())
-        return self._submit(draft).result()
+        draft = self._draft(self._factory.caption, image, length, settings, adapter, cache_salt)
+        return self._call(draft, stream)
 
     def point(
         self,
@@ -294,9 +298,8 @@ class Engine(AsyncTwins, ChatCalls):
         cache_salt: str | None = None,
     ):
         """Centers of every ``object`` in the image (PointResult, coordinates in [0, 1])."""
-        return self.submit_point(
-            image, object, settings=settings, adapter=adapter, cache_salt=cache_salt
-        ).result()
+        draft = self._draft(self._factory.point, image, object, settings, adapter, cache_salt)
+        return self._call(draft, False)
 
     def detect(
         self,
@@ -308,9 +311,8 @@ class Engine(AsyncTwins, ChatCalls):
         cache_salt: str | None = None,
     ):
         """Boxes of every ``object`` in the image (DetectResult, coordinates in [0, 1])."""
-        return self.submit_detect(
-            image, object, settings=settings, adapter=adapter, cache_salt=cache_salt
-        ).result()
+        draft = self._draft(self._factory.detect, image, object, settings, adapter, cache_salt)
+        return self._call(draft, False)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:

@@ -170,19 +170,23 @@ class RequestFactory:
         skill = CaptionSkill(self.ops, length, parse_settings(settings, self.defaults))
         return self._draft(skill, image, adapter, _caption_result)
 
-    def region(
-        self, kind: str, image: PreparedImage | None, obj: object, settings, adapter
-    ) -> Draft:
+    def point(self, image: PreparedImage | None, obj: object, settings, adapter) -> Draft:
+        obj, max_objects = self._region_input("point", image, obj, settings)
+        return self._draft(PointSkill(self.ops, obj, max_objects), image, adapter, _point_result)
+
+    def detect(self, image: PreparedImage | None, obj: object, settings, adapter) -> Draft:
+        obj, max_objects = self._region_input("detect", image, obj, settings)
+        skill = DetectSkill(self.ops, obj, max_objects)
+        return self._draft(skill, image, adapter, _detect_result)
+
+    def _region_input(
+        self, kind: str, image: PreparedImage | None, obj: object, settings: object
+    ) -> tuple[str, int]:
+        """(the object's name, max_objects) of a point or detect call, validated."""
         if image is None:
             raise InvalidInputError(f"{kind} needs an image")
         obj = _text(obj, f"the object to {kind}")
-        max_objects = parse_settings(settings, self.defaults).max_objects
-        if kind == "point":
-            return self._draft(
-                PointSkill(self.ops, obj, max_objects), image, adapter, _point_result
-            )
-        skill = DetectSkill(self.ops, obj, max_objects)
-        return self._draft(skill, image, adapter, _detect_result)
+        return obj, parse_settings(settings, self.defaults).max_objects
 
     def _draft(self, skill: Skill, image: Any, adapter: Any, build: BuildResult) -> Draft:
         """``image``: None, one image (placed after BOS), or a tuple of the images the prompt

@@ -6,10 +6,10 @@ engine."""
 from __future__ import annotations
 
 from .config import MoondreamConfig, RegionConfig, TextConfig, TokenizerConfig, VisionConfig
-from .image_crops import CropError, OverlapCrops, normalize_pixels, overlap_crops, select_tiling
 from .lora import LoraAdapter, load_adapter
 from .model import MoondreamModel
 from .tokenizer import MoondreamTokenizer, StreamDecoder, TokenizerError
+from .vision import CropError, OverlapCrops, normalize_pixels, overlap_crops, select_tiling
 from .weights import (
     CheckpointError,
     CheckpointWarning,

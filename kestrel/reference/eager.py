@@ -161,7 +161,7 @@ class EagerMoondream:
     def encode_image(self, image, *, adapter: LoraAdapter | None = None) -> EncodedImage:
         """Any image ``kestrel.images.load_image`` accepts -> EncodedImage."""
         from kestrel.images import load_image
-        from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
+        from kestrel.moondream.vision import normalize_pixels, overlap_crops
 
         m = self.model
         crops = overlap_crops(load_image(image), m.config.vision)

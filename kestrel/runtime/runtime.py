@@ -45,13 +45,12 @@ import torch
 from kestrel.images import PreparedImage, image_hash_int
 from kestrel.kv.page_table import PagedKVCache, PageTable
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import lm_head
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.moondream.vision import encode_image
+from kestrel.moondream.vision import encode_image, normalize_pixels, overlap_crops
 from kestrel.moondream.weights import resolve_checkpoint
 from kestrel.prefix_cache.lease import CacheLease, LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace

@@ -7,8 +7,8 @@ fakes and no threads.
 from __future__ import annotations
 
 from kestrel.scheduler.protocol import Capacity, ModelRunner, Request, RunnerOverloaded, Started
-from kestrel.scheduler.scheduler import Scheduler, SchedulerCounters, as_request_error
-from kestrel.scheduler.state import RunningSet, SequenceRun, WaitQueue
+from kestrel.scheduler.scheduler import Scheduler, SchedulerCounters, WaitQueue, as_request_error
+from kestrel.scheduler.state import RunningSet, SequenceRun
 
 __all__ = [
     "Capacity",

@@ -1,19 +1,18 @@
-"""The scheduler's per-sequence state (mutable, scheduler thread only) and the two managers
-that own requests: the wait queue and the running set."""
+"""The scheduler's per-sequence state (mutable, scheduler thread only) and the set of running
+sequences that hold a runner handle."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from kestrel.results import RequestMetrics
-from kestrel.scheduler.protocol import Capacity, Request
+from kestrel.scheduler.protocol import Request
 from kestrel.skills.base import PromptToken
 
-__all__ = ["RunningSet", "SequenceRun", "WaitQueue"]
+__all__ = ["RunningSet", "SequenceRun"]
 
 
 @dataclass(slots=True, eq=False)
@@ -47,55 +46,6 @@ class SequenceRun:
             decode_ms=(now - first) * 1e3,
             queue_ms=(self.admitted_at - req.submitted_at) * 1e3,
         )
-
-
-class WaitQueue:
-    """FIFO of submitted requests. Admission is in order: the head waits for capacity rather
-    than being overtaken, so a large request is never starved by a stream of small ones."""
-
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
-
-    def push(self, request: Request) -> None:
-        self._q.append(request)
-
-    def push_front(self, request: Request) -> None:
-        self._q.appendleft(request)
-
-    def drop_cancelled(self) -> list[Request]:
-        gone = [r for r in self._q if r.future.cancelled()]
-        if gone:
-            self._q = deque(r for r in self._q if not r.future.cancelled())
-        return gone
-
-    def pop_all(self) -> list[Request]:
-        out = list(self._q)
-        self._q.clear()
-        return out
-
-    def admit(self, cap: Capacity) -> tuple[list[Request], list[Request]]:
-        """(requests that fit now, requests that can never fit), both removed from the queue."""
-        admitted: list[Request] = []
-        never: list[Request] = []
-        rows, pages = cap.free_rows, cap.available_pages
-        while self._q and rows > 0:
-            head = self._q[0]
-            need = head.pages_needed
-            if need > cap.total_pages:
-                never.append(self._q.popleft())
-                continue
-            if need > pages:
-                break
-            admitted.append(self._q.popleft())
-            rows -= 1
-            pages -= need
-        return admitted, never
 
 
 class RunningSet:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kestrel.images import load_image
-from kestrel.moondream.image_crops import normalize_pixels, overlap_crops, select_tiling
 from kestrel.moondream.region import encode_coordinate, encode_size, spatial_ref_tokens
+from kestrel.moondream.vision import normalize_pixels, overlap_crops, select_tiling
 from kestrel.skills.prompts import token_ids
 from tests.conformance.cases import check_region_case, check_text_case, run_case
 from tests.conformance.golden import assert_close, fixture_params

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from kestrel.images import load_image
 from kestrel.moondream.config import VisionConfig
-from kestrel.moondream.image_crops import (
+from kestrel.moondream.vision import (
     CropError,
     OverlapCrops,
     normalize_pixels,

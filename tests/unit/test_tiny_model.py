@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kestrel.moondream import MoondreamModel, MoondreamTokenizer, load_adapter
-from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.text import lm_head
+from kestrel.moondream.vision import normalize_pixels, overlap_crops
 from kestrel.reference.eager import EagerMoondream
 from kestrel.reference.train_forward import (
     NO_TARGET,
