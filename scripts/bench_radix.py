@@ -314,22 +314,23 @@ def verdict(kind: str, med: float, speedup: float | None) -> str:
 def one_round(impls: list[type[Impl]], w: Workload) -> tuple[dict, dict[str, str], str]:
     """Fresh trees for every implementation, then each row timed on each, row by row.
 
-    Returns ({impl name: {row: median us}}, {row: kind}, a description of our tree)."""
+    Returns ({impl name: {row: median us}}, {row: kind}, our tree as populated, before the
+    timed calls grow it)."""
     built = []
     for cls in impls:
         impl = cls(w.pages)
         populate(impl, w)
         built.append((cls.name, impl, operations(impl, w)))
+    ours = built[0][1].cache
+    tree = (f"{ours.node_count} nodes, {ours.namespace_count} namespaces, "
+            f"{ours.total_cached_pages} cached pages")  # fmt: skip
     out: dict[str, dict[str, float]] = {name: {} for name, _i, _o in built}
     kinds: dict[str, str] = {}
     for k, (row, *_rest, kind) in enumerate(built[0][2]):
         kinds[row] = kind
         for name, _impl, ops in built:
             out[name][row] = time_us(w.reps, ops[k][1], ops[k][2])[0]
-    ours = built[0][1].cache
     ours.check_integrity()
-    tree = (f"{ours.node_count} nodes, {ours.namespace_count} namespaces, "
-            f"{ours.total_cached_pages} cached pages")  # fmt: skip
     row = ""
     for cls in impls:
         med, _p90, pages, nodes = evict_all(cls, w)
@@ -360,7 +361,7 @@ def main() -> None:
             runs[name].append(rows)
         bench.progress(f"round {r + 1}/{args.rounds}: both trees built and timed "
                        f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-    bench.emit(f"tree: {tree}; {w.reps} timed calls per row and round (median per round)")
+    bench.emit(f"populated tree: {tree}; {w.reps} timed calls per row and round (median per round)")
     report(bench, runs, kinds, [cls.name for cls in impls])
     bench.finish()
 
