@@ -4,7 +4,8 @@
 
 Profiles every Python call inside the ``kestrel`` package while one query about an uncached
 image runs, and keeps the calls that receive the image or something carrying it (the decoded
-pixels, the prepared image, a request, draft or sequence whose ``image`` is one of those, and
+pixels, the prepared image, a request, draft or sequence whose ``image`` is one of those or whose
+``images`` tuple holds one, and
 the pixels a call given a carrier returns: crops, normalized tensors). It
 prints the modules in the order the image enters them (consecutive calls in one module are one
 stay) up to the first call of the vision encoder, then how many modules were entered and how
@@ -50,11 +51,18 @@ class Route:
     def _carries(self, value: object) -> bool:
         if id(value) in self.carriers:
             return True
-        for attr in ("image", "pixels"):
-            inner = getattr(value, attr, None) if not isinstance(value, type) else None
-            if inner is not None and id(inner) in self.carriers:
+        if isinstance(value, type):
+            return False
+        for attr in ("image", "pixels", "images"):
+            inner = getattr(value, attr, None)
+            # a conversation's images come as a tuple (``state.images``, a request's tuple)
+            inners = inner if isinstance(inner, tuple) else (inner,)
+            if any(i is not None and id(i) in self.carriers for i in inners):
                 self.carriers[id(value)] = value
                 return True
+        if isinstance(value, (tuple, list)) and any(id(i) in self.carriers for i in value):
+            self.carriers[id(value)] = value
+            return True
         return False
 
     def _adopt(self, value: object) -> None:

@@ -13,7 +13,7 @@ per row is the single-sequence prefill's, so greedy answers do not change with b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -146,20 +146,24 @@ def prefill_item(
     state: SequenceState,
     model: MoondreamModel,
     dtype: torch.dtype,
-    encode: Callable[[object], Tensor],
+    image_embeddings: Sequence[Tensor | None],
 ) -> PrefillItem:
-    """The embeddings of a prepared sequence's uncached positions (``encode`` runs the vision
-    encoder on each image among them), ready for ``prefill_batch``. ``skip`` falls on a
-    cache-token boundary (a match ends on one; the backoff steps back a whole token)."""
+    """The embeddings of a prepared sequence's uncached positions, ready for
+    ``prefill_batch``: its text embedded, and ``image_embeddings`` (one per image of the
+    sequence, the vision encoder's output; None for an image inside the reused positions) in
+    the images' places. ``skip`` falls on a cache-token boundary (a match ends on one; the
+    backoff steps back a whole token)."""
     skip, parts, text, pos = state.reused_page_count, [], [], 0
-    images = iter(state.images)
+    embeddings = iter(image_embeddings)
     for tok in state.cache_tokens:
-        image = next(images) if isinstance(tok, ImageToken) else None
-        if pos >= skip and image is None:
+        emb = next(embeddings) if isinstance(tok, ImageToken) else None
+        if pos >= skip and not isinstance(tok, ImageToken):
             text.append(tok)
         elif pos >= skip:
+            if emb is None:
+                raise SequenceError(f"the image at position {pos} is neither cached nor encoded")
             parts += [embed_tokens(text, model)] if text else []
-            parts.append(encode(image).to(dtype))
+            parts.append(emb.to(dtype))
             text, state.vision_encoded = [], True
         elif pos + tok.kv_length() > skip:
             raise SequenceError(f"reused positions ({skip}) end inside a cache token")

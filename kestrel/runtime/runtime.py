@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.images import PreparedImage, image_hash_int
+from kestrel.images import PreparedImage, image_hash_int, prepare_image
 from kestrel.kv.page_table import PagedKVCache, PageTable
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.lora import LoraAdapter
@@ -68,7 +68,6 @@ from kestrel.runtime.sequence import (
     cacheable_prefix,
     check_request,
     image_regions,
-    prepared_images,
     validate_image_regions,
 )
 
@@ -92,6 +91,15 @@ class RuntimeCounters:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def _prepared(image: object) -> tuple[PreparedImage, ...]:
+    """``image`` (None, one image or a tuple of them) as prepared images: the Engine passes
+    them decoded and hashed; anything else is prepared here, once."""
+    if image is None:
+        return ()
+    items = image if isinstance(image, tuple) else (image,)
+    return tuple(im if isinstance(im, PreparedImage) else prepare_image(im) for im in items)
 
 
 class MoondreamRuntime:
@@ -197,7 +205,7 @@ class MoondreamRuntime:
 
         Same arguments as ``start_sequence``. Follow with ``prefill_sequence`` and
         ``commit_sequence``, or ``abort_sequence`` on failure."""
-        images = prepared_images(image)
+        images = _prepared(image)
         check_request(self.config, tokens, len(images), max_new_tokens)
         cfg = self.config
         hashes = [image_hash_int(im.digest) for im in images]
@@ -246,7 +254,7 @@ class MoondreamRuntime:
         for s in states:
             if s.lease.phase is not LeasePhase.PREPARED or s.released:
                 raise SequenceError(f"sequence in batch row {s.batch_idx} is not prepared")
-        items = [prefill_item(s, self.model, self.dtype, self._encode_image) for s in states]
+        items = [prefill_item(s, self.model, self.dtype, self._encode_images(s)) for s in states]
         hidden_BC = prefill_batch(
             self.model, self.kv, self.page_table.page_table, items, self.attention_backend
         )
@@ -363,6 +371,15 @@ class MoondreamRuntime:
             s.check_running(self.page_table.capacity(s.batch_idx), self.enable_prefix_cache)
 
     # ------------------------------------------------------------------ internals
+    def _encode_images(self, state: SequenceState) -> list[torch.Tensor | None]:
+        """The vision encoder on each of the sequence's images that its prefill computes (the
+        image's block ends past the reused positions); None for an image served from cache."""
+        skip = state.reused_page_count
+        return [
+            self._encode_image(image) if end > skip else None
+            for image, (_start, end) in zip(state.images, state.image_regions, strict=True)
+        ]
+
     def _encode_image(self, image: PreparedImage) -> torch.Tensor:
         """Vision encoder: the prepared pixels (never decoded again) -> [image_tokens, dim]."""
         crops = overlap_crops(image.pixels, self.config.vision)

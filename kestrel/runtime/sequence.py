@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kestrel.images import PreparedImage, prepare_image
+from kestrel.images import PreparedImage
 from kestrel.prefix_cache.lease import LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.tokens import IMAGE_TAG, CoordToken, ImageToken, SizeToken, TextToken
@@ -31,7 +31,6 @@ __all__ = [
     "cacheable_prefix",
     "check_request",
     "image_regions",
-    "prepared_images",
     "validate_image_regions",
 ]
 
@@ -119,15 +118,6 @@ class SequenceState:
     def remaining(self) -> int:
         """Tokens that can still be fed before the row's pages run out."""
         return self.max_length - self.length
-
-
-def prepared_images(image: object) -> tuple[PreparedImage, ...]:
-    """``image`` (None, one image or a tuple of them) as prepared images: decoded and hashed
-    once (the engine passes them prepared)."""
-    if image is None:
-        return ()
-    items = image if isinstance(image, tuple) else (image,)
-    return tuple(im if isinstance(im, PreparedImage) else prepare_image(im) for im in items)
 
 
 def validate_image_regions(regions: Sequence[tuple[int, int]], config: MoondreamConfig) -> None:
