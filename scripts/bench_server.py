@@ -268,7 +268,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-cache-pages", type=int, default=20_000)
     p.add_argument("--max-batch-size", type=int, default=16)
-    harness.add_arguments(p, rounds=3)
+    harness.add_arguments(p, rounds=5)
     args = p.parse_args()
     if not 1 <= args.clients <= MAX_CLIENTS or not 0 < args.seconds <= MAX_SECONDS:
         p.error(f"--clients must be 1..{MAX_CLIENTS} and --seconds in (0, {MAX_SECONDS:g}]")
