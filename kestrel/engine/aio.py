@@ -14,8 +14,8 @@ __all__ = ["AsyncTwins"]
 
 
 class AsyncTwins:
-    """Mixed into :class:`kestrel.Engine`; relies on its ``_draft``, ``_draft_chat``,
-    ``_factory`` and ``_await``."""
+    """Mixed into :class:`kestrel.Engine`; relies on its ``_draft``, ``_query_draft``,
+    ``_draft_chat``, ``_factory`` and ``_await``."""
 
     async def aquery(
         self,
@@ -31,17 +31,8 @@ class AsyncTwins:
     ) -> Any:
         """``await engine.aquery(...)`` -> QueryResult; with ``stream=True`` an
         AsyncTextStream to ``async for`` over (then ``await stream.result()``)."""
-        draft = await asyncio.to_thread(
-            self._draft,
-            self._factory.query,
-            image,
-            question,
-            settings,
-            adapter,
-            cache_salt,
-            reasoning=reasoning,
-            spatial_refs=spatial_refs,
-        )
+        args = (image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
+        draft = await asyncio.to_thread(self._query_draft, *args)
         return await self._await(draft, stream)
 
     async def achat(

@@ -143,15 +143,8 @@ class Engine(AsyncTwins, ChatCalls):
         spatial_refs: Sequence[Sequence[float]] | None = None,
     ) -> Future:
         """Queue a question about ``image`` (None: text only); the future gives a QueryResult."""
-        draft = self._draft(
-            self._factory.query,
-            image,
-            question,
-            settings,
-            adapter,
-            cache_salt,
-            reasoning=reasoning,
-            spatial_refs=spatial_refs,
+        draft = self._query_draft(
+            image, question, settings, adapter, cache_salt, reasoning, spatial_refs
         )
         return self._submit(draft)
 
@@ -211,6 +204,15 @@ class Engine(AsyncTwins, ChatCalls):
         draft = make(self._image(image), subject, settings, lora, **options)
         return salted(draft, cache_salt)
 
+    def _query_draft(
+        self, image, question, settings, adapter, cache_salt, reasoning, spatial_refs
+    ) -> Draft:
+        """``_draft`` for a query, with its two options."""
+        return self._draft(
+            self._factory.query, image, question, settings, adapter, cache_salt,
+            reasoning=reasoning, spatial_refs=spatial_refs,
+        )  # fmt: skip
+
     def _check_open(self) -> None:
         if self._loop.closed:
             raise EngineClosedError("the engine is closed")
@@ -262,15 +264,8 @@ class Engine(AsyncTwins, ChatCalls):
         stream: bool = False,
     ):
         """Answer ``question`` (QueryResult), or with ``stream=True`` a TextStream of deltas."""
-        draft = self._draft(
-            self._factory.query,
-            image,
-            question,
-            settings,
-            adapter,
-            cache_salt,
-            reasoning=reasoning,
-            spatial_refs=spatial_refs,
+        draft = self._query_draft(
+            image, question, settings, adapter, cache_salt, reasoning, spatial_refs
         )
         return self._call(draft, stream)
 
