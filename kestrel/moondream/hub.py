@@ -8,14 +8,19 @@ instead, so a user without network access always learns what to do.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 __all__ = [
     "CHECKPOINT_FILES",
     "CheckpointError",
+    "checkpoint_patterns",
+    "download_checkpoint",
     "download_snapshot",
     "hub_offline",
     "looks_like_repo_id",
@@ -24,13 +29,10 @@ __all__ = [
 # The files a checkpoint directory holds; only these are downloaded from a model repo (the
 # official repo also carries remote-code Python files that Kestrel never runs). The weights are
 # one model.safetensors or a sharded set (model-00001-of-00004.safetensors ... and its index).
-CHECKPOINT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "model-*-of-*.safetensors",
-    "config.json",
-    "tokenizer.json",
-)
+SINGLE_FILE = ("model.safetensors",)
+SHARDED = ("model.safetensors.index.json", "model-*-of-*.safetensors")
+COMPANIONS = ("config.json", "tokenizer.json")
+CHECKPOINT_FILES = (*SINGLE_FILE, *SHARDED, *COMPANIONS)
 
 # "owner/name" with the characters the hub allows; a leading dot or slash means a local path.
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -50,6 +52,17 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def checkpoint_patterns(repo_files: Sequence[str]) -> tuple[str, ...]:
+    """The files to fetch of a repo holding ``repo_files``: one weights form, as the loader reads
+    it -- ``model.safetensors`` when present (a repo may carry the shards too), else the index
+    and its shards -- plus config.json and tokenizer.json. A repo with neither form gets every
+    pattern (nothing of the weights matches; the loader then names what is missing)."""
+    for form in (SINGLE_FILE, SHARDED):
+        if fnmatch.filter(repo_files, form[0]):
+            return (*form, *COMPANIONS)
+    return CHECKPOINT_FILES
+
+
 def download_snapshot(
     repo_id: str,
     *,
@@ -63,30 +76,61 @@ def download_snapshot(
     Offline (``HF_HUB_OFFLINE=1``) only the local hub cache is consulted.
     Raises CheckpointError when huggingface_hub is missing or the snapshot cannot be had.
     """
-    hint = (
+    hub = _import_hub(repo_id, what)
+    offline = hub_offline()
+    with _hub_errors(repo_id, what, offline):
+        return _snapshot(hub, repo_id, revision, allow_patterns, offline)
+
+
+def download_checkpoint(repo_id: str, *, revision: str | None, what: str) -> Path:
+    """``download_snapshot`` of a checkpoint, fetching one weights form: the repo's file list
+    is read first and ``checkpoint_patterns`` chooses. Offline the cache holds whatever was
+    fetched before, so every checkpoint pattern is asked of it."""
+    hub = _import_hub(repo_id, what)
+    offline = hub_offline()
+    with _hub_errors(repo_id, what, offline):
+        patterns = CHECKPOINT_FILES
+        if not offline:
+            patterns = checkpoint_patterns(hub.list_repo_files(repo_id, revision=revision))
+        return _snapshot(hub, repo_id, revision, patterns, offline)
+
+
+def _snapshot(hub, repo_id: str, revision, patterns: Sequence[str], offline: bool) -> Path:
+    return Path(
+        hub.snapshot_download(
+            repo_id, revision=revision, allow_patterns=list(patterns), local_files_only=offline
+        )
+    )
+
+
+def _hint(repo_id: str, what: str) -> str:
+    return (
         f"download {what} from https://huggingface.co/{repo_id} into a directory and pass "
         "that directory's path instead of the repo id"
     )
+
+
+def _import_hub(repo_id: str, what: str) -> ModuleType:
     try:
         import huggingface_hub
     except ImportError as exc:
         raise CheckpointError(
             f"{repo_id!r} is not a local path, and downloading it needs the optional "
-            f"huggingface_hub package: pip install 'kestrel[hub]', or {hint}"
+            f"huggingface_hub package: pip install 'kestrel[hub]', or {_hint(repo_id, what)}"
         ) from exc
-    offline = hub_offline()
+    return huggingface_hub
+
+
+@contextmanager
+def _hub_errors(repo_id: str, what: str, offline: bool) -> Iterator[None]:
+    """Every hub failure (listing or download) gets the same actionable message."""
     try:
-        snapshot = huggingface_hub.snapshot_download(
-            repo_id,
-            revision=revision,
-            allow_patterns=list(allow_patterns),
-            local_files_only=offline,
-        )
-    except Exception as exc:  # every hub failure gets the same actionable message
+        yield
+    except Exception as exc:
         reason = f"{type(exc).__name__}: {str(exc)[:300]}"
         if offline:
             reason = f"HF_HUB_OFFLINE is set and it is not in the local hub cache; {reason}"
         raise CheckpointError(
-            f"cannot get {what} of {repo_id!r} from the Hugging Face hub ({reason}); {hint}"
+            f"cannot get {what} of {repo_id!r} from the Hugging Face hub ({reason}); "
+            f"{_hint(repo_id, what)}"
         ) from exc
-    return Path(snapshot)

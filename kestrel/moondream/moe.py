@@ -11,8 +11,20 @@ the prefix cache shares it like any other K/V.
 MoE (layers >= moe.start_layer; the reference's ``layers.py``): router = Linear(dim -> E) on the
 block's LayerNorm output; the k largest logits (``torch.topk``) are softmaxed in float32 and cast
 back; expert e computes [h; g] = x @ up[e]^T, y = (GELU_exact(h) * (g + 1)) @ down[e]^T, and the
-MLP output is sum_k w_k y_k. Tokens are grouped by expert: one matmul pair per expert that at
-least one token chose, so a step reads only the experts its rows routed to.
+MLP output is sum_k w_k y_k. Two forms of the same MLP:
+
+- ``moe_mlp`` (prefill, CPU decode): tokens grouped by expert, one matmul pair per expert that
+  at least one token chose, so a forward reads only the experts its tokens routed to. Grouping
+  needs the per-expert counts on the host (``.tolist()``): a host synchronisation, and shapes
+  that depend on the routing.
+- ``moe_mlp_static`` (CUDA decode, the graph-captured step): static shapes, no host
+  synchronisation. For N tokens, ``gathers_experts`` picks the branch from N alone: while
+  N * k < E it gathers each token's k expert slices and runs them as one batched matmul pair
+  (reads N * k slices: exactly the chosen experts at N = 1); from N * k >= E on, when nearly
+  every expert is touched anyway, it runs all E experts over all N tokens with the routing
+  weights zeroed outside each token's top k (reads each expert once; E / k times the FLOPs,
+  which a memory-bound decode step does not notice). Prefill keeps the grouped form: its
+  N * k is far above E and the all-experts branch would multiply its FLOPs by E / k.
 """
 
 from __future__ import annotations
@@ -29,7 +41,9 @@ from kestrel.moondream.model import MoeWeights, TauWeights
 __all__ = [
     "Routing",
     "expert_activation",
+    "gathers_experts",
     "moe_mlp",
+    "moe_mlp_static",
     "route",
     "tau_factors",
     "tau_feature",
@@ -106,3 +120,46 @@ def moe_mlp(x_BTC: Tensor, w: MoeWeights, cfg: TextMoeConfig) -> tuple[Tensor, R
         out_NC.index_add_(0, tok, y * weight_of[start : start + n, None])
         start += n
     return out_NC.view(B, T, C), r
+
+
+def gathers_experts(n_tokens: int, cfg: TextMoeConfig) -> bool:
+    """The static MoE's branch for ``n_tokens`` rows: True (gather each row's k experts) while
+    ``n_tokens * k < num_experts``, False (every expert, weights zeroed outside the top k) from
+    there on. A function of the shape only, so a captured graph holds one fixed branch."""
+    return n_tokens * cfg.experts_per_token < cfg.num_experts
+
+
+def moe_mlp_static(x_BTC: Tensor, w: MoeWeights, cfg: TextMoeConfig) -> tuple[Tensor, Routing]:
+    """``moe_mlp`` with static shapes and no host synchronisation (see the module doc)."""
+    B, T, C = x_BTC.shape
+    x_NC = x_BTC.reshape(B * T, C)
+    r = route(x_NC, w, cfg)
+    if gathers_experts(B * T, cfg):
+        out_NC = _gathered_experts(x_NC, w, r)
+    else:
+        out_NC = _all_experts(x_NC, w, r)
+    return out_NC.view(B, T, C), r
+
+
+def _gathered_experts(x_NC: Tensor, w: MoeWeights, r: Routing) -> Tensor:
+    """Each token's k experts, gathered (token-major, topk order) and run as batched matmuls."""
+    N, k = r.experts.shape
+    C = x_NC.shape[1]
+    chosen = r.experts.reshape(N * k)
+    up = w.up.index_select(0, chosen)  # [N*k, 2 inner, C]
+    down = w.down.index_select(0, chosen)  # [N*k, C, inner]
+    x_M1C = x_NC[:, None, :].expand(N, k, C).reshape(N * k, 1, C)  # each token once per slot
+    h, g = torch.bmm(x_M1C, up.transpose(1, 2)).chunk(2, dim=-1)  # [N*k, 1, inner] each
+    y_M1C = torch.bmm(expert_activation(h, g), down.transpose(1, 2))  # [N*k, 1, C]
+    return (y_M1C.view(N, k, C) * r.weights[..., None]).sum(dim=1)
+
+
+def _all_experts(x_NC: Tensor, w: MoeWeights, r: Routing) -> Tensor:
+    """Every expert over every token; weights are zero outside each token's top k."""
+    weights_NE = torch.zeros(
+        x_NC.shape[0], w.up.shape[0], dtype=r.weights.dtype, device=x_NC.device
+    ).scatter(1, r.experts, r.weights)
+    hg_ENI = torch.matmul(x_NC, w.up.transpose(1, 2))  # [E, N, 2 inner]
+    h, g = hg_ENI.chunk(2, dim=-1)
+    y_ENC = torch.bmm(expert_activation(h, g), w.down.transpose(1, 2))  # [E, N, C]
+    return (y_ENC * weights_NE.T[..., None]).sum(dim=0)

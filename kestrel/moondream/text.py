@@ -25,7 +25,7 @@ from kestrel.moondream.config import TextConfig
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.lora_batch import LoraBatch
 from kestrel.moondream.model import LayerNorm, Linear, TextBlock, TextWeights
-from kestrel.moondream.moe import Routing, moe_mlp, tau_factors
+from kestrel.moondream.moe import Routing, moe_mlp, moe_mlp_static, tau_factors
 from kestrel.moondream.rope import apply_rope, rope_cos_sin
 
 __all__ = ["dense_activation", "embed_text", "layer_norm", "linear", "lm_head", "text_forward"]
@@ -73,10 +73,12 @@ class RoutingSink(Protocol):
     def __call__(self, layer: int, routing: Routing) -> None: ...
 
 
-def _mlp(h, blk: TextBlock, cfg: TextConfig, plan, i: int, sink: RoutingSink | None) -> Tensor:
+def _mlp(
+    h, blk: TextBlock, cfg: TextConfig, plan, i: int, sink: RoutingSink | None, moe_static: bool
+) -> Tensor:
     if blk.moe is not None:
         assert cfg.moe is not None
-        out, routing = moe_mlp(h, blk.moe, cfg.moe)
+        out, routing = (moe_mlp_static if moe_static else moe_mlp)(h, blk.moe, cfg.moe)
         if sink is not None:
             sink(i, routing)
         return out
@@ -100,6 +102,7 @@ def text_forward(
     lora: Sequence[LoraAdapter | None] | None = None,
     backend: str = "auto",
     routing_sink: RoutingSink | None = None,
+    moe_static: bool = False,
 ) -> Tensor:
     """Run the decoder over T new positions per row; return hidden states BEFORE post_ln.
 
@@ -110,6 +113,8 @@ def text_forward(
     bidir_regions: int32 [B, 2] (start, end) bidirectional KV range per row or None.
     lora: None or one ``LoraAdapter | None`` per row. K/V of every layer are written to ``kv``.
     routing_sink: called with (layer, Routing) for each MoE layer (Moondream 3), or None.
+    moe_static: run the MoE layers in their static-shape, sync-free form (``moe.moe_mlp_static``,
+    for decode on CUDA) instead of grouped by expert.
     """
     B, T, C = x_BTC.shape
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -148,5 +153,5 @@ def text_forward(
         )  # [B, T, H, D]
         # proj LoRA reads the LN output h, not the attention output (reference quirk).
         attn_out = _add_lora(linear(attn.reshape(B, T, C), blk.proj), h, plan, i, "proj")
-        x = x + attn_out + _mlp(h, blk, cfg, plan, i, routing_sink)
+        x = x + attn_out + _mlp(h, blk, cfg, plan, i, routing_sink, moe_static)
     return x

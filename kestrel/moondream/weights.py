@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 
 from .config import MOONDREAM2, MOONDREAM3, MoondreamConfig
-from .hub import CHECKPOINT_FILES, CheckpointError, download_snapshot, looks_like_repo_id
+from .hub import CheckpointError, download_checkpoint, looks_like_repo_id
 from .layout import _TRANSPOSED_IN_LEGACY, _legacy_name, expected_shapes
 from .shards import INDEX_FILE, WEIGHTS_FILE, ShardReader, ShardSet
 
@@ -285,9 +285,9 @@ def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) ->
     """A local checkpoint path (directory or file) for a path or a Hugging Face repo id.
 
     Existing local paths are returned as given. Other ``owner/name`` strings are downloaded
-    (only the weights -- ``model.safetensors``, or a sharded set and its index -- config.json and
-    tokenizer.json) with huggingface_hub, or taken from
-    its cache when ``HF_HUB_OFFLINE=1``. Raises CheckpointError with instructions otherwise.
+    (only the weights -- ``model.safetensors`` if the repo has it, else the sharded set and its
+    index -- config.json and tokenizer.json) with huggingface_hub, or taken from its cache when
+    ``HF_HUB_OFFLINE=1``. Raises CheckpointError with instructions otherwise.
     """
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -297,9 +297,8 @@ def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) ->
             f"no such checkpoint path: {path} (expected a directory holding {WEIGHTS_FILE} and "
             f"{CONFIG_FILE}, a {WEIGHTS_FILE} file, or a hub repo id like 'vikhyatk/moondream2')"
         )
-    return download_snapshot(
+    return download_checkpoint(
         str(name_or_path),
         revision=revision,
-        allow_patterns=CHECKPOINT_FILES,
         what=f"{WEIGHTS_FILE} and {CONFIG_FILE} (or the shards and their {INDEX_FILE})",
     )

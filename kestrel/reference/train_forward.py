@@ -4,7 +4,9 @@
 whole packed batch instead. This module runs the very same block math (``layer_norm``,
 ``linear``, ``rope_cos_sin`` / ``apply_rope``, the parallel attention + MLP residual, LoRA deltas
 with the proj-reads-LN-output quirk) over a dense [B, T] batch with an explicit attention mask,
-and uses the vision and region functions unchanged.
+and uses the vision and region functions unchanged. Both families: Moondream 3's tau scaling of
+q and v and its MoE layers (the grouped ``moe_mlp``, differentiable) come from ``moondream.moe``
+as in ``text_forward``, and an adapter's MLP entries do not apply to the MoE layers.
 
 Packing: each row is ``BOS + image`` (one bidirectional block, positions 0..prefix_len-1)
 followed by several independent segments (a prompt plus its answer), each starting at position
@@ -24,10 +26,11 @@ from torch import Tensor
 
 from kestrel.moondream.config import MoondreamConfig, TextConfig
 from kestrel.moondream.lora import LoraAdapter
-from kestrel.moondream.model import MoondreamModel, TextWeights
+from kestrel.moondream.model import MoondreamModel, TextBlock, TextWeights
+from kestrel.moondream.moe import moe_mlp, tau_factors
 from kestrel.moondream.region import decode_coordinate, decode_size, encode_coordinate, encode_size
 from kestrel.moondream.rope import apply_rope, rope_cos_sin
-from kestrel.moondream.text import embed_text, layer_norm, linear, lm_head
+from kestrel.moondream.text import dense_activation, embed_text, layer_norm, linear, lm_head
 from kestrel.moondream.vision import pooled_local_features, vision_encoder, vision_projection
 from kestrel.tokens import CoordToken, SizeToken, TextToken
 
@@ -208,6 +211,10 @@ def dense_text_forward(
         h = layer_norm(x, blk.ln)
         qkv = _lora(linear(h, blk.qkv), h, lora, i, "qkv")  # [B, T, (H + 2Hkv) D]
         q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+        if blk.tau is not None:  # Moondream 3: q and v (not k) scaled before rotary
+            tau_q, tau_v = tau_factors(qkv, positions_BT, blk.tau)  # [B, T, H] each
+            q = (q.view(B, T, H, D) * tau_q[..., None]).reshape(B, T, H * D)
+            v = (v.view(B, T, Hkv, D) * tau_v[..., None]).reshape(B, T, Hkv * D)
         q = apply_rope(q.view(B, T, H, D), cos_BTR, sin_BTR).transpose(1, 2)  # [B, H, T, D]
         k = apply_rope(k.view(B, T, Hkv, D), cos_BTR, sin_BTR).transpose(1, 2)  # [B, Hkv, T, D]
         v = v.view(B, T, Hkv, D).transpose(1, 2)
@@ -217,9 +224,18 @@ def dense_text_forward(
         attn_out = _lora(
             linear(attn.transpose(1, 2).reshape(B, T, C), blk.proj), h, lora, i, "proj"
         )
-        ff = F.gelu(_lora(linear(h, blk.fc1), h, lora, i, "fc1"), approximate="tanh")
-        x = x + attn_out + _lora(linear(ff, blk.fc2), ff, lora, i, "fc2")
+        x = x + attn_out + _mlp(h, blk, cfg, lora, i)
     return x
+
+
+def _mlp(h: Tensor, blk: TextBlock, cfg: TextConfig, lora: LoraAdapter | None, i: int) -> Tensor:
+    """The dense MLP with its LoRA pairs, or Moondream 3's experts (no LoRA, as the runtime)."""
+    if blk.moe is not None:
+        assert cfg.moe is not None
+        return moe_mlp(h, blk.moe, cfg.moe)[0]
+    assert blk.fc1 is not None and blk.fc2 is not None
+    ff = dense_activation(_lora(linear(h, blk.fc1), h, lora, i, "fc1"))
+    return _lora(linear(ff, blk.fc2), ff, lora, i, "fc2")
 
 
 def embed_packed(batch: PackedBatch, img_emb: Tensor, model: MoondreamModel, bos_id: int) -> Tensor:

@@ -7,6 +7,13 @@ Two forms of the same step:
 - ``decode_static``: a pure function of device tensors with static shapes and no host
   synchronisation (embedding, full-width page-table rows, slots and key counts computed on the
   device), the form ``cuda_graphs.DecodeGraphs`` captures.
+
+Moondream 3's MoE layers run in their static form (``moe.moe_mlp_static``: no host
+synchronisation, shapes fixed by the batch size) in ``decode_static`` always -- capture needs
+it -- and in ``decode_eager`` on CUDA: the grouped form would stop the host once per MoE layer
+per step to read the expert counts, and a decode step's few rows gain nothing from grouping.
+On CPU, and in every prefill, the grouped form runs: it computes only the chosen experts
+without copying their weights, and a host round trip costs nothing there.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from kestrel.moondream.text import PagedKV, embed_text, lm_head, text_forward
 __all__ = ["decode_eager", "decode_static"]
 
 
-def _one_step(model, kv, x_BC, pages_BK, slots_B, lengths_B, lora, backend: str) -> Tensor:
+def _one_step(
+    model, kv, x_BC, pages_BK, slots_B, lengths_B, lora, backend: str, moe_static: bool
+) -> Tensor:
     """The decoder over one new position per row (KV length ``lengths_B`` before it): [B, C]."""
     hidden_B1C = text_forward(
         x_BC[:, None, :],
@@ -36,6 +45,7 @@ def _one_step(model, kv, x_BC, pages_BK, slots_B, lengths_B, lora, backend: str)
         seqused_k=(lengths_B + 1).to(torch.int32),
         lora=lora,
         backend=backend,
+        moe_static=moe_static,
     )
     return hidden_B1C[:, 0]
 
@@ -61,7 +71,8 @@ def decode_eager(
     pages_BK = page_table_RP[rows_B, :max_k]
     slots_B = pages_BK.gather(1, lengths_B[:, None]).reshape(-1).to(torch.long)
     lora = list(adapters) if any(a is not None for a in adapters) else None
-    return _one_step(model, kv, x_BC, pages_BK, slots_B, lengths_B, lora, backend)
+    static = x_BC.is_cuda  # see the module doc
+    return _one_step(model, kv, x_BC, pages_BK, slots_B, lengths_B, lora, backend, static)
 
 
 def decode_static(
@@ -88,5 +99,5 @@ def decode_static(
     pages_BP = page_table_RP.index_select(0, rows_B)  # [B, max_seq_len]
     slots_B = pages_BP.gather(1, lengths_B[:, None])[:, 0].to(torch.int64)
     slots_B = torch.where(rows_B > 0, slots_B, -1)
-    hidden_BC = _one_step(model, kv, x_BC, pages_BP, slots_B, lengths_B, None, backend)
+    hidden_BC = _one_step(model, kv, x_BC, pages_BP, slots_B, lengths_B, None, backend, True)
     return hidden_BC, lm_head(hidden_BC, model.text)

@@ -2,7 +2,8 @@
 the fixture model: image routing keeps every question about an image (by content: a copy under
 another name included) on one replica, which encodes it once; the answers and lines are those
 of one Engine and of ``kestrel batch``; corrupt images give error lines; the summary adds up;
-resume skips what is done; a replica killed mid-job still leaves every row exactly once."""
+resume skips what is done; a replica killed mid-job still leaves every row exactly once; on
+Moondream 3 (md3-tiny-a) the answers are the Engine's."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from kestrel.distributed import (  # noqa: E402
     ReplicaOptions,
     run_ray_batch,
 )
-from tests.conftest import fixture_dir  # noqa: E402
+from tests.conftest import FIXTURES, fixture_dir  # noqa: E402
 
 MODEL = fixture_dir()
 SETTINGS = {"max_tokens": 4, "temperature": 0.0}  # greedy: answers are reproducible
@@ -264,3 +265,33 @@ def test_a_replica_killed_mid_job_leaves_every_row_once(routed, data, expected, 
         f"\nreplica killed: pid {killed}; rows run {summary.requests}, skipped "
         f"{summary.skipped}, lines written {len(lines)}; served per replica {served}"
     )
+
+
+# ---------------------------------------------------------------------------- Moondream 3
+def test_md3_ray_batch_answers_equal_the_engines(tmp_path):
+    """``kestrel batch --ray`` on md3-tiny-a (2 images x 2 questions, one replica on the same
+    local Ray): every answer equals the local Engine's, which the md3 front-door tests tie to
+    the first-party reference."""
+    md3 = FIXTURES / "md3-tiny-a"
+    images = tmp_path / "imgs"
+    images.mkdir()
+    for name in ("scene_800x600.png", "shapes_378.png"):
+        shutil.copy(md3 / "images" / name, images / name)
+    (tmp_path / "q.txt").write_text("\n".join(QUESTIONS) + "\n")
+    out = tmp_path / "results"
+    opts = [str(md3) if x == str(MODEL) else x for x in ENGINE_OPTS]
+    argv = ["batch", "--ray", "--replicas", "1", "--images", str(images), "--questions"]
+    argv += [str(tmp_path / "q.txt"), "--out", str(out), *opts]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(argv) == 0
+    summary, lines = last_json(stdout), read_lines(out)
+    assert (summary["requests"], summary["errors"]) == (4, 0)
+    assert sorted((x["image"], x["question"]) for x in lines) == sorted(
+        (n, q) for n in ("scene_800x600.png", "shapes_378.png") for q in QUESTIONS
+    )
+    with Engine(md3, **ENGINE) as engine:
+        assert engine.config.family == "moondream3"
+        for line in lines:
+            want = engine.query(images / line["image"], line["question"], settings=SETTINGS)
+            assert line["answer"] == want.answer, line

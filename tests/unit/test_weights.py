@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import sys
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kestrel.moondream.config import MoondreamConfig
+from kestrel.moondream.hub import CHECKPOINT_FILES
 from kestrel.moondream.weights import (
     CheckpointError,
     CheckpointWarning,
@@ -283,6 +285,7 @@ def test_resolve_hub_network_error_and_success(
 
     fake = types.ModuleType("huggingface_hub")
     fake.snapshot_download = failing  # type: ignore[attr-defined]
+    fake.list_repo_files = lambda repo_id, revision: ["model.safetensors"]  # type: ignore
     monkeypatch.setitem(sys.modules, "huggingface_hub", fake)
     with pytest.raises(CheckpointError, match="ConnectionError: network unreachable"):
         resolve_checkpoint("vikhyatk/moondream2", revision="abc")
@@ -293,6 +296,71 @@ def test_resolve_hub_network_error_and_success(
 
     fake.snapshot_download = lambda repo_id, **kw: str(tmp_path)  # type: ignore[attr-defined]
     assert resolve_checkpoint("vikhyatk/moondream2") == tmp_path
+
+
+SHARDS = ["model.safetensors.index.json", "model-00001-of-00002.safetensors",
+          "model-00002-of-00002.safetensors"]  # fmt: skip
+REPO_EXTRAS = ["config.json", "tokenizer.json", "hf_moondream.py", "README.md", "model_fp8.pt"]
+
+
+class FakeHub(types.ModuleType):
+    """huggingface_hub's two calls, recorded; ``files`` None makes the listing fail."""
+
+    def __init__(self, files: list[str] | None, snapshot: Path) -> None:
+        super().__init__("huggingface_hub")
+        self.files, self.snapshot = files, snapshot
+        self.listed: list[str | None] = []
+        self.downloads: list[dict] = []
+
+    def list_repo_files(self, repo_id: str, revision: str | None = None) -> list[str]:
+        self.listed.append(revision)
+        if self.files is None:
+            raise ConnectionError("listing refused")
+        return self.files
+
+    def snapshot_download(self, repo_id: str, **kwargs: object) -> str:
+        self.downloads.append(kwargs)
+        return str(self.snapshot)
+
+
+@pytest.mark.parametrize(
+    ("repo_files", "fetched"),
+    [
+        (["model.safetensors", *SHARDS], ["model.safetensors"]),  # both forms: the single file
+        (["model.safetensors"], ["model.safetensors"]),
+        (SHARDS, SHARDS),
+    ],
+    ids=["both", "single", "sharded"],
+)
+def test_hub_fetches_one_weights_form(
+    repo_files: list[str], fetched: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The repo's file list is read first; snapshot_download gets patterns for one form only."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hub = FakeHub([*repo_files, *REPO_EXTRAS], tmp_path)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    assert resolve_checkpoint("moondream/moondream3-preview", revision="r1") == tmp_path
+    assert hub.listed == ["r1"] and len(hub.downloads) == 1
+    patterns = hub.downloads[0]["allow_patterns"]
+    assert isinstance(patterns, list)
+    got = [f for f in hub.files or [] if any(fnmatch.fnmatch(f, p) for p in patterns)]
+    assert got == [*fetched, "config.json", "tokenizer.json"]
+
+
+def test_hub_listing_failure_and_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A failed listing gives the usual message; offline nothing is listed and the cache is
+    asked for every checkpoint file (it holds whichever form was fetched before)."""
+    hub = FakeHub(None, tmp_path)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(CheckpointError, match="ConnectionError: listing refused") as err:
+        resolve_checkpoint("moondream/moondream3-preview")
+    assert "pass that directory's path" in str(err.value) and hub.downloads == []
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_checkpoint("moondream/moondream3-preview") == tmp_path
+    assert hub.listed == [None]  # only the failed call above
+    assert hub.downloads[0]["local_files_only"] is True
+    assert set(hub.downloads[0]["allow_patterns"]) == set(CHECKPOINT_FILES)
 
 
 @pytest.mark.gpu
