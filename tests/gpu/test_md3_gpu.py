@@ -10,6 +10,9 @@ everything skips (tests/conftest.py); without an sm90 GPU or flash-attn-4 the fa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -85,15 +88,22 @@ def test_md3_graph_decode_does_not_sync(fa_ready, model, image) -> None:
     states = [rt.start_sequence(p, image, max_new_tokens=5)[0] for p in prompts(model, 2)]
     rt.decode_step(states, [TextToken(5), TextToken(6)])  # captures the bucket
     assert rt.decode_graphs is not None and rt.decode_graphs.captured == (2,)
+    with syncs_raise():
+        for t in range(3):
+            rt.decode_step(states, [TextToken(7 + t), TextToken(9 + t)])
+    for s in states:
+        rt.release_sequence(s)
+
+
+@contextlib.contextmanager
+def syncs_raise() -> Iterator[None]:
+    """Inside, any host synchronisation with the device raises."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for t in range(3):
-            rt.decode_step(states, [TextToken(7 + t), TextToken(9 + t)])
+        yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for s in states:
-        rt.release_sequence(s)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 64])

@@ -13,14 +13,7 @@ from PIL import Image
 from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.text import lm_head
-from kestrel.reference.train_forward import (
-    NO_TARGET,
-    Segment,
-    dense_text_forward,
-    embed_packed,
-    image_embeddings,
-    pack,
-)
+from kestrel.reference import train_forward as tf
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
 from tests.integration.test_adapters_md3 import CONFIG, IMAGE, MD3, random_adapter
@@ -56,17 +49,18 @@ def runtime_logits(rt, image, ids: list[int], adapter: LoraAdapter | None) -> to
 
 def packed_hidden(rt, image, prompts: list[list[int]], adapter, grad: bool = False):
     model = rt.model
+    none = tf.NO_TARGET
     segments = [
-        Segment(tuple(map(TextToken, ids)), (NO_TARGET,) * len(ids), (NO_TARGET,) * len(ids),
-                (None,) * len(ids))
+        tf.Segment(tuple(map(TextToken, ids)), (none,) * len(ids), (none,) * len(ids),
+                   (None,) * len(ids))
         for ids in prompts
     ]  # fmt: skip
     crops = overlap_crops(image, model.config.vision)
     pixels = normalize_pixels(crops.crops, model.dtype)
-    batch = pack([segments], model.config)
-    img = image_embeddings([pixels], [tuple(crops.tiling)], model)
-    x = embed_packed(batch, img, model, model.config.tokenizer.bos_id).requires_grad_(grad)
-    hidden = dense_text_forward(
+    batch = tf.pack([segments], model.config)
+    img = tf.image_embeddings([pixels], [tuple(crops.tiling)], model)
+    x = tf.embed_packed(batch, img, model, model.config.tokenizer.bos_id).requires_grad_(grad)
+    hidden = tf.dense_text_forward(
         x, model.text, model.config.text, positions_BT=batch.positions, mask_B1TT=batch.mask,
         lora=adapter,
     )  # fmt: skip
