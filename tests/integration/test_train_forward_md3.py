@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from kestrel.moondream.image_crops import normalize_pixels, overlap_crops
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.text import lm_head
+from kestrel.moondream.vision import normalize_pixels, overlap_crops
 from kestrel.reference import train_forward as tf
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
