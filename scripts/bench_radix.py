@@ -331,11 +331,10 @@ def one_round(impls: list[type[Impl]], w: Workload) -> tuple[dict, dict[str, str
         for name, _impl, ops in built:
             out[name][row] = time_us(w.reps, ops[k][1], ops[k][2])[0]
     ours.check_integrity()
-    row = ""
-    for cls in impls:
-        med, _p90, pages, nodes = evict_all(cls, w)
-        # the row is named by our tree (0.9.2 counts its nodes differently)
-        row = row or f"evict all: {pages} pages in {nodes} nodes (median of {w.evict_reps} trees)"
+    evicted = [evict_all(cls, w) for cls in impls]
+    _med, _p90, pages, nodes = evicted[0]  # the row is named by our tree (0.9.2 counts nodes apart)
+    row = f"evict all: {pages} pages in {nodes} nodes (median of {w.evict_reps} trees)"
+    for cls, (med, *_rest) in zip(impls, evicted, strict=True):
         out[cls.name][row] = med
     kinds[row] = "write"
     return out, kinds, tree

@@ -90,9 +90,9 @@ def report(bench: harness.Bench, rounds: list[dict[str, dict]], batch: int) -> N
     for k in [*parts, "total"]:
         cells = []
         for what in PARTS:
-            ms = [r[what].get(k, 0.0) * 1e3 for r in rounds]
-            cells.append(harness.spread(ms).fmt() if any(ms) else "-")
-            bench.figures.setdefault(what, {})[k] = harness.s_dict(harness.spread(ms))
+            ms = harness.spread([r[what].get(k, 0.0) * 1e3 for r in rounds])
+            cells.append(ms.fmt() if ms.hi > 0 else "-")
+            bench.figures.setdefault(what, {})[k] = harness.s_dict(ms)
         bench.emit(f"| {k} | " + " | ".join(cells) + " |")
     bench.ratio_line("hit / miss TTFT", [r["hit"]["total"] for r in rounds],
                      [r["miss"]["total"] for r in rounds])  # fmt: skip
