@@ -1,0 +1,174 @@
+"""Starting the replicas of ``kestrel serve --ray`` on Ray Serve, and watching them.
+
+Each replica is its own Serve application holding one deployment with one replica (one
+:class:`~kestrel.distributed.serve_replica.EngineReplica`, one Engine): the name of the
+application (``kestrel-replica-<i>``) is a stable identity for the ring, whichever process
+serves it, and its handle reaches exactly that engine. Serve restarts a replica whose process
+dies (its health check fails) and sends it nothing until its constructor, the model load, has
+finished. No Serve HTTP proxy is started: the front door is Kestrel's own server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+
+from kestrel.errors import InvalidInputError
+
+from .frontdoor import ClusterEngine, ReplicaLink
+from .replica import ReplicaOptions
+from .ring import Router
+from .serve_replica import EngineReplica
+
+__all__ = [
+    "APP_PREFIX",
+    "HealthMonitor",
+    "ServeOptions",
+    "delete_replicas",
+    "placement",
+    "start_cluster",
+]
+
+log = logging.getLogger("kestrel.distributed")
+APP_PREFIX = "kestrel-replica-"
+DEFAULT_CPU_REPLICAS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """``replicas``: how many (None: one per GPU of the cluster, else 2); ``routing``:
+    ``image`` or ``random``; ``slack``: the bounded-load threshold in requests (None: one
+    replica's ``max_batch_size``); ``cpus_per_replica``: Ray CPUs each CPU replica takes, and
+    its torch threads (None: an equal share of the cluster's CPUs, at least 1);
+    ``max_ongoing_requests``: what Serve lets one replica hold at once; ``health_period_s``:
+    Serve's health check and the front door's probe period."""
+
+    replicas: int | None = None
+    routing: str = "image"
+    slack: int | None = None
+    cpus_per_replica: float | None = None
+    max_ongoing_requests: int = 256
+    health_period_s: float = 1.0
+    shutdown_timeout_s: float = 30.0
+
+
+def placement(
+    replica: ReplicaOptions, options: ServeOptions
+) -> tuple[int, ReplicaOptions, dict[str, float]]:
+    """The replica count, each replica's options and its Ray resources: one GPU each when the
+    cluster has GPUs (and the device is not "cpu"), else ``cpus_per_replica`` CPUs each."""
+    res = ray.cluster_resources()
+    cpus, gpus = float(res.get("CPU", 0)), int(res.get("GPU", 0))
+    device = str(replica.engine.get("device", "auto"))
+    if gpus and device != "cpu":
+        n = options.replicas or gpus
+        if n > gpus:
+            raise InvalidInputError(f"{n} replicas need {n} GPUs; the Ray cluster has {gpus}")
+        engine = {**replica.engine, "device": "cuda"}  # the GPU Ray gives the actor
+        return n, replace(replica, engine=engine), {"num_gpus": 1, "num_cpus": 1}
+    n = options.replicas or DEFAULT_CPU_REPLICAS
+    share = options.cpus_per_replica or max(1.0, float(int(cpus // n)))
+    if share * n > cpus:
+        raise InvalidInputError(
+            f"{n} replicas of {share:g} CPUs need {share * n:g}; the Ray cluster has {cpus:g}"
+        )
+    threads = replica.threads or max(1, int(share))
+    return n, replace(replica, threads=threads), {"num_cpus": share}
+
+
+def start_cluster(replica: ReplicaOptions, options: ServeOptions) -> ClusterEngine:
+    """Deploy the replicas on the connected Ray cluster, wait until every one has loaded its
+    model, and give the front door's engine over them (routing as ``options`` says)."""
+    from ray import serve
+
+    n, replica, resources = placement(replica, options)
+    serve.start(proxy_location="Disabled")
+    deployment = serve.deployment(
+        name="EngineReplica",
+        num_replicas=1,
+        max_ongoing_requests=options.max_ongoing_requests,
+        ray_actor_options=resources,
+        health_check_period_s=options.health_period_s,
+        health_check_timeout_s=max(10.0, 10 * options.health_period_s),
+        graceful_shutdown_timeout_s=options.shutdown_timeout_s,
+        logging_config={"log_level": "WARNING", "enable_access_log": False},
+    )(EngineReplica)
+    names = [f"{APP_PREFIX}{i}" for i in range(n)]
+    targets = [
+        serve.RunTarget(deployment.bind(replica), name=name, route_prefix=None) for name in names
+    ]
+    try:
+        handles = serve.run_many(targets)
+        links = [ReplicaLink(name, h, h.describe.remote().result()) for name, h in zip(names, handles)]
+    except BaseException:
+        delete_replicas(names)
+        raise
+    slack = options.slack if options.slack is not None else replica.engine.get("max_batch_size", 16)
+    router = Router(names, routing=options.routing, slack=int(slack))
+    return ClusterEngine(links, router)
+
+
+def delete_replicas(names: Sequence[str]) -> None:
+    """Delete the replicas' applications (their engines close; Serve itself stays up)."""
+    from ray import serve
+
+    for name in names:
+        try:
+            serve.delete(name, _blocking=False)
+        except Exception as exc:  # the cluster is going away anyway
+            log.warning("could not delete %s: %s", name, exc)
+
+
+class HealthMonitor:
+    """A daemon thread that probes every replica each ``period_s`` (``describe()``, answered
+    between engine steps): one that fails or does not answer within ``timeout_s`` leaves the
+    ring; one that answers again (Serve restarted it and its model is loaded) comes back, with
+    its new process recorded."""
+
+    def __init__(self, door: ClusterEngine, period_s: float = 1.0, timeout_s: float = 10.0):
+        self.door = door
+        self.period_s = period_s
+        self.timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kestrel-health", daemon=True)
+
+    def __enter__(self) -> HealthMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s + self.period_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.probe_once()
+
+    def probe_once(self) -> None:
+        """Probe every replica at once and update the ring."""
+        door = self.door
+        pending = {name: link.handle.describe.remote() for name, link in door.links.items()}
+        deadline = time.monotonic() + self.timeout_s
+        for name, response in pending.items():
+            info = _answer(response, max(0.01, deadline - time.monotonic()))
+            if info is None:
+                if door.router.set_live(name, False):
+                    log.warning("replica %s does not answer; off the ring", name)
+                continue
+            door.links[name].info = info
+            if door.router.set_live(name, True):
+                log.warning("replica %s is back (%s); its keys return", name, info["name"])
+
+
+def _answer(response: Any, timeout_s: float) -> dict[str, Any] | None:
+    try:
+        return response.result(timeout_s=timeout_s)
+    except Exception:
+        response.cancel()  # a probe queued for a restarting replica must not pile up
+        return None
