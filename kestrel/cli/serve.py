@@ -47,9 +47,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME=PATH",
         help='load a LoRA adapter for requests with "adapter": NAME (repeatable)',
     )
+    server.add_argument(
+        "--allow-origin",
+        dest="allow_origins",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages from ORIGIN (https://app.example, or *) call the API, with CORS "
+        "headers (repeatable); pages from other sites are refused",
+    )
     limits = parser.add_argument_group("limits")
     for flag, help_text in (
-        ("--max-queue", "requests in flight before 503 (default: 4 x --max-batch-size)"),
+        (
+            "--max-queue",
+            "requests in flight before 503 + Retry-After (default: 256, or "
+            "4 x --max-batch-size if more); raise it for batch clients that send thousands",
+        ),
         ("--max-body-bytes", "request body limit, 413 above (default: 32 MiB)"),
         ("--max-image-pixels", "image size limit, 400 above (default: 50,000,000)"),
     ):
@@ -63,6 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="on SIGTERM, how long in-flight requests may take to finish",
     )
+    _add_ray_options(parser)
     logs = parser.add_argument_group("logging")
     logs.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
@@ -83,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         sock = server.bind(args.host, args.port)
     except OSError as exc:
         raise common.UsageError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
+    if args.ray:
+        with sock:
+            return _run_ray(args, sock, api_key)
+    server.tune_allocator()  # before the model loads: bounded malloc arenas (glibc)
     with sock, common.open_engine(args) as engine:
         for name, path in args.adapters:
             engine.load_adapter(name, path)
@@ -94,6 +112,69 @@ def run(args: argparse.Namespace) -> int:
             shutdown_timeout=args.shutdown_timeout,
         )  # fmt: skip
     return 0
+
+
+def _add_ray_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Ray (needs kestrel[ray]; see docs/distributed.md)")
+    group.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve from replicas on Ray Serve (one engine each), requests routed by image",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="join this Ray cluster (default: $RAY_ADDRESS, else start a local instance)",
+    )
+    group.add_argument(
+        "--replicas",
+        type=common.positive_int,
+        default=None,
+        metavar="N",
+        help="engine replicas (default: one per GPU, else 2)",
+    )
+    group.add_argument(
+        "--routing",
+        choices=("image", "random"),
+        default="image",
+        help="image: a consistent-hash ring on the image's digest (default); random: any live "
+        "replica, for comparison",
+    )
+
+
+def _run_ray(args: argparse.Namespace, sock, api_key: str | None) -> int:
+    """``kestrel serve --ray``: the same app over the replicas' front (docs/distributed.md)."""
+    from kestrel import server
+
+    try:
+        from kestrel.distributed import serving
+    except ImportError as exc:
+        why = exc.__cause__ or exc
+        raise KestrelError(f'--ray needs Ray Serve: pip install "kestrel[ray]" ({why})') from None
+    options = serving.ServeOptions(replicas=args.replicas, routing=args.routing,
+                                   shutdown_timeout_s=args.shutdown_timeout)  # fmt: skip
+    replica = serving.ReplicaOptions(
+        model=args.model, engine=common.engine_kwargs(args), adapters=_adapter_paths(args)
+    )
+    with serving.serve_cluster(args.ray_address, replica, options) as door:
+        app = server.create_app(door, api_key=api_key, **_limits(args))
+        serving.add_replica_metrics(app, door)
+        sock.listen(2048)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(serving.startup_line(door, f"http://{host}:{sock.getsockname()[1]}/v1"), flush=True)
+        _warn_if_open(args, api_key)
+        server.run_server(
+            app, sock, log_level=args.log_level, access_log=args.access_log,
+            shutdown_timeout=args.shutdown_timeout,
+        )  # fmt: skip
+    return 0
+
+
+def _adapter_paths(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``--adapter NAME=PATH`` as absolute paths: every replica loads them (the same path must
+    exist on every node)."""
+    return tuple((name, str(path.resolve())) for name, path in args.adapters)
 
 
 def _check_before_load(args: argparse.Namespace, api_key: str | None) -> None:
@@ -113,15 +194,24 @@ def _check_before_load(args: argparse.Namespace, api_key: str | None) -> None:
             raise common.UsageError(f"no such adapter file or folder for {name!r}: {path}")
     if args.shutdown_timeout < 0:
         raise common.UsageError("--shutdown-timeout must be >= 0")
+    from kestrel.server.guard import normalize_origin
+
+    for origin in args.allow_origins:
+        try:
+            normalize_origin(origin)
+        except ValueError as exc:
+            raise common.UsageError(f"--allow-origin: {exc}") from None
 
 
-def _limits(args: argparse.Namespace) -> dict[str, int]:
+def _limits(args: argparse.Namespace) -> dict[str, object]:
+    """The app's options from the command line: its limits, and who may call it."""
     given = {
         "max_queue": args.max_queue,
         "max_body_bytes": args.max_body_bytes,
         "max_image_pixels": args.max_image_pixels,
     }
-    return {k: v for k, v in given.items() if v is not None}
+    options: dict[str, object] = {k: v for k, v in given.items() if v is not None}
+    return {**options, "bind_host": args.host, "allow_origins": tuple(args.allow_origins)}
 
 
 def _announce(args: argparse.Namespace, port: int, engine, api_key: str | None) -> None:
@@ -132,6 +222,10 @@ def _announce(args: argparse.Namespace, port: int, engine, api_key: str | None) 
         f"http://{host}:{port}/v1 (adapters: {adapters})",
         flush=True,
     )
+    _warn_if_open(args, api_key)
+
+
+def _warn_if_open(args: argparse.Namespace, api_key: str | None) -> None:
     if api_key is None and not _is_loopback(args.host):
         print(
             f"kestrel serve: warning: listening on {args.host} without --api-key",

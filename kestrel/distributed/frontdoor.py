@@ -113,6 +113,8 @@ class ClusterEngine:
         self.max_batch_size = int(first.get("max_batch_size", 16)) * len(links)
         self.exif_orientation = bool(first.get("exif_orientation", True))
         self._adapters = list(first.get("adapters", []))
+        if first.get("segment"):  # the app answers 501 for engines without ``asegment``
+            self.asegment = self._asegment
         self._closed = False
         self.last_stats: ClusterStats | None = None
 
@@ -140,6 +142,10 @@ class ClusterEngine:
     async def adetect(self, image: object, object: str, **kw: Any):
         return await self._dispatch("detect", routing_key(image, object), (image, object), kw)
 
+    async def _asegment(self, image: object, object: str, *, stream: bool = False, **kw: Any):
+        return await self._dispatch("segment", routing_key(image, object), (image, object), kw,
+                                    stream)  # fmt: skip
+
     async def achat(self, messages: Sequence[Mapping[str, Any]], *, stream: bool = False, **kw):
         return await self._dispatch("chat", _chat_key(messages), (messages,), kw, stream)
 
@@ -152,8 +158,8 @@ class ClusterEngine:
         for name in self.links:
             response = pending.get(name)
             try:
-                found[name] = None if response is None else response.result(
-                    timeout_s=_STATS_TIMEOUT_S
+                found[name] = (
+                    None if response is None else response.result(timeout_s=_STATS_TIMEOUT_S)
                 )
             except Exception:  # dead or stuck: reported as down, not as an error
                 found[name] = None
@@ -267,4 +273,3 @@ class RelayStream:
         done = self._ended
         self._end(cancel=True)
         return not done
-

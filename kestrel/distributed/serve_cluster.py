@@ -105,7 +105,8 @@ def start_cluster(replica: ReplicaOptions, options: ServeOptions) -> ClusterEngi
     ]
     try:
         handles = serve.run_many(targets)
-        links = [ReplicaLink(name, h, h.describe.remote().result()) for name, h in zip(names, handles)]
+        pairs = zip(names, handles, strict=True)
+        links = [ReplicaLink(name, h, h.describe.remote().result()) for name, h in pairs]
     except BaseException:
         delete_replicas(names)
         raise

@@ -29,6 +29,7 @@ SKILL_METHODS = {
     "point": "apoint",
     "detect": "adetect",
     "chat": "achat",
+    "segment": "asegment",  # on engines that have it (see ``describe``)
 }
 
 
@@ -73,6 +74,7 @@ class EngineReplica:
             "adapters": e.adapters(),
             "max_batch_size": e.max_batch_size,
             "exif_orientation": e.exif_orientation,
+            "segment": hasattr(e, "asegment"),
         }
 
     async def call(self, skill: str, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -70,7 +70,9 @@ def _replica(name: str, snap: RouterSnapshot, s: Mapping[str, Any] | None) -> Re
     )  # fmt: skip
 
 
-def cluster_stats(found: Mapping[str, Mapping[str, Any] | None], snap: RouterSnapshot) -> ClusterStats:
+def cluster_stats(
+    found: Mapping[str, Mapping[str, Any] | None], snap: RouterSnapshot
+) -> ClusterStats:
     """Sum the replicas' snapshots (``found[name]``: a replica's ``stats()``, None if down)."""
     answered = [s for s in found.values() if s is not None]
     total = {k: sum(int(s[k]) for s in answered) for k in _SUMMED}
