@@ -16,7 +16,14 @@ if TYPE_CHECKING:
 
     from starlette.applications import Starlette
 
-__all__ = ["SERVE_EXTRA", "bind", "create_app", "missing_dependencies", "run_server"]
+__all__ = [
+    "SERVE_EXTRA",
+    "bind",
+    "create_app",
+    "missing_dependencies",
+    "run_server",
+    "tune_allocator",
+]
 
 SERVE_EXTRA = 'pip install "kestrel[serve]"'
 _MODULES = ("starlette", "uvicorn", "prometheus_client")
@@ -37,11 +44,19 @@ def _require() -> None:
 
 def create_app(engine: Any, **options: Any) -> Starlette:
     """See :func:`kestrel.server.app.create_app` (options: ``api_key``, ``max_body_bytes``,
-    ``max_queue``, ``max_image_pixels``, ``retry_after_s``)."""
+    ``max_queue``, ``max_image_pixels``, ``retry_after_s``, ``bind_host``, ``allow_origins``)."""
     _require()
     from kestrel.server.app import create_app as make
 
     return make(engine, **options)
+
+
+def tune_allocator() -> dict[str, int]:
+    """Bound glibc's malloc arenas for a long-running server (see :mod:`kestrel.server.memory`;
+    needs no extra). Returns what was applied."""
+    from kestrel.server.memory import tune_allocator as tune
+
+    return tune()
 
 
 def bind(host: str, port: int) -> socket.socket:

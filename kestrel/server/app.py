@@ -1,9 +1,11 @@
 """The ASGI app: routes of the moondream protocol over one shared :class:`kestrel.Engine`.
 
-A model request goes: authorize (headers only) -> take an admission slot (503 when full) ->
-read the body (413 over the limit) -> parse, decode and hash in a worker thread (400) -> the
-engine, raced against the client disconnecting -> a JSON body or an event stream. Nothing
-invalid reaches the scheduler: the engine validates settings and text on the caller's side too.
+Every request first passes the guard (:mod:`kestrel.server.guard`: Host and Origin, 403). A
+model request then goes: authorize (headers only) -> Content-Type and query string (415 / 400)
+-> take an admission slot (503 when full) -> read the body (413 over the limit) -> parse, decode
+and hash in a worker thread (400) -> the engine, raced against the client disconnecting -> a
+JSON body or an event stream. Nothing invalid reaches the scheduler: the engine validates
+settings and text on the caller's side too.
 """
 
 from __future__ import annotations
@@ -13,73 +15,51 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kestrel import __version__
 from kestrel.errors import KestrelError
-from kestrel.results import RequestMetrics
 from kestrel.server.chat import ChatCall, chat_response, parse_chat, start_chat
 from kestrel.server.errors import CLIENT_CLOSED, ApiError, from_exception
+from kestrel.server.exchange import Exchange as _Exchange
+from kestrel.server.guard import RequestGuard, is_loopback_host, require_json
+from kestrel.server.info import InfoRoutes, model_adapter, served_family, served_name
 from kestrel.server.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_QUEUE,
     AdmissionGate,
     ApiKey,
     ServerLimits,
     drain_body,
     read_body,
 )
-from kestrel.server.metrics import CONTENT_TYPE, ServerMetrics
+from kestrel.server.memory import IdleTrimmer
+from kestrel.server.metrics import ServerMetrics
 from kestrel.server.payloads import SKILLS, Call, parse_call
 from kestrel.server.playground import playground_routes
 from kestrel.server.responses import (
     ClientGone,
     EventStream,
-    error_response,
     result_body,
     until_disconnected,
 )
+from kestrel.server.segment import segment_response, start_segment
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "served_family"]
 
 log = logging.getLogger("kestrel.server")
 _HTTP_TYPES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}
-
-
-class _Exchange:
-    """One request's id, clock and admission slot; :meth:`finish` records it exactly once."""
-
-    __slots__ = ("_done", "holds_slot", "request_id", "route", "server", "started")
-
-    def __init__(self, server: _Server, route: str) -> None:
-        self.server = server
-        self.route = route
-        self.request_id = f"req_{server.id_prefix}{next(server.ids):06d}"
-        self.started = time.perf_counter()
-        self.holds_slot = False
-        self._done = False
-
-    def finish(self, status: int, metrics: RequestMetrics | None = None) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self.holds_slot:
-            self.server.gate.leave()
-        elapsed = time.perf_counter() - self.started
-        self.server.metrics.observe(self.route, status, elapsed, metrics)
-
-    def fail(self, err: ApiError) -> Response:
-        self.finish(err.status)
-        return error_response(err, self.request_id)
 
 
 def _start(engine: Any, call: Call) -> Awaitable[Any]:
@@ -95,11 +75,15 @@ def _start(engine: Any, call: Call) -> Awaitable[Any]:
         return engine.acaption(call.image, length=call.length, stream=call.stream, **common)
     if call.skill == "point":
         return engine.apoint(call.image, call.text, **common)
+    if call.skill == "segment":
+        return start_segment(engine, call)
     return engine.adetect(call.image, call.text, **common)
 
 
 def _respond(call: Call, outcome: Any, ex: _Exchange) -> Response:
     """A skill's answer: its JSON body, or its event stream."""
+    if call.skill == "segment":
+        return segment_response(call, outcome, request_id=ex.request_id, finish=ex.finish)
     if call.stream:
         return EventStream(outcome, skill=call.skill, request_id=ex.request_id, finish=ex.finish)
     ex.finish(200, outcome.metrics)
@@ -112,18 +96,23 @@ Start = Callable[[Any, Any], Awaitable[Any]]  # (engine, call) -> the engine's c
 Respond = Callable[[Any, Any, _Exchange], Response]  # (call, outcome, exchange) -> response
 
 
-class _Server:
+class _Server(InfoRoutes):
     def __init__(self, engine: Any, limits: ServerLimits, api_key: ApiKey | None) -> None:
         self.engine = engine
         self.limits = limits
         self.api_key = api_key
         self.gate = AdmissionGate(limits.max_queue)
         self.metrics = ServerMetrics()
+        self.trimmer = IdleTrimmer()
         # Request ids: unique per app (a random prefix per start, then a counter).
         self.id_prefix = secrets.token_hex(4)
         self.ids = itertools.count(1)
-        model = getattr(engine, "model_path", None)
-        self.model_name = Path(model).name if model else "moondream"
+        self.model_name = served_name(engine)
+        self.started_at = time.time()
+
+    def idle(self) -> None:
+        """The last admitted request finished: hand freed heap memory back to the system."""
+        self.trimmer.poke()
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is not None:
@@ -156,12 +145,16 @@ class _Server:
     ) -> Response:
         try:
             self._authorize(request)
+            require_json(request.headers)
+            if request.url.query:
+                raise _query_string(request)
             self.gate.enter(self.limits.retry_after_s)
             ex.holds_slot = True
             body = await read_body(request, self.limits.max_body_bytes)
             pixels = self.limits.max_image_pixels
             upright = getattr(self.engine, "exif_orientation", True)
             call = await asyncio.to_thread(parse, body, max_pixels=pixels, exif_orientation=upright)
+            call = self._select_adapter(call)
             outcome = await until_disconnected(request.receive, start(self.engine, call))
         except (ClientGone, ClientDisconnect):
             ex.finish(CLIENT_CLOSED)
@@ -172,42 +165,16 @@ class _Server:
             return ex.fail(from_exception(exc))
         return respond(call, outcome, ex)
 
-    # ------------------------------------------------------------------ introspection routes
-    async def health(self, request: Request) -> Response:
-        ex = _Exchange(self, "health")
-        status = 503 if self.engine.closed else 200
-        ex.finish(status)
-        model = getattr(self.engine, "model_path", None)
-        body = {
-            "status": "ok" if status == 200 else "closing",
-            "model": Path(model).name if model else None,
-            "family": served_family(self.engine),
-            "adapters": self.engine.adapters(),
-            "version": __version__,
-        }
-        return JSONResponse(body, status_code=status, headers={"X-Request-ID": ex.request_id})
-
-    async def stats(self, request: Request) -> Response:
-        ex = _Exchange(self, "stats")
-        try:
-            self._authorize(request)
-        except ApiError as err:
-            return ex.fail(err)
-        body = (await asyncio.to_thread(self.engine.stats)).to_dict()
-        body["server"] = {"in_flight": self.gate.in_flight, "max_queue": self.limits.max_queue}
-        ex.finish(200)
-        return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
-
-    async def prometheus(self, request: Request) -> Response:
-        ex = _Exchange(self, "metrics")
-        try:
-            self._authorize(request)
-        except ApiError as err:
-            return ex.fail(err)
-        ex.finish(200)  # recorded first, so this scrape counts itself
-        stats = await asyncio.to_thread(self.engine.stats)
-        text = self.metrics.render(stats, self.gate.in_flight, self.limits.max_queue)
-        return Response(text, media_type=CONTENT_TYPE, headers={"X-Request-ID": ex.request_id})
+    def _select_adapter(self, call: Any) -> Any:
+        """A ``model`` of the form ``<served>@<adapter>`` (as ``/v1/models`` lists) selects
+        that adapter; one that disagrees with ``adapter`` / ``variant`` is a 400."""
+        chosen = model_adapter(call.model, self.model_name, self.engine.adapters())
+        if chosen is None or chosen == call.adapter:
+            return call
+        if call.adapter is not None:
+            raise ApiError(400, "invalid_request", f"'model' {call.model!r} selects adapter "
+                           f"{chosen!r} but the request names {call.adapter!r}")  # fmt: skip
+        return replace(call, adapter=chosen)
 
     async def http_error(self, request: Request, exc: Exception) -> Response:
         """Starlette's own 404 / 405, in this API's error shape."""
@@ -218,9 +185,10 @@ class _Server:
                                 message, exc.headers))  # fmt: skip
 
 
-def served_family(engine: Any) -> str | None:
-    """The served model's family (``moondream2`` / ``moondream3``), None if unknown."""
-    return getattr(getattr(engine, "config", None), "family", None)
+def _query_string(request: Request) -> ApiError:
+    names = sorted({k for k, _ in request.query_params.multi_items()}) or [request.url.query]
+    return ApiError(400, "invalid_request", f"query parameters {names} are not read by "
+                    f"{request.url.path}: send every option in the JSON body")  # fmt: skip
 
 
 def _log_failure(exc: Exception, ex: _Exchange) -> None:
@@ -248,27 +216,58 @@ def create_app(
     max_queue: int | None = None,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     retry_after_s: int = 1,
+    bind_host: str | None = None,
+    allow_origins: Sequence[str] = (),
 ) -> Starlette:
     """The ASGI app serving ``engine`` (which the caller owns and closes).
 
-    ``max_queue`` defaults to 4 x the engine's ``max_batch_size``. With ``api_key``, every
-    route but ``/v1/health`` needs ``X-Moondream-Auth: KEY`` (or ``Authorization: Bearer KEY``).
+    ``max_queue`` defaults to :data:`DEFAULT_MAX_QUEUE` (or 4 x the engine's
+    ``max_batch_size`` when that is more). With ``api_key``, every route but ``/v1/health``
+    needs ``X-Moondream-Auth: KEY`` (or ``Authorization: Bearer KEY``). ``bind_host`` is the
+    address the server listens on: a loopback one makes it refuse requests whose ``Host`` is
+    not loopback. ``allow_origins`` lists the web origins (``https://app.example``, or ``*``)
+    whose pages may call the API (they get CORS headers); others are refused.
     """
+    queue = max_queue if max_queue is not None else max(DEFAULT_MAX_QUEUE,
+                                                         4 * engine.max_batch_size)  # fmt: skip
     limits = ServerLimits(
         max_body_bytes=max_body_bytes,
-        max_queue=max_queue if max_queue is not None else 4 * engine.max_batch_size,
+        max_queue=queue,
         max_image_pixels=max_image_pixels,
         retry_after_s=retry_after_s,
     )
     server = _Server(engine, limits, ApiKey(api_key) if api_key is not None else None)
-    routes = [Route(f"/v1/{s}", _skill_endpoint(server, s), methods=["POST"]) for s in SKILLS]
+    skills = (*SKILLS, "segment")
+    routes = [Route(f"/v1/{s}", _skill_endpoint(server, s), methods=["POST"]) for s in skills]
     routes += [
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/health", server.health, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),  # Moondream Station's spelling
+        Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/stats", server.stats, methods=["GET"]),
         Route("/metrics", server.prometheus, methods=["GET"]),
         *playground_routes(),  # GET /: the page for trying the model in a browser
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: server.http_error})
+
+    def refuse(err: ApiError) -> Response:
+        return _Exchange(server, "refused").fail(err)
+
+    loopback = bind_host is not None and is_loopback_host(bind_host)
+    middleware = [
+        Middleware(RequestGuard, loopback=loopback, allow_origins=allow_origins, refuse=refuse)
+    ]
+    if allow_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(RequestGuard.origins_of(allow_origins)),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Content-Type", "Authorization", "X-Moondream-Auth"],
+                expose_headers=["X-Request-ID", "Retry-After"],
+            )
+        )
+    app = Starlette(
+        routes=routes, middleware=middleware, exception_handlers={HTTPException: server.http_error}
+    )
     app.state.kestrel = server
     return app

@@ -2,11 +2,14 @@
 
 The body is ``{"model", "messages", "stream"?, "stream_options"?: {"include_usage"},
 "max_tokens" | "max_completion_tokens"?, "temperature"?, "top_p"?, "seed"?, "reasoning"?}`` plus
-Kestrel's ``"adapter"`` and ``"cache_salt"``. Any ``model`` string is accepted (one model is
-served; the reply names it). Fields the server cannot honour (``tools``, ``response_format``,
-``n`` > 1, ...) are a 400 naming the field. Image parts must be ``data:image/...;base64,``
-URLs; they are decoded here, in a worker thread, under the server's pixel limit. Everything
-else about the messages is the engine's to check (:mod:`kestrel.engine.chat`).
+Kestrel's ``"adapter"`` (or ``"variant"``) and ``"cache_salt"``. Any ``model`` string is
+accepted (one model is served; the reply names it); ``<model>@<adapter>``, as ``/v1/models``
+lists it, selects that adapter. Fields the server cannot honour (``tools``, ``response_format``,
+``n`` > 1, ...) are a 400 naming the field; a JSON ``null`` is "not set" for every optional
+field OpenAI defines. ``stream_options`` without ``"stream": true`` is a 400. Image parts
+must be ``data:image/...;base64,`` URLs (or bare base64); they are decoded here, in a worker
+thread, under the server's pixel limit. Everything else about the messages is the engine's to
+check (:mod:`kestrel.engine.chat`).
 
 The answer is a ``chat.completion`` object, or ``chat.completion.chunk`` server-sent events
 ending in ``data: [DONE]``. ``usage`` counts KV positions: ``prompt_tokens`` includes the
@@ -34,7 +37,14 @@ __all__ = ["ChatCall", "chat_response", "parse_chat", "start_chat"]
 
 _FIELDS = frozenset({
     "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-    "temperature", "top_p", "seed", "reasoning", "adapter", "cache_salt", "user",
+    "temperature", "top_p", "seed", "reasoning", "adapter", "variant", "cache_salt", "user",
+})  # fmt: skip
+# Optional OpenAI fields this server does not honour: a JSON null means "not set" (clients
+# such as SGLang's send ``"top_logprobs": null``); any other value is a 400.
+_NULL_OK = frozenset({
+    "top_logprobs", "response_format", "tools", "logit_bias", "metadata", "service_tier",
+    "reasoning_effort", "functions", "function_call", "store", "prediction", "modalities",
+    "audio", "web_search_options", "suffix", "echo", "best_of", "stream_options",
 })  # fmt: skip
 # Accepted only at the value that changes nothing (what some clients always send).
 _NEUTRAL: dict[str, Any] = {
@@ -47,6 +57,7 @@ _NEUTRAL: dict[str, Any] = {
 class ChatCall:
     """A validated chat completions request; image parts hold decoded PreparedImages."""
 
+    model: str | None
     messages: list[Any]
     settings: dict[str, Any]
     adapter: str | None
@@ -63,6 +74,8 @@ def _invalid(message: str) -> ApiError:
 def _check_fields(obj: Mapping[str, Any]) -> None:
     for key, value in obj.items():
         if key in _FIELDS or (key in _NEUTRAL and value in (None, _NEUTRAL[key])):
+            continue
+        if key in _NULL_OK and value is None:
             continue
         if key in _NEUTRAL:
             raise _invalid(f"'{key}' = {value!r:.40} is not supported by this server")
@@ -129,20 +142,27 @@ def parse_chat(body: bytes, *, max_pixels: int, exif_orientation: bool = True) -
     messages = typed(obj, "messages", (list,), "a list of message objects")
     if not messages:
         raise _invalid("'messages' is required: a non-empty list of message objects")
-    typed(obj, "model", (str,), "a string")
     typed(obj, "user", (str,), "a string")
-    options = typed(obj, "stream_options", (dict,), "an object") or {}
-    unknown = sorted(set(options) - {"include_usage"})
+    options = typed(obj, "stream_options", (dict,), "an object")
+    unknown = sorted(set(options or {}) - {"include_usage"})
     if unknown:
         raise _invalid(f"stream_options {unknown} are not supported; only include_usage")
     stream = bool(typed(obj, "stream", (bool,), "true or false"))
+    if options is not None and not stream:
+        raise _invalid("'stream_options' is only allowed with \"stream\": true")
+    adapter = typed(obj, "adapter", (str,), "a string")
+    variant = typed(obj, "variant", (str,), "a string")
+    if adapter is not None and variant is not None and adapter != variant:
+        raise _invalid("'adapter' and 'variant' name different adapters; send one")
     return ChatCall(
+        model=typed(obj, "model", (str,), "a string"),
         settings=_settings(obj),
-        adapter=typed(obj, "adapter", (str,), "a string"),
+        adapter=adapter if adapter is not None else variant,
         cache_salt=typed(obj, "cache_salt", (str,), "a string"),
         reasoning=bool(typed(obj, "reasoning", (bool,), "true or false")),
         stream=stream,
-        include_usage=stream and bool(typed(options, "include_usage", (bool,), "true or false")),
+        include_usage=stream
+        and bool(typed(options or {}, "include_usage", (bool,), "true or false")),
         messages=_decoded(messages, max_pixels, exif_orientation),  # last: the costly part
     )
 

@@ -19,6 +19,7 @@ from kestrel.errors import (
     PromptTooLongError,
     UnknownAdapterError,
 )
+from kestrel.skills.segment import NoPathError
 
 __all__ = ["CLIENT_CLOSED", "ApiError", "error_body", "from_exception"]
 
@@ -32,6 +33,7 @@ _ENGINE_ERRORS: tuple[tuple[type[KestrelError], int, str], ...] = (
     (UnknownAdapterError, 404, "unknown_adapter"),
     (CapacityError, 503, "capacity"),  # the request can never fit this server's KV pool
     (EngineClosedError, 503, "unavailable"),
+    (NoPathError, 501, "unsupported"),  # a model without segmentation stopped after the box
     (ModelError, 500, "model_error"),
     (KestrelError, 500, "engine_error"),
 )

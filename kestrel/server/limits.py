@@ -17,6 +17,7 @@ from kestrel.server.errors import ApiError
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_IMAGE_PIXELS",
+    "DEFAULT_MAX_QUEUE",
     "AdmissionGate",
     "ApiKey",
     "ServerLimits",
@@ -24,6 +25,9 @@ __all__ = [
     "read_body",
 ]
 
+# Requests admitted at once (queued or running): a client's burst of a few hundred calls fits
+# (neither official client retries a 503); each holds its decoded image until it is encoded.
+DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # a 12 MP JPEG at quality 95 is ~8 MB as base64
 DEFAULT_MAX_IMAGE_PIXELS = DEFAULT_MAX_PIXELS
 # After refusing a request whose body is still arriving, read (and drop) up to this much of
@@ -40,7 +44,7 @@ class ServerLimits:
     header, before decoding) get 400."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_queue: int = 64
+    max_queue: int = DEFAULT_MAX_QUEUE
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     retry_after_s: int = 1
 

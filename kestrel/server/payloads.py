@@ -3,9 +3,12 @@
 The ``moondream`` client (2.6) posts JSON objects: ``/query`` ``{"question", "image_url"?,
 "stream", "settings"?, "reasoning"?, "spatial_refs"?}``, ``/caption`` ``{"image_url", "length",
 "stream", "settings"?}``, ``/point`` and ``/detect`` ``{"image_url", "object", "settings"?}``
-(point may add ``"spatial_refs"``), each maybe with ``"model"`` (accepted, ignored: one model is
-served). Kestrel adds ``"adapter"``. ``image_url`` is a ``data:image/...;base64,`` URL; remote
-URLs are refused (the server never fetches on a client's behalf).
+(point may add ``"spatial_refs"``), ``/segment`` ``{"image_url", "object", "stream",
+"spatial_refs"?, "settings"?}``, each maybe with ``"model"`` (accepted, ignored: one model is
+served, unless it names ``<model>@<adapter>``). Kestrel adds ``"adapter"``; ``"variant"`` (the
+Node client's name for a finetune) means the same. Moondream Station's ``"obj"`` is accepted
+for ``"object"``. ``image_url`` is a ``data:image/...;base64,`` URL or bare base64; remote URLs
+are refused (the server never fetches on a client's behalf). A JSON ``null`` is "not set".
 
 :func:`parse_call` runs in a worker thread: JSON parsing, base64 and image decoding all cost
 CPU time proportional to the upload and must not stall the event loop. Field shapes are
@@ -29,17 +32,21 @@ from kestrel.server.errors import ApiError
 __all__ = ["SKILLS", "Call", "decode_data_url", "load_object", "parse_call", "typed"]
 
 SKILLS = ("query", "caption", "point", "detect")
-_COMMON = frozenset({"image_url", "settings", "adapter", "cache_salt", "model", "stream"})
+_COMMON = frozenset(
+    {"image_url", "settings", "adapter", "variant", "cache_salt", "model", "stream"}
+)
 _FIELDS: dict[str, frozenset[str]] = {
     "query": _COMMON | {"question", "reasoning", "spatial_refs"},
     "caption": _COMMON | {"length"},
-    "point": _COMMON | {"object", "spatial_refs"},
-    "detect": _COMMON | {"object"},
+    "point": _COMMON | {"object", "obj", "spatial_refs"},
+    "detect": _COMMON | {"object", "obj"},
+    "segment": _COMMON | {"object", "obj", "spatial_refs"},
 }
 _REQUIRED = {"query": ("question",), "caption": ("image_url",), "point": ("image_url", "object")}
-_REQUIRED["detect"] = _REQUIRED["point"]
-_STREAMS = frozenset({"query", "caption"})
+_REQUIRED["detect"] = _REQUIRED["segment"] = _REQUIRED["point"]
+_STREAMS = frozenset({"query", "caption", "segment"})
 _DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,", re.ASCII)
+_BARE_BASE64 = re.compile(r"[A-Za-z0-9+/\s]+=*\s*", re.ASCII)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -48,6 +55,7 @@ class Call:
     ``text`` is the question (query) or the object (point, detect)."""
 
     skill: str
+    model: str | None
     image: PreparedImage | None
     text: str | None
     settings: dict[str, Any] | None
@@ -97,16 +105,23 @@ def typed(obj: Mapping[str, Any], key: str, types: tuple[type, ...], what: str) 
 
 
 def decode_data_url(url: str) -> bytes:
-    """The bytes of a ``data:image/<type>;base64,<data>`` URL."""
+    """The bytes of a ``data:image/<type>;base64,<data>`` URL, or of bare base64 data (what
+    Moondream Station also takes)."""
     match = _DATA_URL.match(url)
+    if match is None and _BARE_BASE64.fullmatch(url[:4096]) and len(url) >= 16:
+        return _b64(url)
     if match is None:
         scheme = url.split(":", 1)[0][:16] if ":" in url else ""
         hint = " (remote URLs are not fetched)" if scheme.lower() in ("http", "https") else ""
         raise ApiError(
             400, "invalid_image", f"image_url must be a data:image/...;base64, URL{hint}"
         )
+    return _b64(url[match.end() :])
+
+
+def _b64(text: str) -> bytes:
     try:
-        data = base64.b64decode(url[match.end() :], validate=True)
+        data = base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError):
         raise ApiError(400, "invalid_image", "image_url holds invalid base64 data") from None
     if not data:
@@ -115,7 +130,7 @@ def decode_data_url(url: str) -> bytes:
 
 
 def _image(obj: Mapping[str, Any], max_pixels: int, exif_orientation: bool) -> PreparedImage | None:
-    url = typed(obj, "image_url", (str,), "a data URL string")
+    url = typed(obj, "image_url", (str,), "a data URL or base64 string")
     if url is None:
         return None
     try:
@@ -138,14 +153,33 @@ def _spatial_refs(obj: Mapping[str, Any]) -> tuple[tuple[float, ...], ...] | Non
     return tuple(out)
 
 
+def _aliased(skill: str, obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` checked for unknown fields, with ``obj`` (Station's spelling) as ``object``."""
+    unknown = sorted(set(obj) - _FIELDS[skill])
+    if unknown:
+        allowed = ", ".join(sorted(_FIELDS[skill] - {"obj"}))
+        raise _invalid(f"unknown field(s) {unknown} for /{skill}; allowed: {allowed}")
+    alias = obj.pop("obj", None)
+    if alias is not None:
+        if obj.get("object") is not None and obj["object"] != alias:
+            raise _invalid("'obj' and 'object' disagree; send one")
+        obj["object"] = alias
+    return obj
+
+
+def _adapter(obj: Mapping[str, Any]) -> str | None:
+    """``adapter``, or ``variant`` (the same thing by the Node client's name)."""
+    adapter = typed(obj, "adapter", (str,), "a string")
+    variant = typed(obj, "variant", (str,), "a string")
+    if adapter is not None and variant is not None and adapter != variant:
+        raise _invalid("'adapter' and 'variant' name different adapters; send one")
+    return adapter if adapter is not None else variant
+
+
 def parse_call(skill: str, body: bytes, *, max_pixels: int, exif_orientation: bool = True) -> Call:
     """Validate the body of a ``POST /v1/<skill>``; raises :class:`ApiError` (400). The image
     is decoded upright by its EXIF orientation unless ``exif_orientation`` is False."""
-    obj = load_object(body)
-    unknown = sorted(set(obj) - _FIELDS[skill])
-    if unknown:
-        allowed = ", ".join(sorted(_FIELDS[skill]))
-        raise _invalid(f"unknown field(s) {unknown} for /{skill}; allowed: {allowed}")
+    obj = _aliased(skill, load_object(body))
     for key in _REQUIRED[skill]:
         if obj.get(key) is None:
             raise _invalid(f"'{key}' is required for /{skill}")
@@ -156,12 +190,12 @@ def parse_call(skill: str, body: bytes, *, max_pixels: int, exif_orientation: bo
     refs = _spatial_refs(obj)
     if refs is not None and skill == "point":
         raise _invalid("spatial_refs is not supported for /point by this server")
-    typed(obj, "model", (str,), "a string")
     return Call(
         skill=skill,
+        model=typed(obj, "model", (str,), "a string"),
         text=typed(obj, text_key, (str,), "a string") if skill != "caption" else None,
         settings=typed(obj, "settings", (dict,), "an object"),
-        adapter=typed(obj, "adapter", (str,), "a string"),
+        adapter=_adapter(obj),
         cache_salt=typed(obj, "cache_salt", (str,), "a string"),
         stream=stream,
         reasoning=bool(typed(obj, "reasoning", (bool,), "true or false")),

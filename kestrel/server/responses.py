@@ -1,9 +1,10 @@
 """Response bodies, server-sent event streams, and noticing a client that left.
 
 A blocking call answers one JSON object: the skill's fields (``answer`` / ``caption`` /
-``points`` / ``objects``), ``finish_reason``, ``request_id`` and ``metrics``. A streaming call
-answers ``text/event-stream``: one ``data: {"chunk": "..."}`` event per text delta, then
-``data: {"completed": true, ...}`` with the same fields less the text. An engine failure after
+``points`` / ``objects``, the last two with their ``count``), ``finish_reason``,
+``request_id`` and ``metrics``. A streaming call answers ``text/event-stream``: one
+``data: {"chunk": "..."}`` event per text delta, then ``data: {"completed": true, ...}`` with
+the same fields less the text. An engine failure after
 the stream started is a last ``data: {"error": {...}}`` event (its status is already sent).
 
 The server (uvicorn) drops writes to a closed connection silently, so a client that leaves is
@@ -53,9 +54,9 @@ def _fields(skill: str, result: Any) -> dict[str, Any]:
         return out
     if skill == "caption":
         return {"caption": result.caption}
-    if skill == "point":
-        return {"points": [dict(p) for p in result.points]}
-    return {"objects": [dict(o) for o in result.objects]}
+    if skill == "point":  # "count": what Moondream Station adds
+        return {"points": [dict(p) for p in result.points], "count": len(result.points)}
+    return {"objects": [dict(o) for o in result.objects], "count": len(result.objects)}
 
 
 def result_body(skill: str, result: Any, request_id: str, *, text: bool = True) -> dict:

@@ -16,6 +16,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from kestrel.server.memory import trim
+
 __all__ = ["bind", "run_server"]
 
 
@@ -71,5 +73,6 @@ def run_server(
         access_log=access_log,
         timeout_graceful_shutdown=shutdown_timeout,
     )
+    trim()  # the model load's temporaries go back to the system before serving starts
     with _signals_end_quietly():
         uvicorn.Server(config).run(sockets=[sock])

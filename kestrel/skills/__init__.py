@@ -12,6 +12,7 @@ from kestrel.skills.chat import ChatSkill, ChatTurn, chat_prompt
 from kestrel.skills.grounding import GroundingChunk, grounding_chunks
 from kestrel.skills.prompts import PromptError
 from kestrel.skills.region import DetectSkill, PointSkill, RegionSkill, box_dict, point_dict
+from kestrel.skills.segment import NoPathError, PathParser, SegmentSkill, segment_prompt
 from kestrel.skills.settings import DEFAULT_SETTINGS, Settings, family_settings, parse_settings
 from kestrel.skills.text import CaptionSkill, QuerySkill, TextPhase
 
@@ -22,11 +23,14 @@ __all__ = [
     "ChatTurn",
     "DetectSkill",
     "GroundingChunk",
+    "NoPathError",
+    "PathParser",
     "PointSkill",
     "PromptError",
     "PromptToken",
     "QuerySkill",
     "RegionSkill",
+    "SegmentSkill",
     "Settings",
     "Skill",
     "SkillOps",
@@ -38,4 +42,5 @@ __all__ = [
     "grounding_chunks",
     "parse_settings",
     "point_dict",
+    "segment_prompt",
 ]

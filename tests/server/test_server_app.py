@@ -18,6 +18,7 @@ from starlette.testclient import TestClient
 
 from kestrel.results import RequestMetrics
 from kestrel.server import create_app
+from kestrel.server.limits import DEFAULT_MAX_QUEUE
 from tests.integration.conftest import assert_idle, scheduler_paused
 from tests.server.conftest import (
     ADAPTER,
@@ -223,7 +224,7 @@ def test_full_queue_is_503_with_retry_after(engine) -> None:
 
 
 def test_unknown_route_and_method(client) -> None:
-    _check_error(_post(client, "segment", {"object": "a"}), 404, "not_found")
+    _check_error(_post(client, "nope", {"object": "a"}), 404, "not_found")
     response = client.get("/v1/query")
     _check_error(response, 405, "method_not_allowed")
     assert "POST" in response.headers["allow"]
@@ -241,7 +242,8 @@ def test_stats_and_prometheus_metrics(client, engine) -> None:
     _check_error(_post(client, "query", b"{"), 400, "invalid_json")
     assert _post(client, "query", _q(question="Metrics?")).status_code == 200
     stats = client.get("/v1/stats").json()
-    assert stats["server"] == {"in_flight": 0, "max_queue": 4 * engine.max_batch_size}
+    queue = max(DEFAULT_MAX_QUEUE, 4 * engine.max_batch_size)
+    assert stats["server"] == {"in_flight": 0, "max_queue": queue}
     assert stats["pages_total"] == engine.stats().pages_total
     response = client.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain")

@@ -4,8 +4,6 @@ as the pixels they are read as; ``kestrel serve --keep-exif-orientation`` keeps 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from PIL import Image
@@ -27,7 +25,7 @@ REGION = {"max_objects": 2}
 
 def detect(client, data: bytes, kind: str = "png") -> dict:
     body = {"image_url": data_url(data, kind), "object": "square", "settings": REGION}
-    response = client.post("/v1/detect", content=json.dumps(body))
+    response = client.post("/v1/detect", json=body)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -56,7 +54,7 @@ def test_image_answers_as_the_pixels_it_is_read_as(engine, case) -> None:
     want = engine.query(seen, "What is it?", settings=GREEDY)
     body = {"image_url": data_url(data), "question": "What is it?", "settings": GREEDY}
     with TestClient(create_app(engine)) as client:
-        got = client.post("/v1/query", content=json.dumps(body)).json()
+        got = client.post("/v1/query", json=body).json()
     assert got["answer"] == want.answer and got["metrics"]["cached_tokens"] > 0
 
 

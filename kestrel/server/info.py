@@ -1,0 +1,117 @@
+"""The routes that describe the server rather than run the model: ``/v1/health`` (and ``/health``,
+Moondream Station's spelling), ``/v1/models`` (the OpenAI shape), ``/v1/stats``, ``/metrics``;
+and the names the served model and its adapters go by."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kestrel import __version__
+from kestrel.server.errors import ApiError
+from kestrel.server.exchange import Exchange
+from kestrel.server.metrics import CONTENT_TYPE
+
+__all__ = ["InfoRoutes", "model_adapter", "served_family", "served_name"]
+
+TINY_NAME = "kestrel-tiny"
+
+
+def served_family(engine: Any) -> str | None:
+    """The served model's family (``moondream2`` / ``moondream3``), None if unknown."""
+    return getattr(getattr(engine, "config", None), "family", None)
+
+
+def served_name(engine: Any) -> str:
+    """The name the served model goes by: its folder's name, ``kestrel-tiny`` for the model
+    embedded in the package."""
+    model = getattr(engine, "model_path", None)
+    if not model:
+        return "moondream"
+    from kestrel.tiny import MODEL_DIR
+
+    try:
+        if Path(model).resolve() == Path(MODEL_DIR).resolve():
+            return TINY_NAME
+    except OSError:
+        pass
+    return Path(model).name or str(model)
+
+
+def model_adapter(model: str | None, served: str, adapters: list[str]) -> str | None:
+    """The adapter that a ``model`` field of the form ``<served>@<adapter>`` selects (the ids
+    ``/v1/models`` lists); None for any other model string, which is accepted and ignored."""
+    if model is None:
+        return None
+    base, sep, name = model.rpartition("@")
+    return name if sep and base == served and name in adapters else None
+
+
+class InfoRoutes:
+    """Mixed into the app's server object, which provides ``engine``, ``gate``, ``limits``,
+    ``metrics``, ``model_name`` and ``_authorize``."""
+
+    engine: Any
+    gate: Any
+    limits: Any
+    metrics: Any
+    model_name: str
+
+    def _authorize(self, request: Request) -> None:
+        raise NotImplementedError
+
+    async def health(self, request: Request) -> Response:
+        ex = Exchange(self, "health")
+        status = 503 if self.engine.closed else 200
+        ex.finish(status)
+        body = {
+            "status": "ok" if status == 200 else "closing",
+            "model": self.model_name,
+            "family": served_family(self.engine),
+            "adapters": self.engine.adapters(),
+            "version": __version__,
+        }
+        return JSONResponse(body, status_code=status, headers={"X-Request-ID": ex.request_id})
+
+    async def models(self, request: Request) -> Response:
+        """The OpenAI model list: the served model, then ``model@adapter`` per adapter."""
+        ex = Exchange(self, "models")
+        try:
+            self._authorize(request)
+        except ApiError as err:
+            return ex.fail(err)
+        created = int(getattr(self, "started_at", time.time()))
+        ids = [self.model_name] + [f"{self.model_name}@{a}" for a in self.engine.adapters()]
+        data = [
+            {"id": i, "object": "model", "created": created, "owned_by": "kestrel"} for i in ids
+        ]
+        ex.finish(200)
+        body = {"object": "list", "data": data}
+        return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
+
+    async def stats(self, request: Request) -> Response:
+        ex = Exchange(self, "stats")
+        try:
+            self._authorize(request)
+        except ApiError as err:
+            return ex.fail(err)
+        body = (await asyncio.to_thread(self.engine.stats)).to_dict()
+        body["server"] = {"in_flight": self.gate.in_flight, "max_queue": self.limits.max_queue}
+        ex.finish(200)
+        return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
+
+    async def prometheus(self, request: Request) -> Response:
+        ex = Exchange(self, "metrics")
+        try:
+            self._authorize(request)
+        except ApiError as err:
+            return ex.fail(err)
+        ex.finish(200)  # recorded first, so this scrape counts itself
+        stats = await asyncio.to_thread(self.engine.stats)
+        text = self.metrics.render(stats, self.gate.in_flight, self.limits.max_queue)
+        return Response(text, media_type=CONTENT_TYPE, headers={"X-Request-ID": ex.request_id})
