@@ -47,6 +47,9 @@ class Engine(AsyncTwins, ChatCalls):
     (docs/images.md says what happens to each kind of image). With the prefix cache on, a
     finished request's generated tokens stay cached under its prompt, so the next turn of a
     conversation hits through the answer; ``retain_decoded=False`` frees them instead.
+    ``moe_weights`` (Moondream 3): ``"fp8"`` keeps the experts float8_e4m3 with row scales in
+    memory (quantising a 16-bit file's at load), ``"dequantize"`` widens FP8 experts to
+    ``dtype``; None keeps what the file holds (docs/models.md).
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -65,6 +68,7 @@ class Engine(AsyncTwins, ChatCalls):
         max_adapters: int = DEFAULT_MAX_ADAPTERS,
         exif_orientation: bool = True,
         retain_decoded: bool = True,
+        moe_weights: str | None = None,
     ) -> None:
         self.runtime, self.model_path = load_runtime(
             model,
@@ -75,6 +79,7 @@ class Engine(AsyncTwins, ChatCalls):
             enable_prefix_cache=enable_prefix_cache,
             attention_backend=attention_backend,
             retain_decoded=retain_decoded,
+            moe_weights=moe_weights,
         )
         self.config = self.runtime.config
         self.max_batch_size = max_batch_size

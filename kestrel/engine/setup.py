@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 
 from kestrel.errors import InvalidInputError, ModelLoadError
+from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.tokenizer import MoondreamTokenizer
+from kestrel.moondream.weights import MOE_WEIGHT_MODES, resolve_checkpoint
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tiny import MODEL_DIR
 
@@ -65,6 +68,18 @@ def _model_source(model: str | Path | None) -> str | Path:
     )
 
 
+def _model_and_tokenizer(
+    source: str | Path, device: torch.device, dtype: torch.dtype | None, moe_weights: str | None
+) -> tuple[MoondreamModel, MoondreamTokenizer]:
+    """The model (its experts in the ``moe_weights`` form) and tokenizer of a checkpoint; a hub
+    id is resolved once (``moe_weights="fp8"`` prefers a repo's ``model_fp8.pt``)."""
+    ckpt = resolve_checkpoint(source, prefer_fp8=moe_weights == "fp8")
+    model = MoondreamModel.from_pretrained(
+        ckpt, device=device, dtype=dtype, moe_weights=moe_weights
+    )
+    return model, MoondreamTokenizer.for_checkpoint(ckpt)
+
+
 def load_runtime(
     model: str | Path | None,
     *,
@@ -75,6 +90,7 @@ def load_runtime(
     enable_prefix_cache: bool,
     attention_backend: str,
     retain_decoded: bool = True,
+    moe_weights: str | None = None,
 ) -> tuple[MoondreamRuntime, str]:
     """Load the checkpoint and build its runtime; returns (runtime, where it came from)."""
     source = _model_source(model)
@@ -87,11 +103,13 @@ def load_runtime(
         isinstance(kv_cache_pages, bool) or not isinstance(kv_cache_pages, int)
     ):
         raise InvalidInputError(f"kv_cache_pages must be an int, got {kv_cache_pages!r}")
+    if moe_weights not in (None, *MOE_WEIGHT_MODES):
+        raise InvalidInputError(
+            f"moe_weights must be one of {MOE_WEIGHT_MODES} or None, got {moe_weights!r}"
+        )
     try:
-        rt = MoondreamRuntime.from_pretrained(
-            source,
-            device=dev,
-            dtype=dt,
+        rt = MoondreamRuntime(
+            *_model_and_tokenizer(source, dev, dt, moe_weights),
             kv_cache_pages=kv_cache_pages,
             max_batch_size=max_batch_size,
             enable_prefix_cache=enable_prefix_cache,

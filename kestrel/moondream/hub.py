@@ -28,9 +28,12 @@ __all__ = [
 
 # The files a checkpoint directory holds; only these are downloaded from a model repo (the
 # official repo also carries remote-code Python files that Kestrel never runs). The weights are
-# one model.safetensors or a sharded set (model-00001-of-00004.safetensors ... and its index).
+# one model.safetensors or a sharded set (model-00001-of-00004.safetensors ... and its index);
+# Moondream 3 preview also publishes its FP8 experts as a torch pickle, model_fp8.pt, which is
+# fetched only when the repo has no safetensors form or when FP8 is asked for.
 SINGLE_FILE = ("model.safetensors",)
 SHARDED = ("model.safetensors.index.json", "model-*-of-*.safetensors")
+FP8_PT = ("model_fp8.pt",)
 COMPANIONS = ("config.json", "tokenizer.json")
 CHECKPOINT_FILES = (*SINGLE_FILE, *SHARDED, *COMPANIONS)
 
@@ -52,12 +55,14 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
-def checkpoint_patterns(repo_files: Sequence[str]) -> tuple[str, ...]:
+def checkpoint_patterns(repo_files: Sequence[str], *, prefer_fp8: bool = False) -> tuple[str, ...]:
     """The files to fetch of a repo holding ``repo_files``: one weights form, as the loader reads
     it -- ``model.safetensors`` when present (a repo may carry the shards too), else the index
-    and its shards -- plus config.json and tokenizer.json. A repo with neither form gets every
-    pattern (nothing of the weights matches; the loader then names what is missing)."""
-    for form in (SINGLE_FILE, SHARDED):
+    and its shards, else ``model_fp8.pt`` (``prefer_fp8``: ``model_fp8.pt`` first) -- plus
+    config.json and tokenizer.json. A repo with none of them gets every pattern (nothing of the
+    weights matches; the loader then names what is missing)."""
+    forms = (SINGLE_FILE, SHARDED, FP8_PT)
+    for form in (FP8_PT, *forms[:2]) if prefer_fp8 else forms:
         if fnmatch.filter(repo_files, form[0]):
             return (*form, *COMPANIONS)
     return CHECKPOINT_FILES
@@ -82,16 +87,19 @@ def download_snapshot(
         return _snapshot(hub, repo_id, revision, allow_patterns, offline)
 
 
-def download_checkpoint(repo_id: str, *, revision: str | None, what: str) -> Path:
+def download_checkpoint(
+    repo_id: str, *, revision: str | None, what: str, prefer_fp8: bool = False
+) -> Path:
     """``download_snapshot`` of a checkpoint, fetching one weights form: the repo's file list
     is read first and ``checkpoint_patterns`` chooses. Offline the cache holds whatever was
     fetched before, so every checkpoint pattern is asked of it."""
     hub = _import_hub(repo_id, what)
     offline = hub_offline()
     with _hub_errors(repo_id, what, offline):
-        patterns = CHECKPOINT_FILES
+        patterns = CHECKPOINT_FILES  # offline the cache's snapshot is returned as it is
         if not offline:
-            patterns = checkpoint_patterns(hub.list_repo_files(repo_id, revision=revision))
+            listing = hub.list_repo_files(repo_id, revision=revision)
+            patterns = checkpoint_patterns(listing, prefer_fp8=prefer_fp8)
         return _snapshot(hub, repo_id, revision, patterns, offline)
 
 

@@ -14,7 +14,7 @@ import re
 
 from .config import MoondreamConfig
 
-__all__ = ["expected_shapes"]
+__all__ = ["expected_shapes", "fp8_scale_shapes", "region_ln_shapes", "tau_fused_name"]
 
 # Tensors the legacy layout stores transposed relative to the native one.
 _TRANSPOSED_IN_LEGACY = frozenset({"region.coord_features", "region.size_features"})
@@ -82,6 +82,36 @@ def _text_block_shapes(config: MoondreamConfig, i: int) -> dict[str, tuple[int, 
     return shapes
 
 
+def fp8_scale_shapes(config: MoondreamConfig) -> dict[str, tuple[int, ...]]:
+    """The row scales of FP8 experts, per MoE layer: ``mlp.fc1.scale`` [E, 2 * inner] and
+    ``mlp.fc2.scale`` [E, dim] (legacy: ``moe_quant.up_scale`` / ``down_scale``)."""
+    t, shapes = config.text, {}
+    for i in range(t.n_layers):
+        if t.is_moe_layer(i):
+            assert t.moe is not None
+            e, inner = t.moe.num_experts, t.moe.expert_inner_dim
+            shapes[f"text.blocks.{i}.mlp.fc1.scale"] = (e, 2 * inner)
+            shapes[f"text.blocks.{i}.mlp.fc2.scale"] = (e, t.dim)
+    return shapes
+
+
+def region_ln_shapes(config: MoondreamConfig) -> dict[str, tuple[int, ...]]:
+    """The optional LayerNorm before Moondream 3's region decoders (``region_model.ln``)."""
+    return _norm("region.ln", config.region.dim)
+
+
+_TAU_PART = re.compile(r"^text\.blocks\.(\d+)\.attn\.tau\.(wq|wv)$")
+
+
+def tau_fused_name(native: str) -> tuple[str, int] | None:
+    """For ``text.blocks.N.attn.tau.wq`` / ``wv``: the legacy fused tensor ``tau_wqwv``
+    (= concat(wq, wv) along the heads) and which half (0: wq, 1: wv); None for other names."""
+    m = _TAU_PART.match(native)
+    if m is None:
+        return None
+    return f"text_model.transformer.h.{m.group(1)}.tau_wqwv", 0 if m.group(2) == "wq" else 1
+
+
 def _region_decoder(prefix: str, n_out: int, config: MoondreamConfig) -> dict:
     r = config.region
     if r.inner_dim is None:  # Moondream 3: one Linear
@@ -109,6 +139,14 @@ _LEGACY_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         # Moondream 3: tau, router (gate) and the stacked experts
         (r"^text\.blocks\.(\d+)\.attn\.tau\.(wq|wv|alpha)$", r"text_model.transformer.h.\1.tau_\2"),
         (r"^text\.blocks\.(\d+)\.mlp\.router\.", r"text_model.transformer.h.\1.gate."),
+        (
+            r"^text\.blocks\.(\d+)\.mlp\.fc1\.scale$",
+            r"text_model.transformer.h.\1.moe_quant.up_scale",
+        ),
+        (
+            r"^text\.blocks\.(\d+)\.mlp\.fc2\.scale$",
+            r"text_model.transformer.h.\1.moe_quant.down_scale",
+        ),
         (r"^text\.blocks\.", "text_model.transformer.h."),
         (r"^text\.post_ln\.", "text_model.lm_head.ln."),
         (r"^text\.lm_head\.", "text_model.lm_head.linear."),

@@ -91,6 +91,14 @@ class MoeWeights:
     router: Linear  # [num_experts, dim]
     up: Tensor  # [num_experts, 2 * expert_inner_dim, dim]: rows [h; g]
     down: Tensor  # [num_experts, dim, expert_inner_dim]
+    # FP8 experts (``moondream.fp8``): up / down are float8_e4m3fn and these their float32
+    # per-output-row scales [num_experts, 2 * inner] / [num_experts, dim]; None: plain floats.
+    up_scale: Tensor | None = None
+    down_scale: Tensor | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.up_scale is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +134,7 @@ class RegionWeights:
     size_fc2: Linear | None = None  # -> 2 * size bins
     coord_decoder: Linear | None = None  # Moondream 3: one Linear -> coord bins
     size_decoder: Linear | None = None  # Moondream 3: one Linear -> 2 * size bins
+    ln: LayerNorm | None = None  # Moondream 3 files with region_model.ln: before both decoders
 
 
 class _Reader:
@@ -201,10 +210,13 @@ def _text_block(r: _Reader, i: int, cfg: MoondreamConfig) -> TextBlock:
     if t.is_moe_layer(i):
         assert t.moe is not None
         e, inner = t.moe.num_experts, t.moe.expert_inner_dim
+        scaled = f"{p}.mlp.fc1.scale" in r.sd  # FP8 experts carry their row scales
         moe = MoeWeights(
             router=r.linear(f"{p}.mlp.router", e, t.dim),
             up=r.get(f"{p}.mlp.fc1.weight", (e, 2 * inner, t.dim)),
             down=r.get(f"{p}.mlp.fc2.weight", (e, t.dim, inner)),
+            up_scale=r.get(f"{p}.mlp.fc1.scale", (e, 2 * inner)) if scaled else None,
+            down_scale=r.get(f"{p}.mlp.fc2.scale", (e, t.dim)) if scaled else None,
         )
     else:
         fc1 = r.linear(f"{p}.mlp.fc1", t.ff_dim, t.dim)
@@ -250,6 +262,7 @@ def _region_weights(r: _Reader, cfg: MoondreamConfig) -> RegionWeights:
         coord_encoder=r.linear("region.coord_encoder", g.dim, g.coord_feat_dim),
         size_features=r.get("region.size_features", (2, g.size_feat_dim // 2)),
         size_encoder=r.linear("region.size_encoder", g.dim, g.size_feat_dim),
+        ln=r.ln("region.ln", g.dim) if "region.ln.weight" in r.sd else None,
         **decoders,
     )
 
@@ -304,7 +317,7 @@ class MoondreamModel:
             text=_text_weights(r, config),
             region=_region_weights(r, config),
         )
-        dtypes = {sd[n].dtype for n in r.used}
+        dtypes = {sd[n].dtype for n in r.used if not _fp8_part(n, sd)}
         devices = {sd[n].device for n in r.used}
         if len(dtypes) != 1 or len(devices) != 1:
             raise MissingWeightError(
@@ -321,25 +334,35 @@ class MoondreamModel:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         revision: str | None = None,
+        moe_weights: str | None = None,
     ) -> MoondreamModel:
         """Load a checkpoint directory (or hub name) through ``kestrel.moondream.weights``.
 
         ``dtype=None`` picks float32 on CPU, bfloat16 on CUDA, else the checkpoint's dtype.
+        ``moe_weights``: Moondream 3's experts in memory, ``"fp8"`` or ``"dequantize"`` (None:
+        as the file holds them; ``load_state_dict`` says more).
         """
         import kestrel.moondream.weights as loader
 
+        loader.check_moe_weights(moe_weights)
         device = torch.device(device)
-        ckpt = loader.resolve_checkpoint(name_or_path, revision=revision)
+        ckpt = loader.resolve_checkpoint(
+            name_or_path, revision=revision, prefer_fp8=moe_weights == "fp8"
+        )
         config = loader.load_config(ckpt)
         if dtype is None:  # decided from the header, so each tensor is cast once while loading
             dtype = _default_dtype(device, loader.checkpoint_dtype(ckpt))
-        sd = loader.load_state_dict(ckpt, config, device=device, dtype=dtype)
+        sd = loader.load_state_dict(
+            ckpt, config, device=device, dtype=dtype, moe_weights=moe_weights
+        )
         return cls.from_state_dict(sd, config)
 
     def to(self, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
         """A copy of the model with every tensor moved / cast (used for the bf16 check)."""
         sd = self.state_dict()
-        sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+        sd = {
+            k: v.to(device=device, dtype=None if _fp8_part(k, sd) else dtype) for k, v in sd.items()
+        }
         return MoondreamModel.from_state_dict(sd, self.config)
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -361,6 +384,15 @@ class MoondreamModel:
         return counts
 
 
+def _fp8_part(name: str, sd: Mapping[str, Tensor]) -> bool:
+    """An FP8 expert stack or its scales: kept in their own dtypes whatever the model's."""
+    if name.endswith(".scale"):
+        return True
+    return name.endswith(("mlp.fc1.weight", "mlp.fc2.weight")) and (
+        name.rsplit(".", 1)[0] + ".scale" in sd
+    )
+
+
 # Container field -> checkpoint name piece (where they differ).
 _NATIVE = {
     "qkv": "attn.qkv",
@@ -377,6 +409,8 @@ _NATIVE = {
     "moe": "mlp",
     "up": "fc1.weight",
     "down": "fc2.weight",
+    "up_scale": "fc1.scale",
+    "down_scale": "fc2.scale",
 }
 
 

@@ -25,6 +25,14 @@ MLP output is sum_k w_k y_k. Two forms of the same MLP:
   weights zeroed outside each token's top k (reads each expert once; E / k times the FLOPs,
   which a memory-bound decode step does not notice). Prefill keeps the grouped form: its
   N * k is far above E and the all-experts branch would multiply its FLOPs by E / k.
+
+FP8 experts (``MoeWeights.fp8``: float8_e4m3 stacks with per-row scales, ``fp8.py``) stay FP8 in
+memory. Where the row-scaled FP8 GEMM runs (``fp8.fp8_gemm_supported``: Hopper, bfloat16) each
+expert matrix goes through ``torch._scaled_mm``; elsewhere (CPU, older GPUs) an expert's rows are
+dequantised into the activations' dtype right before its matmul. Either way only the experts a
+forward reads are touched: the grouped form one expert at a time, the gathered branch the N * k
+gathered slices, the all-experts branch one expert per step of a fixed loop over E (static,
+so a CUDA graph captures it). The whole stack is never widened.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kestrel.moondream.config import TextMoeConfig
+from kestrel.moondream.fp8 import dequantize_rows, expert_linear, fp8_gemm_supported
 from kestrel.moondream.model import MoeWeights, TauWeights
 
 __all__ = [
@@ -98,6 +107,24 @@ def route(x_NC: Tensor, w: MoeWeights, cfg: TextMoeConfig) -> Routing:
     return Routing(logits, experts, weights)
 
 
+def _scaled_mm(w: MoeWeights, x: Tensor) -> bool:
+    """Whether FP8 experts go through the row-scaled FP8 GEMM for activations ``x``."""
+    return w.fp8 and fp8_gemm_supported(x.device, x.dtype)
+
+
+def _up(x: Tensor, w: MoeWeights, e: int, scaled: bool) -> Tensor:
+    """x @ up[e]^T for one expert, whatever the stack's form."""
+    if w.up_scale is None:
+        return F.linear(x, w.up[e])
+    return expert_linear(x, w.up[e], w.up_scale[e], scaled_mm=scaled)
+
+
+def _down(x: Tensor, w: MoeWeights, e: int, scaled: bool) -> Tensor:
+    if w.down_scale is None:
+        return F.linear(x, w.down[e])
+    return expert_linear(x, w.down[e], w.down_scale[e], scaled_mm=scaled)
+
+
 def moe_mlp(x_BTC: Tensor, w: MoeWeights, cfg: TextMoeConfig) -> tuple[Tensor, Routing]:
     """The MoE MLP output [B, T, C] of the block's LayerNorm output, and the routing taken."""
     B, T, C = x_BTC.shape
@@ -110,13 +137,14 @@ def moe_mlp(x_BTC: Tensor, w: MoeWeights, cfg: TextMoeConfig) -> tuple[Tensor, R
     token_of = order // k  # [N*k] token of each grouped pair
     weight_of = r.weights.flatten()[order]  # [N*k]
     out_NC = torch.zeros_like(x_NC)
+    scaled = _scaled_mm(w, x_NC)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue  # an expert no token chose is never read
         tok = token_of[start : start + n]
-        h, g = F.linear(x_NC[tok], w.up[e]).chunk(2, dim=-1)  # [n, inner] each
-        y = F.linear(expert_activation(h, g), w.down[e])  # [n, C]
+        h, g = _up(x_NC[tok], w, e, scaled).chunk(2, dim=-1)  # [n, inner] each
+        y = _down(expert_activation(h, g), w, e, scaled)  # [n, C]
         out_NC.index_add_(0, tok, y * weight_of[start : start + n, None])
         start += n
     return out_NC.view(B, T, C), r
@@ -134,11 +162,58 @@ def moe_mlp_static(x_BTC: Tensor, w: MoeWeights, cfg: TextMoeConfig) -> tuple[Te
     B, T, C = x_BTC.shape
     x_NC = x_BTC.reshape(B * T, C)
     r = route(x_NC, w, cfg)
-    if gathers_experts(B * T, cfg):
+    if _scaled_mm(w, x_NC) and gathers_experts(B * T, cfg):
+        out_NC = _gathered_scaled(x_NC, w, r)
+    elif gathers_experts(B * T, cfg):
         out_NC = _gathered_experts(x_NC, w, r)
+    elif w.fp8:
+        out_NC = _each_expert(x_NC, w, r, _scaled_mm(w, x_NC))
     else:
         out_NC = _all_experts(x_NC, w, r)
     return out_NC.view(B, T, C), r
+
+
+def _gathered_stack(stack: Tensor, scale: Tensor | None, chosen: Tensor, dtype) -> Tensor:
+    """The chosen experts' matrices [M, rows, cols] in ``dtype``: only those are dequantised."""
+    picked = stack.index_select(0, chosen)
+    if scale is None:
+        return picked
+    return dequantize_rows(picked, scale.index_select(0, chosen), dtype)
+
+
+def _routing_weights(x_NC: Tensor, n_experts: int, r: Routing) -> Tensor:
+    """[N, E]: each token's routing weight per expert, zero outside its top k."""
+    weights = torch.zeros(x_NC.shape[0], n_experts, dtype=r.weights.dtype, device=x_NC.device)
+    return weights.scatter(1, r.experts, r.weights)
+
+
+def _each_expert(x_NC: Tensor, w: MoeWeights, r: Routing, scaled: bool) -> Tensor:
+    """The all-experts branch for FP8 stacks: a fixed loop over E, one expert's matrices live
+    (dequantised or through the FP8 GEMM) at a time; static shapes, no host synchronisation."""
+    weights_NE = _routing_weights(x_NC, w.up.shape[0], r)
+    out_NC = torch.zeros_like(x_NC)
+    for e in range(w.up.shape[0]):
+        h, g = _up(x_NC, w, e, scaled).chunk(2, dim=-1)
+        out_NC += _down(expert_activation(h, g), w, e, scaled) * weights_NE[:, e, None]
+    return out_NC
+
+
+def _gathered_scaled(x_NC: Tensor, w: MoeWeights, r: Routing) -> Tensor:
+    """The gathered branch through the FP8 GEMM: one (token, slot) pair per step of a fixed
+    loop over N * k; each step gathers its expert's FP8 rows on the device (no sync)."""
+    assert w.up_scale is not None and w.down_scale is not None
+    N, k = r.experts.shape
+    chosen = r.experts.reshape(N * k)
+    out = []
+    for j in range(N * k):
+        e = chosen[j : j + 1]
+        x = x_NC[j // k : j // k + 1]
+        up, up_s = w.up.index_select(0, e)[0], w.up_scale.index_select(0, e)[0]
+        h, g = expert_linear(x, up, up_s, scaled_mm=True).chunk(2, dim=-1)
+        down, down_s = w.down.index_select(0, e)[0], w.down_scale.index_select(0, e)[0]
+        out.append(expert_linear(expert_activation(h, g), down, down_s, scaled_mm=True))
+    y_NkC = torch.cat(out).view(N, k, -1)
+    return (y_NkC * r.weights[..., None]).sum(dim=1)
 
 
 def _gathered_experts(x_NC: Tensor, w: MoeWeights, r: Routing) -> Tensor:
@@ -146,8 +221,8 @@ def _gathered_experts(x_NC: Tensor, w: MoeWeights, r: Routing) -> Tensor:
     N, k = r.experts.shape
     C = x_NC.shape[1]
     chosen = r.experts.reshape(N * k)
-    up = w.up.index_select(0, chosen)  # [N*k, 2 inner, C]
-    down = w.down.index_select(0, chosen)  # [N*k, C, inner]
+    up = _gathered_stack(w.up, w.up_scale, chosen, x_NC.dtype)  # [N*k, 2 inner, C]
+    down = _gathered_stack(w.down, w.down_scale, chosen, x_NC.dtype)  # [N*k, C, inner]
     x_M1C = x_NC[:, None, :].expand(N, k, C).reshape(N * k, 1, C)  # each token once per slot
     h, g = torch.bmm(x_M1C, up.transpose(1, 2)).chunk(2, dim=-1)  # [N*k, 1, inner] each
     y_M1C = torch.bmm(expert_activation(h, g), down.transpose(1, 2))  # [N*k, 1, C]
@@ -156,9 +231,7 @@ def _gathered_experts(x_NC: Tensor, w: MoeWeights, r: Routing) -> Tensor:
 
 def _all_experts(x_NC: Tensor, w: MoeWeights, r: Routing) -> Tensor:
     """Every expert over every token; weights are zero outside each token's top k."""
-    weights_NE = torch.zeros(
-        x_NC.shape[0], w.up.shape[0], dtype=r.weights.dtype, device=x_NC.device
-    ).scatter(1, r.experts, r.weights)
+    weights_NE = _routing_weights(x_NC, w.up.shape[0], r)
     hg_ENI = torch.matmul(x_NC, w.up.transpose(1, 2))  # [E, N, 2 inner]
     h, g = hg_ENI.chunk(2, dim=-1)
     y_ENC = torch.bmm(expert_activation(h, g), w.down.transpose(1, 2))  # [E, N, C]

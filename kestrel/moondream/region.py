@@ -25,8 +25,9 @@ from torch import Tensor
 
 from kestrel.moondream.config import RegionConfig
 from kestrel.moondream.model import MoondreamModel, RegionWeights
-from kestrel.moondream.text import embed_text, linear
+from kestrel.moondream.text import embed_text, layer_norm, linear
 from kestrel.tokens import CoordToken, SizeToken, TextToken
+from kestrel_kernels.transfer import upload
 
 __all__ = [
     "SpatialRefError",
@@ -69,10 +70,17 @@ def encode_size(wh: Tensor, w: RegionWeights) -> Tensor:
     return linear(_fourier(wh, w.size_features), w.size_encoder)
 
 
+def _region_ln(hidden: Tensor, w: RegionWeights) -> Tensor:
+    """The LayerNorm a Moondream 3 file with ``region_model.ln`` puts before both decoders (the
+    runtime those files were published for applies it); without it the decoders read the hidden
+    state as is, as the first-party reference does."""
+    return hidden if w.ln is None else layer_norm(hidden, w.ln)
+
+
 def decode_coordinate(hidden: Tensor, w: RegionWeights) -> Tensor:
     """Decoder output (pre post_ln) [..., dim] -> coordinate logits [..., coord_bins]."""
     if w.coord_decoder is not None:
-        return linear(hidden, w.coord_decoder)
+        return linear(_region_ln(hidden, w), w.coord_decoder)
     assert w.coord_fc1 is not None and w.coord_fc2 is not None
     return linear(F.gelu(linear(hidden, w.coord_fc1), approximate="tanh"), w.coord_fc2)
 
@@ -80,7 +88,7 @@ def decode_coordinate(hidden: Tensor, w: RegionWeights) -> Tensor:
 def decode_size(hidden: Tensor, w: RegionWeights) -> Tensor:
     """Decoder output [..., dim] -> size logits [..., 2, size_bins] (row 0 width, row 1 height)."""
     if w.size_decoder is not None:
-        out = linear(hidden, w.size_decoder)
+        out = linear(_region_ln(hidden, w), w.size_decoder)
     else:
         assert w.size_fc1 is not None and w.size_fc2 is not None
         out = linear(F.gelu(linear(hidden, w.size_fc1), approximate="tanh"), w.size_fc2)
@@ -190,12 +198,12 @@ def embed_tokens(
         else:
             raise TypeError(f"cannot embed {type(t).__name__}: only text, coord and size tokens")
     if len(text_idx) == len(tokens):  # the common case: plain text, one lookup
-        return embed_text(torch.tensor(text_ids, device=dev), model.text)
+        return embed_text(upload(text_ids, torch.int64, dev), model.text)
     out = torch.empty(len(tokens), model.config.text.dim, device=dev, dtype=dt)
     if text_idx:
-        out[text_idx] = embed_text(torch.tensor(text_ids, device=dev), model.text)
+        out[text_idx] = embed_text(upload(text_ids, torch.int64, dev), model.text)
     if coord_idx:
-        out[coord_idx] = encode_coordinate(torch.tensor(coords, dtype=dt, device=dev), model.region)
+        out[coord_idx] = encode_coordinate(upload(coords, dt, dev), model.region)
     if size_idx:
-        out[size_idx] = encode_size(torch.tensor(sizes, dtype=dt, device=dev), model.region)
+        out[size_idx] = encode_size(upload(sizes, dt, dev), model.region)
     return out

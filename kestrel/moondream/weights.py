@@ -7,6 +7,10 @@ Native names are the module paths of the reference model without the Hugging Fac
 7.2): the native HF layout of ``vikhyatk/moondream2`` and the older training layout
 (``vision_encoder.…``, ``text_model.…``, ``region_model.…``), whose Fourier feature matrices are
 stored transposed. ``._orig_mod`` (torch.compile wrappers) is dropped from every name.
+Moondream 3's published files (``moondream3-preview``'s ``model_fp8.pt``, ``moondream3.1``'s
+``model.safetensors``) are in the legacy layout with FP8 experts and their row scales, maybe a
+fused ``tau_wqwv`` and a ``region_model.ln``: ``sources.py`` maps and checks them, ``fp8.py``
+says what the scales mean, ``moe_weights`` picks the in-memory form of the experts.
 
 Loading is memory-mapped: tensors are read one at a time, cast and moved once, so the peak host
 memory is the result plus one tensor.
@@ -23,13 +27,17 @@ import torch
 from safetensors import SafetensorError
 
 from .config import MOONDREAM2, MOONDREAM3, MoondreamConfig
+from .fp8 import as_fp8, dequantize_rows, quantize_rows
 from .hub import CheckpointError, download_checkpoint, looks_like_repo_id
-from .layout import _TRANSPOSED_IN_LEGACY, _legacy_name, expected_shapes
-from .shards import INDEX_FILE, WEIGHTS_FILE, ShardReader, ShardSet
+from .layout import _TRANSPOSED_IN_LEGACY, expected_shapes
+from .shards import FP8_PT_FILE, INDEX_FILE, WEIGHTS_FILE, ShardReader, ShardSet
+from .sources import Source, check_expert_forms, check_shapes, plan_sources, read_scales
 
 __all__ = [
+    "MOE_WEIGHT_MODES",
     "CheckpointError",
     "CheckpointWarning",
+    "check_moe_weights",
     "checkpoint_dtype",
     "detect_family",
     "expected_shapes",
@@ -41,8 +49,6 @@ __all__ = [
 CONFIG_FILE = "config.json"
 
 _INT4_SUFFIXES = (".weight.packed", ".weight.scale", ".weight.zero_point")
-_NATIVE_ROOTS = ("vision.", "text.", "region.")
-_LEGACY_ROOTS = ("vision_encoder.", "text_model.", "region_model.")
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -55,34 +61,11 @@ class CheckpointWarning(UserWarning):
     """A checkpoint that loads but holds tensors Kestrel does not use."""
 
 
-def _native_key(key: str) -> str:
-    key = key.replace("._orig_mod", "")
-    return key.removeprefix("model.")
-
-
-FP8_FILE = "model_fp8.pt"
-_FP8_MARKERS = (".moe_quant.", ".tau_wqwv")
-_FP8_MESSAGE = (
-    "Kestrel 0.9.2's FP8-expert Moondream 3 files ({what}) are not supported: how their experts "
-    "dequantize is not pinned down by a public source. Supported: Moondream 2 and Moondream 3 "
-    f"{WEIGHTS_FILE} checkpoints with 16- or 32-bit float experts, in the Hugging Face native "
-    "layout (model.text.blocks.N.mlp.fc1.weight) or the legacy one "
-    "(text_model.transformer.h.N.mlp.experts.weight)"
-)
-
-
-def _check_not_fp8(file: Path, keys: list[str] | None = None) -> None:
-    if file.name == FP8_FILE or (file.is_dir() and (file / FP8_FILE).is_file()):
-        raise CheckpointError(_FP8_MESSAGE.format(what=f"{FP8_FILE} at {file}"))
-    marked = [k for k in keys or () if any(m in k for m in _FP8_MARKERS)]
-    if marked:
-        raise CheckpointError(_FP8_MESSAGE.format(what=f"{file} holds {marked[0]!r}"))
+MOE_WEIGHT_MODES = ("fp8", "dequantize")
 
 
 def _weights_files(path: str | Path) -> ShardSet:
-    path = Path(path).expanduser()
-    _check_not_fp8(path)
-    return ShardSet.locate(path)
+    return ShardSet.locate(Path(path).expanduser())
 
 
 def _check_not_int4(config: MoondreamConfig, keys: list[str] | None = None) -> None:
@@ -96,47 +79,6 @@ def _check_not_int4(config: MoondreamConfig, keys: list[str] | None = None) -> N
         )
 
 
-def _source_map(keys: list[str], file: Path) -> tuple[dict[str, str], bool]:
-    """Detect the layout and map (renamed) names to file keys: (name -> key, legacy?)."""
-    stripped = {k: k.replace("._orig_mod", "") for k in keys}
-    if any(_native_key(k).startswith(_NATIVE_ROOTS) for k in keys):
-        legacy, rename = False, {k: _native_key(k) for k in keys}
-    elif any(s.startswith(_LEGACY_ROOTS) for s in stripped.values()):
-        legacy, rename = True, stripped
-    else:
-        raise CheckpointError(
-            f"{file} is not a Moondream 2 checkpoint: no key starts with {_NATIVE_ROOTS} "
-            f"(native layout) or {_LEGACY_ROOTS} (legacy layout); first keys: {sorted(keys)[:3]}"
-        )
-    out: dict[str, str] = {}
-    for key, name in rename.items():
-        if name in out:
-            raise CheckpointError(f"{file} holds {name!r} twice (as {out[name]!r} and {key!r})")
-        out[name] = key
-    return out, legacy
-
-
-def _resolve_sources(
-    keys: list[str], config: MoondreamConfig, file: Path
-) -> tuple[dict[str, str], bool, list[str]]:
-    """native name -> file key for every expected tensor, the layout, and the unused keys."""
-    by_name, legacy = _source_map(keys, file)
-    expected = expected_shapes(config)
-    on_disk = {n: (_legacy_name(n, config) if legacy else n) for n in expected}
-    sources = {n: by_name[d] for n, d in on_disk.items() if d in by_name}
-    wanted = set(on_disk.values())
-    extra = sorted(key for name, key in by_name.items() if name not in wanted)
-    missing = [n for n in expected if n not in sources]
-    if missing:
-        shown = ", ".join(repr(on_disk[n]) for n in missing[:5])
-        raise CheckpointError(
-            f"{file} lacks {len(missing)} of the {len(expected)} tensors the config expects "
-            f"({'legacy' if legacy else 'native'} layout), e.g. {shown}; is config.json the one "
-            "that belongs to this checkpoint?"
-        )
-    return sources, legacy, extra
-
-
 def _report_extra(extra: list[str], file: Path, strict: bool) -> None:
     if not extra:
         return
@@ -146,27 +88,46 @@ def _report_extra(extra: list[str], file: Path, strict: bool) -> None:
     warnings.warn(msg + "; they are ignored", CheckpointWarning, stacklevel=3)
 
 
-def _check_shapes(
-    reader: ShardReader, sources: dict[str, str], expected: dict, legacy: bool, file: Path
-) -> None:
-    """Every source tensor has its expected shape (read from the headers only)."""
-    for name, key in sources.items():
-        shape = reader.shape(key)
-        transposed = legacy and name in _TRANSPOSED_IN_LEGACY
-        if transposed:
-            shape = shape[::-1]
-        if shape == expected[name]:
-            continue
-        if transposed:
-            raise CheckpointError(
-                f"{file}: legacy tensor {key!r} has shape {list(shape[::-1])} but the "
-                f"legacy layout stores {name!r} as {list(expected[name][::-1])}, transposed"
-            )
-        raise CheckpointError(
-            f"{file}: tensor {key!r} has shape {list(shape)} but the config expects "
-            f"{list(expected[name])} for {name!r}; is config.json the one that belongs "
-            "to this checkpoint?"
+def check_moe_weights(moe_weights: str | None) -> None:
+    if moe_weights is not None and moe_weights not in MOE_WEIGHT_MODES:
+        raise ValueError(
+            f"moe_weights must be one of {MOE_WEIGHT_MODES} or None (keep what the file "
+            f"holds), got {moe_weights!r}"
         )
+
+
+def _read(reader: ShardReader, src: Source, file: Path) -> torch.Tensor:
+    try:
+        tensor = reader.tensor(src.key)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot read tensor {src.key!r} from {file}: {exc}") from exc
+    if src.half is not None:
+        tensor = tensor.chunk(2, dim=0)[src.half]
+    return tensor
+
+
+def _place_experts(
+    name: str,
+    tensor: torch.Tensor,
+    scales: dict[str, torch.Tensor],
+    mode: str | None,
+    to: dict,
+) -> dict[str, torch.Tensor]:
+    """An expert stack as the mode asks: FP8 bytes + scale, or floats (dequantised)."""
+    scale_name = name[: -len(".weight")] + ".scale"
+    if scale_name in scales:  # FP8 in the file
+        q = as_fp8(tensor)
+        if mode == "dequantize":
+            dtype = to["dtype"] or to["fallback"]
+            return {name: dequantize_rows(q, scales[scale_name], dtype).to(to["device"])}
+        return {
+            name: q.to(device=to["device"]).contiguous(),
+            scale_name: scales[scale_name].to(device=to["device"]),
+        }
+    if mode == "fp8":  # 16-bit in the file, FP8 asked: quantised here, per output row
+        q, scale = quantize_rows(tensor)
+        return {name: q.to(device=to["device"]), scale_name: scale.to(device=to["device"])}
+    return {name: tensor.to(device=to["device"], dtype=to["dtype"] or tensor.dtype).contiguous()}
 
 
 def load_state_dict(
@@ -176,39 +137,63 @@ def load_state_dict(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     strict: bool = False,
+    moe_weights: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load every tensor of :func:`expected_shapes` from ``path``: a directory, its
-    ``model.safetensors``, or the ``model.safetensors.index.json`` of a sharded set.
+    """Load every tensor of :func:`expected_shapes` (plus the optional parts a file carries:
+    FP8 expert scales, ``region.ln``) from ``path``: a directory, its ``model.safetensors``, the
+    ``model.safetensors.index.json`` of a sharded set, or a ``.pt`` tensor dict.
 
-    ``dtype=None`` keeps the checkpoint's dtype. Unknown extra tensors are ignored with a
-    :class:`CheckpointWarning` (``strict=True`` raises instead). Raises CheckpointError for a
-    missing or unreadable file, an index that disagrees with its shards, an unrecognized layout,
-    missing tensors, a shape mismatch, or an int4 quantized checkpoint. Shapes are checked from
-    the headers before any tensor is read.
+    ``dtype=None`` keeps the checkpoint's dtype. ``moe_weights``: None keeps the experts in the
+    form the file holds them; ``"fp8"`` keeps (or makes, absmax / 448 per row) float8_e4m3
+    experts with float32 row scales (``text.blocks.N.mlp.fc1.scale`` / ``fc2.scale``);
+    ``"dequantize"`` turns FP8 experts into ``dtype`` floats. Unknown extra tensors are ignored
+    with a :class:`CheckpointWarning` (``strict=True`` raises instead). Raises CheckpointError
+    for a missing or unreadable file, an index that disagrees with its shards, an unrecognized
+    layout, missing tensors, a shape mismatch, a mix of forms, a bad scale, or an int4
+    quantized checkpoint. Shapes and forms are checked before any weight is read.
     """
+    check_moe_weights(moe_weights)
     shards = _weights_files(path)
     file = shards.source
     _check_not_int4(config)
     out: dict[str, torch.Tensor] = {}
+    to = {"device": device, "dtype": dtype, "fallback": None}
     with ExitStack() as stack:
         reader = shards.open(stack)
         keys = reader.keys()
         _check_not_int4(config, keys)
-        _check_not_fp8(file, keys)
-        sources, legacy, extra = _resolve_sources(keys, config, file)
-        _check_shapes(reader, sources, expected_shapes(config), legacy, file)
-        _report_extra(extra, file, strict)
-        for name, key in sources.items():
-            try:
-                tensor = reader.tensor(key)
-            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-                raise CheckpointError(f"cannot read tensor {key!r} from {file}: {exc}") from exc
+        plan = plan_sources(keys, config, file)
+        check_shapes(reader, plan, file)
+        check_expert_forms(reader, plan, config, file)
+        scales = read_scales(reader, plan, file)
+        if dtype is None and scales and moe_weights == "dequantize":
+            to["fallback"] = checkpoint_dtype(path)  # the dtype of the rest of the file
+        _report_extra(plan.extra, file, strict)
+        for name, src in plan.sources.items():
+            if name in scales:
+                continue  # placed with its experts
+            tensor = _read(reader, src, file)
+            if name in _experts(config):
+                out.update(_place_experts(name, tensor, scales, moe_weights, to))
+                continue
             if not tensor.is_floating_point():
-                raise CheckpointError(f"{file}: tensor {key!r} has non-float dtype {tensor.dtype}")
-            if legacy and name in _TRANSPOSED_IN_LEGACY:
+                raise CheckpointError(
+                    f"{file}: tensor {src.key!r} has non-float dtype {tensor.dtype}"
+                )
+            if plan.legacy and name in _TRANSPOSED_IN_LEGACY:
                 tensor = tensor.T
             out[name] = tensor.to(device=device, dtype=dtype or tensor.dtype).contiguous()
     return out
+
+
+def _experts(config: MoondreamConfig) -> frozenset[str]:
+    t = config.text
+    return frozenset(
+        f"text.blocks.{i}.mlp.{fc}.weight"
+        for i in range(t.n_layers)
+        if t.is_moe_layer(i)
+        for fc in ("fc1", "fc2")
+    )
 
 
 _MOE_KEY = re.compile(r"(\.mlp\.router\.|\.gate\.weight$|\.mlp\.experts\.weight$)")
@@ -278,16 +263,21 @@ def load_config(path: str | Path) -> MoondreamConfig:
 
 
 def _has_weights(path: Path) -> bool:
-    return path.is_file() or any((path / f).is_file() for f in (WEIGHTS_FILE, INDEX_FILE))
+    files = (WEIGHTS_FILE, INDEX_FILE, FP8_PT_FILE)
+    return path.is_file() or any((path / f).is_file() for f in files)
 
 
-def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) -> Path:
+def resolve_checkpoint(
+    name_or_path: str | Path, revision: str | None = None, *, prefer_fp8: bool = False
+) -> Path:
     """A local checkpoint path (directory or file) for a path or a Hugging Face repo id.
 
     Existing local paths are returned as given. Other ``owner/name`` strings are downloaded
-    (only the weights -- ``model.safetensors`` if the repo has it, else the sharded set and its
-    index -- config.json and tokenizer.json) with huggingface_hub, or taken from its cache when
-    ``HF_HUB_OFFLINE=1``. Raises CheckpointError with instructions otherwise.
+    (one weights form -- ``model.safetensors`` if the repo has it, else the sharded set and its
+    index, else ``model_fp8.pt`` -- plus config.json and tokenizer.json) with huggingface_hub,
+    or taken from its cache when ``HF_HUB_OFFLINE=1``. ``prefer_fp8``: a repo that publishes
+    ``model_fp8.pt`` beside a 16-bit form (``moondream/moondream3-preview``) gets the FP8 file,
+    and the path returned is that file. Raises CheckpointError with instructions otherwise.
     """
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -297,8 +287,12 @@ def resolve_checkpoint(name_or_path: str | Path, revision: str | None = None) ->
             f"no such checkpoint path: {path} (expected a directory holding {WEIGHTS_FILE} and "
             f"{CONFIG_FILE}, a {WEIGHTS_FILE} file, or a hub repo id like 'vikhyatk/moondream2')"
         )
-    return download_checkpoint(
+    snapshot = download_checkpoint(
         str(name_or_path),
         revision=revision,
-        what=f"{WEIGHTS_FILE} and {CONFIG_FILE} (or the shards and their {INDEX_FILE})",
+        what=f"{WEIGHTS_FILE} and {CONFIG_FILE} (or the shards and their {INDEX_FILE}, or "
+        f"{FP8_PT_FILE})",
+        prefer_fp8=prefer_fp8,
     )
+    fp8_file = snapshot / FP8_PT_FILE
+    return fp8_file if prefer_fp8 and fp8_file.is_file() else snapshot

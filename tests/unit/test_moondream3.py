@@ -69,18 +69,20 @@ def test_legacy_layout_loads_the_same(tmp_path: Path) -> None:
     assert all(torch.equal(loaded[k], native[k]) for k in native)
 
 
-def test_fp8_expert_files_are_refused(tmp_path: Path) -> None:
+def test_fp8_markers_in_a_native_file_and_an_empty_pt_are_refused(tmp_path: Path) -> None:
+    """FP8 files load now (tests/unit/test_fp8_loading.py); a native file with a legacy scale
+    key mixes layouts, and an empty model_fp8.pt is not a tensor dict."""
     sd = load_file(str(MD3 / "model.safetensors"))
     sd["text_model.transformer.h.1.moe_quant.up_scale"] = torch.ones(1)
     save_file(sd, str(tmp_path / "model.safetensors"))
     shutil.copy(MD3 / "config.json", tmp_path / "config.json")
-    with pytest.raises(CheckpointError, match="FP8-expert Moondream 3 files") as err:
+    with pytest.raises(CheckpointError, match="mixes the native layout") as err:
         MoondreamModel.from_pretrained(tmp_path)
-    assert "Supported: Moondream 2 and Moondream 3" in str(err.value)
+    assert "moe_quant.up_scale" in str(err.value)
     pt = tmp_path / "pt"
     pt.mkdir()
     (pt / "model_fp8.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"model_fp8\.pt"):
+    with pytest.raises(CheckpointError, match=r"model_fp8\.pt as a torch tensor dict"):
         load_state_dict(pt, load_config(MD3))
 
 
