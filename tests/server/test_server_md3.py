@@ -74,3 +74,18 @@ def test_startup_line_names_the_family(md3_engine, capsys) -> None:
     serve._announce(args, 2020, md3_engine, None)
     line = capsys.readouterr().out
     assert "md3-tiny-a (moondream3) on http://127.0.0.1:2020/v1" in line
+
+
+def test_segment_names_the_missing_segmentation_weights(client, md3_engine) -> None:
+    """The published Moondream 3 checkpoints stop after the box: a 501 that says so, for the
+    clients' blocking and streamed calls alike, and nothing reaches the scheduler."""
+    before = md3_engine.stats().requests_served
+    for stream in (False, True):
+        body = {"image_url": data_url(SCENE.read_bytes()), "object": "square", "stream": stream,
+                "model": "moondream3-preview"}  # fmt: skip
+        r = client.post("/v1/segment", json=body)
+        assert r.status_code == 501, r.text
+        error = r.json()["error"]
+        assert error["type"] == "unsupported" and "segmentation weights" in error["message"]
+        assert "stop after the box" in error["message"]
+    assert md3_engine.stats().requests_served == before
