@@ -49,3 +49,11 @@ def test_bad_options_fail_before_the_model_loads(capsys, tmp_path) -> None:
         port = str(taken.getsockname()[1])
         assert main(["serve", "--port", port, "--model", str(tmp_path)]) == 2
     assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+
+
+def test_a_bad_allow_origin_fails_before_the_model_loads(capsys, tmp_path) -> None:
+    pytest.importorskip("uvicorn", reason='needs the serve extra: pip install "kestrel[serve]"')
+    for bad in ("app.example", "https://app.example/page"):
+        assert main(["serve", "--allow-origin", bad, "--model", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "--allow-origin" in err and "scheme://host" in err
