@@ -33,6 +33,8 @@ class ReplicaStats:
     routed: int
     process: str | None
     requests_served: int | None
+    requests_failed: int | None
+    requests_cancelled: int | None
     hit_rate: float | None
     vision_encodes: int | None
     vision_encodes_skipped: int | None
@@ -40,6 +42,11 @@ class ReplicaStats:
     running: int | None
     prompt_tokens: int | None
     cached_tokens: int | None
+    pages_total: int | None
+    pages_free: int | None
+    pages_cached: int | None
+    pages_private: int | None
+    pages_locked: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,18 +63,19 @@ class ClusterStats(EngineStats):
         return asdict(self)
 
 
-def _replica(name: str, snap: RouterSnapshot, s: Mapping[str, Any] | None) -> ReplicaStats:
-    def get(key: str) -> Any:
-        return None if s is None else s[key]
+_FROM_ENGINE = [f.name for f in fields(ReplicaStats)][4:]  # from ``process`` on
+_RENAMED = {"process": "name", "cached_tokens": "prefill_tokens_saved"}
 
+
+def _replica(name: str, snap: RouterSnapshot, s: Mapping[str, Any] | None) -> ReplicaStats:
+    engine = {k: None if s is None else s[_RENAMED.get(k, k)] for k in _FROM_ENGINE}
     return ReplicaStats(
-        replica=name, live=snap.live[name], in_flight=snap.in_flight[name],
-        routed=snap.routed[name], process=get("name"), requests_served=get("requests_served"),
-        hit_rate=get("hit_rate"), vision_encodes=get("vision_encodes"),
-        vision_encodes_skipped=get("vision_encodes_skipped"), queue_depth=get("queue_depth"),
-        running=get("running"), prompt_tokens=get("prompt_tokens"),
-        cached_tokens=get("prefill_tokens_saved"),
-    )  # fmt: skip
+        replica=name,
+        live=snap.live[name],
+        in_flight=snap.in_flight[name],
+        routed=snap.routed[name],
+        **engine,
+    )
 
 
 def cluster_stats(
