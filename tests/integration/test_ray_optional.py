@@ -1,5 +1,5 @@
 """Ray stays optional: importing kestrel or building its CLI never imports Ray, and without Ray
-``kestrel batch --ray`` says what to install (checked in a subprocess where ``import ray``
+``kestrel batch --ray`` and ``kestrel serve --ray`` say what to install (checked in a subprocess where ``import ray``
 fails, whether or not Ray is installed here)."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+
+import pytest
 
 _PROBE = """
 import json, sys
@@ -42,3 +44,20 @@ def test_kestrel_without_ray(tmp_path) -> None:
     err = proc.stderr.strip().splitlines()[-1]
     assert err.startswith("kestrel: error: --ray needs Ray") and "kestrel[ray]" in err, err
     assert not (tmp_path / "out").exists()
+
+
+_SERVE_PROBE = """
+import sys
+import kestrel.cli
+sys.modules["ray"] = None  # `import ray` fails as if it were not installed
+sys.exit(kestrel.cli.main(["serve", "--ray", "--port", "0"]))
+"""
+
+
+def test_kestrel_serve_ray_without_ray_says_what_to_install() -> None:
+    pytest.importorskip("uvicorn", reason='needs the serve extra: pip install "kestrel[serve]"')
+    argv = [sys.executable, "-c", _SERVE_PROBE]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith("kestrel: error: --ray needs Ray Serve") and "kestrel[ray]" in err, err
