@@ -1,6 +1,6 @@
 """Ray stays optional: importing kestrel or building its CLI never imports Ray, and without Ray
-``kestrel batch --ray`` and ``kestrel serve --ray`` say what to install (checked in a subprocess where ``import ray``
-fails, whether or not Ray is installed here)."""
+``kestrel batch --ray`` and ``kestrel serve --ray`` say what to install (checked in a subprocess
+where ``import ray`` fails, whether or not Ray is installed here)."""
 
 from __future__ import annotations
 
