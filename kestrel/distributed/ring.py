@@ -95,17 +95,19 @@ class Router:
     def begin(self, key: bytes) -> str:
         """The replica for a request keyed by ``key``, counted in flight until :meth:`end`."""
         with self._lock:
-            live = sorted(self._live)
-            if not live:
+            if not self._live:
                 raise NoReplicaError("no replica is live (restarting or loading its model)")
             if self.routing == "random":
-                name = self._random.choice(live)
+                name = self._random.choice(sorted(self._live))
             else:
                 name = self.ring.owner(key, self._live)
-                least = min(live, key=lambda n: (self._in_flight[n], n))
-                if self._in_flight[name] - self._in_flight[least] > self.slack:
-                    name = least
-                    self._diverted += 1
+                # Nobody is below 0 in flight: only a replica over ``slack`` can be diverted
+                # from, so the common case never scans the replicas.
+                if self._in_flight[name] > self.slack:
+                    least = min(sorted(self._live), key=self._in_flight.__getitem__)
+                    if self._in_flight[name] - self._in_flight[least] > self.slack:
+                        name = least
+                        self._diverted += 1
             self._in_flight[name] += 1
             self._routed[name] += 1
             return name
