@@ -91,7 +91,7 @@ def test_query_parity_on_every_cache_path(
         logits, ids, r = run_query(rt, toks, image)
         reused.append(r)
         if toks is tokens:
-            torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+            torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=ATOL)
             assert ids == ref_ids
     n_cacheable = cacheable_prefix(tokens, cfg.region.coord_bins, cfg.region.size_bins)
     image_kv = cfg.image_tokens if image is not None else 0
@@ -115,20 +115,20 @@ def test_adapter_parity_and_namespaces(make_runtime, model, eager, tokenizer, im
     assert reused == 0
     logits, ids, reused = run_query(rt, tokens, img, adapter)  # same prompt, other namespace
     assert reused == 0, "an adapter must never reuse base-model KV"
-    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=ATOL)
     assert ids == ref_ids
     assert not torch.allclose(logits[0], base_logits[0], atol=1e-2)
     logits, ids, reused = run_query(rt, tokens, img, adapter)  # now it hits its own tree
     assert reused == len(tokens) + cfg.image_tokens - 1
-    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=ATOL)
     assert rt.prefix_cache.namespace_count == 2
     # A mixed batch: base and adapter rows decode together, each with its own weights.
     s_base, l_base = rt.start_sequence(tokens, img, max_new_tokens=2)
     s_lora, l_lora = rt.start_sequence(tokens, img, adapter=adapter, max_new_tokens=2)
-    torch.testing.assert_close(l_lora, ref_logits[0], atol=ATOL, rtol=0)
-    torch.testing.assert_close(l_base, base_logits[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(l_lora, ref_logits[0], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(l_base, base_logits[0], atol=ATOL, rtol=ATOL)
     both = rt.decode_step([s_base, s_lora], [TextToken(ref_ids[0]), TextToken(ref_ids[0])])
-    torch.testing.assert_close(both[1], ref_logits[1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(both[1], ref_logits[1], atol=ATOL, rtol=ATOL)
     rt.release_sequence(s_base)
     rt.release_sequence(s_lora)
 

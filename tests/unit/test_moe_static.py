@@ -164,4 +164,5 @@ def test_static_decode_equals_grouped_decode(md3, n_seqs, monkeypatch) -> None:
         top = r.logits[:n_seqs].topk(k + 1, dim=-1).values
         assert (top[:, k - 1] - top[:, k]).min() > 1e-3
     for s, g in zip(static, grouped, strict=True):
-        torch.testing.assert_close(s, g, atol=1e-4, rtol=0)
+        # float32 sums in another order: the error scales with the logits' size (AMD: 1.2e-4)
+        torch.testing.assert_close(s, g, atol=1e-5 * g.abs().amax().item(), rtol=1e-5)
