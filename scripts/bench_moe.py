@@ -19,6 +19,13 @@ every variant interleaved through the harness (``harness.py``), median (min-max)
    (ff_dim = 1.5 x top-k x expert width: a GeGLU expert has three matrices, a dense MLP two).
 3. Time to first token of an image query through the Engine: uncached (a new image) against
    cached (the image's prefix is in the prefix cache; only the question is new).
+4. FP8 experts (the published form, written from the random model with absmax / 448 row
+   scales): the resident bytes of the model with FP8 experts (16-bit elsewhere), in 16 bits and
+   in float32, expert stacks apart (FP8 counts its scales; the issue's bar: at most 0.55x the
+   16-bit stacks), then decode tokens/s at batch 1 and 16 with the experts kept FP8
+   (dequantised on use) against dequantised once at load (``moe_weights``).
+
+``--tables`` picks the tables (default all: decode,prefill,ttft,fp8).
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ import torch
 import kestrel.moondream.text as text_module
 from kestrel import Engine
 from kestrel.moondream.config import MOONDREAM2, MOONDREAM3, MoondreamConfig
+from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.tokenizer import MoondreamTokenizer
+from kestrel.reference.fp8_checkpoint import write_fp8_checkpoint
 from kestrel.reference.random_checkpoint import write_random_checkpoint
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
@@ -126,11 +136,12 @@ class ExpertLog:
 def weight_bytes(rt: MoondreamRuntime) -> tuple[float, float, int]:
     """(non-expert text weight bytes but the embedding, one expert's bytes, MoE layer count)."""
     sd = rt.model.state_dict()
-    dense = sum(v.numel() * v.element_size() for k, v in sd.items()
-                if k.startswith("text.") and k != "text.wte" and v.dim() < 3)  # fmt: skip
+    dense = sum(v.numel() * v.element_size() for k, v in sd.items() if k.startswith("text.")
+                and k != "text.wte" and v.dim() < 3 and not k.endswith(".scale"))  # fmt: skip
     experts = [v for k, v in sd.items() if k.startswith("text.") and v.dim() == 3]
+    scales = [v for k, v in sd.items() if k.endswith(".scale")]  # FP8 experts' row scales
     moe_layers = len(experts) // 2
-    per_expert = sum(v[0].numel() * v.element_size() for v in experts[:2])
+    per_expert = sum(v[0].numel() * v.element_size() for v in experts[:2] + scales[:2])
     return float(dense), float(per_expert), moe_layers
 
 
@@ -205,6 +216,8 @@ def parse_args() -> argparse.Namespace:
     work.add_argument("--batches", default="1,2,4,8,16")
     work.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     work.add_argument("--prompt", type=int, default=740, help="prefill prompt tokens")
+    work.add_argument("--tables", default="decode,prefill,ttft,fp8")
+    work.add_argument("--fp8-batches", default="1,16", help="batch sizes of the FP8 decode table")
     harness.add_arguments(p, rounds=3)
     return p.parse_args()
 
@@ -277,6 +290,55 @@ def ttft_table(bench, model: Path, dtype: torch.dtype) -> None:
     bench.table(runs, {"ttft": "TTFT ms", "cached": "cached positions"}, baseline="uncached")
 
 
+def resident_bytes(model: MoondreamModel) -> dict[str, float]:
+    """Bytes the model's tensors hold: all of them, and the expert stacks (with FP8 scales)."""
+    sd = model.state_dict()
+    experts = sum(v.numel() * v.element_size() for k, v in sd.items()
+                  if k.endswith(".scale") or (k.startswith("text.") and v.dim() == 3))  # fmt: skip
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    return {"total": total / 1e6, "experts": experts / 1e6}
+
+
+def memory_table(bench, fp8_path: Path) -> None:
+    """Resident bytes: FP8 experts + 16-bit rest, all 16-bit, all float32 (exact counts)."""
+    loads = {"fp8 experts, bf16 rest": ("fp8", torch.bfloat16),
+             "bfloat16": ("dequantize", torch.bfloat16),
+             "float32": ("dequantize", torch.float32)}  # fmt: skip
+    sizes = {name: resident_bytes(MoondreamModel.from_pretrained(fp8_path, dtype=dt,
+                                                                 moe_weights=mode))
+             for name, (mode, dt) in loads.items()}  # fmt: skip
+    bench.emit("\n### Resident bytes of the model (tensor bytes, MB)")
+    bench.emit("| model | total MB | expert stacks MB | experts vs bfloat16 |")
+    bench.emit("|---|---|---|---|")
+    for name, size in sizes.items():
+        rel = size["experts"] / sizes["bfloat16"]["experts"]
+        bench.emit(f"| {name} | {size['total']:.2f} | {size['experts']:.2f} | {rel:.3f}x |")
+    ok = sizes["fp8 experts, bf16 rest"]["experts"] <= 0.55 * sizes["bfloat16"]["experts"]
+    bench.emit(f"FP8 expert stacks <= 0.55x their 16-bit size: {'yes' if ok else 'NO'}")
+
+
+def fp8_decode_table(bench, fp8_path: Path, args, dtype: torch.dtype) -> None:
+    """Decode tokens/s: experts FP8 (dequantised on use) against dequantised at load."""
+    batches = [int(b) for b in args.fp8_batches.split(",")]
+    tokenizer = MoondreamTokenizer.for_checkpoint(fp8_path)
+    runtimes = {mode: MoondreamRuntime(
+        MoondreamModel.from_pretrained(fp8_path, dtype=dtype, moe_weights=mode), tokenizer,
+        max_batch_size=max(batches), kv_cache_pages=max(batches) * (800 + args.steps) + 64,
+        enable_prefix_cache=False,
+    ) for mode in ("fp8", "dequantize")}  # fmt: skip
+    log = ExpertLog()
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 256, (378, 378, 3), dtype=np.uint8) for _ in range(max(batches))]
+    variants = {f"{mode} B={b}": partial(decode_variant, rt, log, images, b, args)
+                for b in batches for mode, rt in runtimes.items()}  # fmt: skip
+    runs = bench.run(variants)
+    log.restore()
+    bench.emit(f"\n### Decode with FP8 experts ({args.steps} steps, {args.dtype} activations)")
+    bench.table(runs, {"tps": "tokens/s", "mb": "MB read / step"},
+                baseline={f"{m} B={b}": f"dequantize B={b}" for b in batches for m in runtimes},
+                fmt=".2f")  # fmt: skip
+
+
 def main() -> None:
     args = parse_args()
     bench = harness.start(args, "Moondream 3 mixture of experts (bench_moe.py)")
@@ -287,9 +349,17 @@ def main() -> None:
                   "dense-equivalent": write_model(Path(tmp) / "dense", dense, dtype)}  # fmt: skip
         bench.emit(f"model: dim {args.dim}, {args.layers} layers, {args.heads} heads, "
                    f"{args.dtype}, CPU (random weights, Moondream 3 structure)")  # fmt: skip
-        decode_table(bench, models["moe"], args, dtype)
-        prefill_table(bench, models, args, dtype)
-        ttft_table(bench, models["moe"], dtype)
+        tables = set(args.tables.split(","))
+        if "decode" in tables:
+            decode_table(bench, models["moe"], args, dtype)
+        if "prefill" in tables:
+            prefill_table(bench, models, args, dtype)
+        if "ttft" in tables:
+            ttft_table(bench, models["moe"], dtype)
+        if "fp8" in tables:
+            fp8_path = write_fp8_checkpoint(models["moe"], Path(tmp) / "moe-fp8").parent
+            memory_table(bench, fp8_path)
+            fp8_decode_table(bench, fp8_path, args, dtype)
     bench.finish()
 
 
