@@ -25,8 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve the moondream HTTP API (md.vl(endpoint=...)); needs kestrel[serve]",
         description="Serve the model over HTTP with the API of the official moondream client: "
-        "POST /v1/query, /v1/caption, /v1/point, /v1/detect; GET /v1/health, /v1/stats, "
-        "/metrics. Stop with SIGTERM or Ctrl-C (in-flight requests finish first).",
+        "POST /v1/query, /v1/caption, /v1/point, /v1/detect, /v1/segment, /v1/chat/completions; "
+        "GET /v1/health, /v1/models, /v1/stats, /metrics. Stop with SIGTERM or Ctrl-C "
+        "(in-flight requests finish first).",
     )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
