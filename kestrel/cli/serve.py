@@ -142,6 +142,12 @@ def _add_ray_options(parser: argparse.ArgumentParser) -> None:
         help="image: a consistent-hash ring on the image's digest (default); random: any live "
         "replica, for comparison",
     )
+    group.add_argument(
+        "--ray-app",
+        default="kestrel-replica",
+        metavar="NAME",
+        help="the replicas' Ray Serve applications are NAME-0, NAME-1, ... (default: %(default)s)",
+    )
 
 
 def _run_ray(args: argparse.Namespace, sock, api_key: str | None) -> int:
@@ -154,7 +160,8 @@ def _run_ray(args: argparse.Namespace, sock, api_key: str | None) -> int:
         why = exc.__cause__ or exc
         raise KestrelError(f'--ray needs Ray Serve: pip install "kestrel[ray]" ({why})') from None
     options = serving.ServeOptions(replicas=args.replicas, routing=args.routing,
-                                   shutdown_timeout_s=args.shutdown_timeout)  # fmt: skip
+                                   shutdown_timeout_s=args.shutdown_timeout,
+                                   app_prefix=args.ray_app)  # fmt: skip
     replica = serving.ReplicaOptions(
         model=args.model, engine=common.engine_kwargs(args), adapters=_adapter_paths(args)
     )

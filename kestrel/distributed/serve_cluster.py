@@ -11,6 +11,7 @@ finished. No Serve HTTP proxy is started: the front door is Kestrel's own server
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ import ray
 from kestrel.errors import InvalidInputError
 
 from .frontdoor import ClusterEngine, ReplicaLink
+from .pipeline import ReplicaStartError
 from .replica import ReplicaOptions
 from .ring import Router
 from .serve_replica import EngineReplica
@@ -36,7 +38,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("kestrel.distributed")
-APP_PREFIX = "kestrel-replica-"
+APP_PREFIX = "kestrel-replica"
+_LAST_ERROR = re.compile(r"^\s*(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
 DEFAULT_CPU_REPLICAS = 2
 
 
@@ -47,7 +50,8 @@ class ServeOptions:
     replica's ``max_batch_size``); ``cpus_per_replica``: Ray CPUs each CPU replica takes, and
     its torch threads (None: an equal share of the cluster's CPUs, at least 1);
     ``max_ongoing_requests``: what Serve lets one replica hold at once; ``health_period_s``:
-    Serve's health check and the front door's probe period."""
+    Serve's health check and the front door's probe period; ``app_prefix``: the replicas'
+    Serve applications are ``<app_prefix>-<i>`` (the ring's names)."""
 
     replicas: int | None = None
     routing: str = "image"
@@ -56,6 +60,7 @@ class ServeOptions:
     max_ongoing_requests: int = 256
     health_period_s: float = 1.0
     shutdown_timeout_s: float = 30.0
+    app_prefix: str = APP_PREFIX
 
 
 def placement(
@@ -99,7 +104,13 @@ def start_cluster(replica: ReplicaOptions, options: ServeOptions) -> ClusterEngi
         graceful_shutdown_timeout_s=options.shutdown_timeout_s,
         logging_config={"log_level": "WARNING", "enable_access_log": False},
     )(EngineReplica)
-    names = [f"{APP_PREFIX}{i}" for i in range(n)]
+    names = [f"{options.app_prefix}-{i}" for i in range(n)]
+    taken = sorted(set(names) & set(serve.status().applications))
+    if taken:
+        raise InvalidInputError(
+            f"Serve applications {', '.join(taken)} already run on this Ray cluster (another "
+            "kestrel serve --ray?); stop them, or name these replicas otherwise (--ray-app)"
+        )
     targets = [
         serve.RunTarget(deployment.bind(replica), name=name, route_prefix=None) for name in names
     ]
@@ -107,12 +118,30 @@ def start_cluster(replica: ReplicaOptions, options: ServeOptions) -> ClusterEngi
         handles = serve.run_many(targets)
         pairs = zip(names, handles, strict=True)
         links = [ReplicaLink(name, h, h.describe.remote().result()) for name, h in pairs]
+    except RuntimeError as exc:  # Serve gave up: the constructor (model load) kept failing
+        why = _start_failure(names)
+        delete_replicas(names)
+        raise ReplicaStartError(f"the replicas did not start: {why or exc}") from exc
     except BaseException:
         delete_replicas(names)
         raise
     slack = options.slack if options.slack is not None else replica.engine.get("max_batch_size", 16)
     router = Router(names, routing=options.routing, slack=int(slack))
     return ClusterEngine(links, router)
+
+
+def _start_failure(names: Sequence[str]) -> str | None:
+    """The last error line of a failed replica's constructor, from Serve's status."""
+    from ray import serve
+
+    apps = serve.status().applications
+    for name in names:
+        app = apps.get(name)
+        for dep in app.deployments.values() if app is not None else ():
+            found = [m for m in map(_LAST_ERROR.match, dep.message.splitlines()) if m]
+            if found:
+                return f"{found[-1][1]}: {found[-1][2]}"
+    return None
 
 
 def delete_replicas(names: Sequence[str]) -> None:
