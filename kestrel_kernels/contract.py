@@ -28,6 +28,13 @@ run is a varlen "sequence" whose right-aligned causal mask, with the right key l
 above. ``build_segment_plan`` computes the runs on the device (no host syncs) and ``run_segmented``
 drives any varlen paged kernel over them: one causal call and, only with regions, one non-causal
 call.
+
+Scaled KV (FP8 pages). A layer's caches may instead be float8_e4m3fn with one float32 scale each
+(``KvScales``: ``k`` and ``v``, a single positive finite value per layer, as Moondream 3's
+``kv_quantizer.{k_scale, v_scale}`` give them). Writing stores ``e4m3(clamp(x / scale, +-448))``;
+reading sees ``stored * scale`` in q's dtype, and the masking rule is unchanged: attention over
+scaled pages equals attention over the widened pages. ``validate_scaled_kv`` checks the case;
+``quantize_kv`` / ``dequantize_kv`` are the two conversions every backend must match.
 """
 
 from __future__ import annotations
@@ -41,17 +48,25 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "KV_FP8_DTYPE",
     "AttentionShape",
     "BackendUnavailableError",
     "KernelInputError",
+    "KvScales",
     "SegmentPlan",
     "VarlenPagedKernel",
     "build_segment_plan",
+    "dequantize_kv",
+    "quantize_kv",
     "regions_BR2",
     "run_segmented",
     "validate_attention_inputs",
+    "validate_scaled_kv",
     "validate_write_kv_inputs",
 ]
+
+KV_FP8_DTYPE = torch.float8_e4m3fn
+_E4M3_MAX = 448.0
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SLOT_DTYPES = (torch.int32, torch.int64)
@@ -221,6 +236,47 @@ def validate_write_kv_inputs(
     if slot_mapping.device.type == "cpu" and n:
         hi = int(slot_mapping.max())
         _need(hi < k_cache.shape[0], f"slot {hi} is beyond the cache's {k_cache.shape[0]} pages")
+
+
+@dataclass(frozen=True, slots=True)
+class KvScales:
+    """One layer's K and V scales for FP8 pages: float32 tensors of one element each."""
+
+    k: Tensor
+    v: Tensor
+
+
+def quantize_kv(x: Tensor, scale: Tensor) -> Tensor:
+    """K or V as stored in a scaled page: e4m3 of ``x / scale``, clamped to e4m3's range."""
+    return (x.float() / scale.float()).clamp(-_E4M3_MAX, _E4M3_MAX).to(KV_FP8_DTYPE)
+
+
+def dequantize_kv(stored: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """What attention reads from a scaled page: ``stored * scale`` in ``dtype``."""
+    return (stored.float() * scale.float()).to(dtype)
+
+
+def validate_scaled_kv(dtype: torch.dtype, k_cache: Tensor, v_cache: Tensor, scales) -> None:
+    """The scaled-KV case: e4m3 caches, float activations (``dtype``), one positive finite
+    float32 scale for K and one for V on the caches' device (values checked on CPU only)."""
+    _need(isinstance(scales, KvScales), f"scaled KV needs KvScales, got {type(scales).__name__}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _need(cache.dtype == KV_FP8_DTYPE, f"{name} must be float8_e4m3fn, got {cache.dtype}")
+    _need(dtype in _FLOAT_DTYPES, f"q and new K/V must be float32/float16/bfloat16, got {dtype}")
+    _need(v_cache.shape == k_cache.shape, "v_cache and k_cache shapes differ")
+    for name, t in (("k scale", scales.k), ("v scale", scales.v)):
+        _need(isinstance(t, Tensor) and t.numel() == 1, f"the {name} must be a one-element tensor")
+        _need(t.dtype == torch.float32, f"the {name} must be float32, got {t.dtype}")
+        _need(
+            t.device == k_cache.device,
+            f"the {name} is on {t.device}, the cache on {k_cache.device}",
+        )
+        if t.device.type == "cpu":
+            value = float(t)
+            _need(
+                math.isfinite(value) and value > 0,
+                f"the {name} must be finite and > 0, got {value}",
+            )
 
 
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:

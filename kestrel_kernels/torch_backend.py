@@ -16,18 +16,23 @@ from torch import Tensor
 
 from kestrel_kernels.contract import (
     AttentionShape,
+    KvScales,
     SegmentPlan,
     build_segment_plan,
+    dequantize_kv,
+    quantize_kv,
     regions_BR2,
     run_segmented,
 )
 
 __all__ = [
     "build_attention_mask",
+    "paged_attention_scaled_torch",
     "paged_attention_segmented",
     "paged_attention_torch",
     "varlen_paged_attention_torch",
     "write_kv_indexed",
+    "write_kv_scaled",
 ]
 
 
@@ -313,3 +318,47 @@ def write_kv_indexed(
     for cache, new in ((k_cache, k), (v_cache, v)):
         src = torch.where(keep_N11, new, cache.index_select(0, idx))
         cache.index_copy_(0, idx, src)
+
+
+# --- scaled KV (FP8 pages, contract "Scaled KV") -------------------------------------------------
+def write_kv_scaled(
+    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor, scales: KvScales
+) -> None:
+    """``write_kv_indexed`` into e4m3 pages: K and V are quantised by their layer's scales,
+    and the bytes are written (slots < 0 change nothing, as there)."""
+    kq, vq = quantize_kv(k, scales.k), quantize_kv(v, scales.v)
+    as_bytes = torch.uint8
+    write_kv_indexed(k_cache.view(as_bytes), v_cache.view(as_bytes), slot_mapping,
+                     kq.view(as_bytes), vq.view(as_bytes))  # fmt: skip
+
+
+def paged_attention_scaled_torch(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    page_table: Tensor,
+    seqused_k: Tensor,
+    shape: AttentionShape,
+    *,
+    scales: KvScales,
+    seqused_q: Tensor | None,
+    causal: bool,
+    bidir_regions: Tensor | None,
+    softmax_scale: float,
+) -> Tensor:
+    """Reference attention over scaled pages: the pages this call reads (each row's first
+    ``max(seqused_k)``) are gathered and widened to q's dtype, then the plain reference runs
+    on them with a page table into that compact copy. Nothing else is widened."""
+    k_max = int(seqused_k.max()) if shape.batch else 0
+    if k_max == 0 or shape.q_len == 0:
+        return torch.zeros_like(q)
+    flat = page_table[:, :k_max].reshape(-1).long()
+    k = dequantize_kv(k_cache.index_select(0, flat), scales.k, q.dtype)
+    v = dequantize_kv(v_cache.index_select(0, flat), scales.v, q.dtype)
+    compact = torch.arange(flat.numel(), device=q.device, dtype=torch.int32).view(-1, k_max)
+    inner = AttentionShape(shape.batch, shape.q_len, shape.q_heads, shape.kv_heads,
+                           shape.head_dim, flat.numel(), k_max)  # fmt: skip
+    return paged_attention_torch(
+        q, k, v, compact, seqused_k, inner, seqused_q=seqused_q, causal=causal,
+        bidir_regions=bidir_regions, softmax_scale=softmax_scale,
+    )  # fmt: skip

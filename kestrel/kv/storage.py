@@ -4,11 +4,19 @@ One (k, v) tensor pair per decoder layer, each ``[n_pages, n_kv_heads, head_dim]
 page_size 1 a page is one position, so a physical page index is directly a row of these
 tensors (the "slot" that ``PageTable.build_slot_mapping`` returns). Page 0 is padding; it is
 zero-filled so padded reads see finite values.
+
+FP8 KV (opt-in, the kernel contract's "scaled KV" case): ``dtype=torch.float8_e4m3fn`` with
+``kv_scales``, one ``KvScales`` (K and V scale) per layer, e.g. Moondream 3's
+``kv_quantizer.{k_scale, v_scale}``; a page then takes half the bytes of a 16-bit one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
 __all__ = ["PagedKVCache"]
 
@@ -24,7 +32,16 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kv_scales: Sequence[KvScales] | None = None,
     ) -> None:
+        if (dtype == KV_FP8_DTYPE) != (kv_scales is not None):
+            raise ValueError(
+                "FP8 (float8_e4m3fn) KV pages need kv_scales, one KvScales per layer, and "
+                f"scales go with FP8 pages only (dtype {dtype}, kv_scales "
+                f"{'given' if kv_scales is not None else 'None'})"
+            )
+        if kv_scales is not None and len(kv_scales) != n_layers:
+            raise ValueError(f"kv_scales has {len(kv_scales)} entries for {n_layers} layers")
         if n_pages < 2:
             raise ValueError(f"n_pages must be >= 2 (page 0 is padding), got {n_pages}")
         if min(n_layers, n_kv_heads, head_dim) < 1:
@@ -38,6 +55,12 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kv_scales: tuple[KvScales, ...] | None = None
+        if kv_scales is not None:
+            self.kv_scales = tuple(
+                KvScales(s.k.to(self.device, torch.float32), s.v.to(self.device, torch.float32))
+                for s in kv_scales
+            )
         shape = (n_pages, n_kv_heads, head_dim)
         self.k: list[torch.Tensor] = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layers)

@@ -10,7 +10,8 @@ legacy one (``text_model.transformer.h.N...``); never both. On top of the tensor
   ``moe_quant.down_scale`` [E, dim] in every MoE layer (``moondream.fp8`` says what they mean);
 - ``tau_wqwv``: a layer's tau matrices fused, concat(wq, wv) along the heads, instead of
   ``tau_wq`` and ``tau_wv``;
-- ``region_model.ln``: a LayerNorm before the region decoders.
+- ``region_model.ln``: a LayerNorm before the region decoders;
+- ``kv_quantizer.{k_scale, v_scale}`` per layer: FP8 KV-cache scales (``weights.load_kv_scales``).
 
 Each file must hold one form per layer: a mix (FP8 experts without scales, 16-bit experts
 beside scales, scales in some MoE layers only, fused and separate tau together) is refused with
@@ -41,6 +42,7 @@ __all__ = ["FP8_DTYPE_NAMES", "Source", "SourcePlan", "plan_sources", "read_scal
 _NATIVE_ROOTS = ("vision.", "text.", "region.")
 _LEGACY_ROOTS = ("vision_encoder.", "text_model.", "region_model.")
 FP8_DTYPE_NAMES = frozenset({"F8_E4M3", "U8"})  # e4m3 bytes, typed or as uint8 (a .pt)
+KV_SCALE = ".kv_quantizer."  # optional FP8 KV-cache scales, one K and one V per layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +154,8 @@ def plan_sources(keys: list[str], config: MoondreamConfig, file: Path) -> Source
             "that belongs to this checkpoint?"
         )
     used = {s.key for s in sources.values()}
-    extra = sorted(k for k in by_name.values() if k not in used)
+    # kv_quantizer scales are known: read on demand by ``weights.load_kv_scales``
+    extra = sorted(k for k in by_name.values() if k not in used and KV_SCALE not in k)
     return SourcePlan(sources, shapes, legacy, fp8, extra)
 
 

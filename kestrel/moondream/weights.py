@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from kestrel_kernels.contract import KvScales
+
 from .config import MOONDREAM2, MOONDREAM3, MoondreamConfig
 from .fp8 import as_fp8, dequantize_rows, quantize_rows
 from .hub import CheckpointError, download_checkpoint, looks_like_repo_id
@@ -42,6 +44,7 @@ __all__ = [
     "detect_family",
     "expected_shapes",
     "load_config",
+    "load_kv_scales",
     "load_state_dict",
     "resolve_checkpoint",
 ]
@@ -194,6 +197,33 @@ def _experts(config: MoondreamConfig) -> frozenset[str]:
         if t.is_moe_layer(i)
         for fc in ("fc1", "fc2")
     )
+
+
+def load_kv_scales(path: str | Path, config: MoondreamConfig) -> tuple[KvScales, ...] | None:
+    """Every layer's FP8 KV-cache scales (legacy ``text_model.transformer.h.N.kv_quantizer.
+    {k_scale, v_scale}``, one value each) as float32, or None unless every layer has both:
+    FP8 KV is offered only then. A scale that is not one positive finite value is refused."""
+    shards = _weights_files(path)
+    with ExitStack() as stack:
+        reader = shards.open(stack)
+        keys = set(reader.keys())
+        names = [
+            [f"text_model.transformer.h.{i}.kv_quantizer.{w}_scale" for w in ("k", "v")]
+            for i in range(config.text.n_layers)
+        ]
+        if not all(k in keys for pair in names for k in pair):
+            return None
+        out = []
+        for pair in names:
+            values = [reader.tensor(k).float().reshape(-1) for k in pair]
+            for key, t in zip(pair, values, strict=True):
+                if t.numel() != 1 or not bool(torch.isfinite(t).all() and (t > 0).all()):
+                    raise CheckpointError(
+                        f"{shards.source}: KV scale {key!r} must be one positive finite value, "
+                        f"got {t.tolist()[:4]}"
+                    )
+            out.append(KvScales(values[0].clone(), values[1].clone()))
+    return tuple(out)
 
 
 _MOE_KEY = re.compile(r"(\.mlp\.router\.|\.gate\.weight$|\.mlp\.experts\.weight$)")
