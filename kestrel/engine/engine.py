@@ -37,6 +37,13 @@ from kestrel.scheduler.loop import SchedulerLoop
 __all__ = ["Engine"]
 
 
+def _images(image: PreparedImage | tuple[PreparedImage, ...] | None) -> tuple[PreparedImage, ...]:
+    """A draft's images: none, one, or a conversation's tuple."""
+    if image is None:
+        return ()
+    return image if isinstance(image, tuple) else (image,)
+
+
 class Engine(AsyncTwins, ChatCalls):
     """Serve a Moondream 2 checkpoint: ``query``, ``caption``, ``point``, ``detect``, ``chat``.
 
@@ -104,6 +111,7 @@ class Engine(AsyncTwins, ChatCalls):
     def close(self) -> None:
         """Fail pending and running requests with EngineClosedError, then join the thread."""
         self._loop.close()
+        self.runtime.crops.close()
 
     @property
     def closed(self) -> bool:
@@ -237,7 +245,14 @@ class Engine(AsyncTwins, ChatCalls):
             submitted_at=time.perf_counter(),
             on_text=on_text,
         )
-        self._loop.submit(request)
+        # The image's crops start now, off the scheduler thread, and are let go when it ends.
+        hold = self.runtime.crops.hold(_images(draft.image), skip_recent=True)
+        future.add_done_callback(hold.release)
+        try:
+            self._loop.submit(request)
+        except BaseException:
+            hold.release()
+            raise
         return future
 
     def _call(self, draft: Draft, stream: bool) -> Any:

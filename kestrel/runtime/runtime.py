@@ -50,12 +50,13 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import lm_head
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.moondream.vision import encode_image, normalize_pixels, overlap_crops
+from kestrel.moondream.vision import encode_image
 from kestrel.moondream.weights import resolve_checkpoint
 from kestrel.prefix_cache.lease import CacheLease, LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.prefix_cache.node import token_kv_length
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
+from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
 from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
 from kestrel.runtime.decode import decode_eager
@@ -161,6 +162,10 @@ class MoondreamRuntime:
             device=self.device,
         )
         self.prefix_cache = RadixPrefixCache(self.page_table)
+        # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
+        images = (kv_cache_pages - 1) // self.config.image_tokens if enable_prefix_cache else 0
+        on_host = self.device.type != "cuda"
+        self.crops = CropPool(self.config.vision, normalize=on_host, recent=images)
         self.page_table.set_prefix_cache(self.prefix_cache)
         self.counters = RuntimeCounters()
         self._active: dict[int, SequenceState] = {}
@@ -254,7 +259,9 @@ class MoondreamRuntime:
         for s in states:
             if s.lease.phase is not LeasePhase.PREPARED or s.released:
                 raise SequenceError(f"sequence in batch row {s.batch_idx} is not prepared")
-        items = [prefill_item(s, self.model, self.dtype, self._encode_images(s)) for s in states]
+        with self.crops.hold(self._images_to_encode(states)):  # all of them start at once
+            items = [prefill_item(s, self.model, self.dtype, self._encode_images(s))
+                     for s in states]  # fmt: skip
         hidden_BC = prefill_batch(
             self.model, self.kv, self.page_table.page_table, items, self.attention_backend
         )
@@ -371,19 +378,31 @@ class MoondreamRuntime:
             s.check_running(self.page_table.capacity(s.batch_idx), self.enable_prefix_cache)
 
     # ------------------------------------------------------------------ internals
-    def _encode_images(self, state: SequenceState) -> list[torch.Tensor | None]:
-        """The vision encoder on each of the sequence's images that its prefill computes (the
-        image's block ends past the reused positions); None for an image served from cache."""
-        skip = state.reused_page_count
+    @staticmethod
+    def _computed(state: SequenceState) -> list[bool]:
+        """For each of the sequence's images: does its prefill compute it (the image's block
+        ends past the reused positions)? If not, it is served from cache."""
+        return [end > state.reused_page_count for _start, end in state.image_regions]
+
+    def _images_to_encode(self, states: Sequence[SequenceState]) -> list[PreparedImage]:
         return [
-            self._encode_image(image) if end > skip else None
-            for image, (_start, end) in zip(state.images, state.image_regions, strict=True)
+            image
+            for s in states
+            for image, computed in zip(s.images, self._computed(s), strict=True)
+            if computed
         ]
 
+    def _encode_images(self, state: SequenceState) -> list[torch.Tensor | None]:
+        """The vision encoder on each of the sequence's images that its prefill computes;
+        None for an image served from cache."""
+        computed = zip(state.images, self._computed(state), strict=True)
+        return [self._encode_image(image) if new else None for image, new in computed]
+
     def _encode_image(self, image: PreparedImage) -> torch.Tensor:
-        """Vision encoder: the prepared pixels (never decoded again) -> [image_tokens, dim]."""
-        crops = overlap_crops(image.pixels, self.config.vision)
-        pixels = normalize_pixels(crops.crops, self.dtype, self.device)
+        """Vision encoder: the prepared pixels' crops (made off this thread) -> [image_tokens,
+        dim]."""
+        crops = self.crops.pixels(image)
+        pixels = crops.encoder_input(self.dtype, self.device)
         return encode_image(pixels, crops.tiling, self.model.vision, self.config.vision)
 
     def _count(self, state: SequenceState) -> None:

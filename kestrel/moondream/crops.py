@@ -1,0 +1,215 @@
+"""Overlapping crops, the host half of Moondream's vision tower (numpy and pyvips only).
+
+One global crop (the whole image squashed to crop x crop) plus up to ``max_crops`` local crops
+cut from an upscaled copy. Each local crop keeps a margin of ``overlap_margin`` patches on
+every side that overlaps its neighbours; only its centre window of
+``grid_side - 2 * overlap_margin`` patches is new. Resampling is libvips lanczos3 through
+``pyvips.Image.resize(hscale, vscale=...)`` on the uint8 array, the call the reference makes,
+so the crops are byte-identical to the reference's (the fixture's PNG crops check this).
+
+Per image there are two resizes (each one libvips call that renders its whole result) and one
+array copy that cuts every local crop out of the upscaled copy at once. This module imports
+neither torch nor the rest of kestrel: the crop worker process (``kestrel/runtime/
+crop_worker.py``) loads it by its path and runs it without them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyvips
+
+if TYPE_CHECKING:
+    from kestrel.moondream.config import VisionConfig
+
+__all__ = [
+    "CropError",
+    "CropGeometry",
+    "OverlapCrops",
+    "check_pixels",
+    "crop_geometry",
+    "lut_image",
+    "overlap_crops",
+    "select_tiling",
+    "vips_image",
+    "write_planes",
+]
+
+
+class CropError(ValueError):
+    """Pixels the crop pipeline cannot take (wrong type, bands or dtype)."""
+
+
+def select_tiling(height: int, width: int, crop_size: int, max_crops: int) -> tuple[int, int]:
+    """(rows, cols) of local crops for an image area of ``height`` x ``width`` pixels.
+
+    ``crop_size`` is the crop's window (its non-overlapping centre), and height/width are the
+    image size minus both margins, as the reference calls it. Reproduces the reference rule
+    exactly, including its float arithmetic: small sides give (1, 1); otherwise tiles follow the
+    aspect ratio, at least ceil(side / window) per side, at most ``max_crops`` in total.
+    """
+    if max_crops < 1:
+        raise ValueError(f"max_crops must be >= 1, got {max_crops}")
+    if height <= crop_size or width <= crop_size:
+        return (1, 1)
+    min_h = math.ceil(height / crop_size)
+    min_w = math.ceil(width / crop_size)
+    if min_h * min_w > max_crops:
+        # Even the minimum does not fit: shrink both sides by the same factor.
+        ratio = math.sqrt(max_crops / (min_h * min_w))
+        return (max(1, math.floor(min_h * ratio)), max(1, math.floor(min_w * ratio)))
+    rows = max(math.floor(math.sqrt(max_crops * height / width)), min_h)
+    cols = max(math.floor(math.sqrt(max_crops * width / height)), min_w)
+    if rows * cols > max_crops:  # trim the longer side back under the budget
+        if cols > rows:
+            cols = math.floor(max_crops / rows)
+        else:
+            rows = math.floor(max_crops / cols)
+    return (max(1, rows), max(1, cols))
+
+
+@dataclass(frozen=True, slots=True)
+class CropGeometry:
+    """Where the crops of one image come from: the local crops are the ``rows`` x ``cols``
+    windows, ``window`` pixels apart, of the image resized to ``resized`` (height, width)."""
+
+    crop: int  # side of every crop, pixels
+    margin: int  # overlap margin, pixels
+    window: int  # a local crop's new centre, pixels
+    rows: int
+    cols: int
+
+    @property
+    def n_crops(self) -> int:
+        return 1 + self.rows * self.cols
+
+    @property
+    def resized(self) -> tuple[int, int]:
+        return (
+            self.rows * self.window + 2 * self.margin,
+            self.cols * self.window + 2 * self.margin,
+        )
+
+
+def crop_geometry(
+    height: int, width: int, config: VisionConfig, max_crops: int | None = None
+) -> CropGeometry:
+    """The crop geometry of a ``height`` x ``width`` image (``max_crops`` overrides the
+    config's, for tests and experiments)."""
+    margin = config.overlap_margin * config.enc_patch_size
+    window = (config.grid_side - 2 * config.overlap_margin) * config.enc_patch_size
+    rows, cols = select_tiling(
+        height - 2 * margin,
+        width - 2 * margin,
+        window,
+        config.max_crops if max_crops is None else max_crops,
+    )
+    return CropGeometry(config.crop_size, margin, window, rows, cols)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class OverlapCrops:
+    """``crops`` uint8 [N, crop, crop, 3] (read-only): index 0 the global crop, then the local
+    crops row-major (index 1 + i * cols + j); ``tiling`` = (rows, cols), N = 1 + rows * cols."""
+
+    crops: np.ndarray
+    tiling: tuple[int, int]
+
+    @property
+    def n_crops(self) -> int:
+        return self.crops.shape[0]
+
+
+def vips_image(image: np.ndarray | pyvips.Image) -> pyvips.Image:
+    """``image`` as a 3-band uchar vips image; CropError for anything else."""
+    if isinstance(image, pyvips.Image):
+        if image.format != "uchar" or image.bands != 3:
+            raise CropError(
+                f"overlap_crops needs a 3-band uchar image, got {image.bands} band(s) of "
+                f"{image.format!r}; pass it through load_image first"
+            )
+        return image
+    return pyvips.Image.new_from_array(check_pixels(image))
+
+
+def check_pixels(image: object) -> np.ndarray:
+    """``image`` as a C-contiguous H x W x 3 uint8 array; CropError for anything else."""
+    if not isinstance(image, np.ndarray):
+        raise CropError(f"overlap_crops takes a numpy array or pyvips image, not {type(image)}")
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or image.size == 0:
+        raise CropError(
+            f"overlap_crops needs a non-empty H x W x 3 uint8 array, got {image.dtype} "
+            f"{image.shape}; pass it through load_image first"
+        )
+    return np.ascontiguousarray(image)
+
+
+def lut_image(lut: np.ndarray) -> pyvips.Image:
+    """A 256-entry float32 table as the one-band vips image ``maplut`` takes."""
+    table = np.ascontiguousarray(lut, dtype=np.float32)
+    if table.shape != (256,):
+        raise CropError(f"a pixel table has 256 entries, got shape {table.shape}")
+    return pyvips.Image.new_from_memory(table.tobytes(), 256, 1, 1, "float")
+
+
+def _fit(image: pyvips.Image, height: int, width: int, lut: pyvips.Image | None) -> np.ndarray:
+    """``image`` resized to ``height`` x ``width`` (independent scales, lanczos3), through
+    ``lut`` if given, rendered in one libvips call: [height, width, 3] uint8 (float32 with a
+    table)."""
+    out = image.resize(width / image.width, vscale=height / image.height)
+    if out.width != width or out.height != height:
+        # libvips hits the requested size for every geometry we tried; should it ever miss,
+        # the reference keeps the top-left corner and leaves any missing edge zero.
+        out = out.embed(0, 0, width, height)
+    if lut is not None:
+        out = out.maplut(lut)
+    dtype = np.float32 if lut is not None else np.uint8
+    return np.frombuffer(out.write_to_memory(), dtype).reshape(height, width, 3)
+
+
+def _windows(resized: np.ndarray, g: CropGeometry, planar: bool) -> np.ndarray:
+    """A read-only view of the local crops in ``resized``: [rows, cols, crop, crop, 3], or
+    [rows, cols, 3, crop, crop] when ``planar``."""
+    s0, s1, s2 = resized.strides
+    shape = (g.rows, g.cols, g.crop, g.crop, 3)
+    strides = (g.window * s0, g.window * s1, s0, s1, s2)
+    if planar:
+        shape = (g.rows, g.cols, 3, g.crop, g.crop)
+        strides = (g.window * s0, g.window * s1, s2, s0, s1)
+    return np.lib.stride_tricks.as_strided(resized, shape, strides, writeable=False)
+
+
+def overlap_crops(
+    image: np.ndarray | pyvips.Image, config: VisionConfig, *, max_crops: int | None = None
+) -> OverlapCrops:
+    """The global crop and the overlapping local crops of an H x W x 3 uint8 RGB image.
+
+    ``max_crops`` overrides ``config.max_crops`` (tests and experiments only).
+    """
+    vips = vips_image(image)
+    g = crop_geometry(vips.height, vips.width, config, max_crops)
+    crops = np.empty((g.n_crops, g.crop, g.crop, 3), dtype=np.uint8)
+    crops[0] = _fit(vips, g.crop, g.crop, None)
+    local = crops[1:].reshape(g.rows, g.cols, g.crop, g.crop, 3)
+    np.copyto(local, _windows(_fit(vips, *g.resized, None), g, planar=False))
+    crops.flags.writeable = False
+    return OverlapCrops(crops=crops, tiling=(g.rows, g.cols))
+
+
+def write_planes(
+    image: pyvips.Image, g: CropGeometry, out: np.ndarray, lut: pyvips.Image | None = None
+) -> None:
+    """Write the crops of ``image`` channel-major into ``out`` [N, 3, crop, crop]: uint8, or
+    float32 mapped through ``lut`` (256 entries, one per pixel value)."""
+    want = (g.n_crops, 3, g.crop, g.crop)
+    dtype = np.dtype(np.float32 if lut is not None else np.uint8)
+    if out.shape != want or out.dtype != dtype or not out.flags.c_contiguous:
+        raise CropError(
+            f"crop planes need a C-contiguous {dtype} {want} array, got {out.dtype} {out.shape}"
+        )
+    np.copyto(out[0], _fit(image, g.crop, g.crop, lut).transpose(2, 0, 1))
+    local = out[1:].reshape(g.rows, g.cols, 3, g.crop, g.crop)
+    np.copyto(local, _windows(_fit(image, *g.resized, lut), g, planar=True))
