@@ -9,6 +9,8 @@ backend, so importing this package on a CPU machine never touches it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -16,17 +18,21 @@ from kestrel_kernels import fa_backend, torch_backend
 from kestrel_kernels.contract import (
     BackendUnavailableError,
     KernelInputError,
+    SegmentPlan,
+    build_segment_plan,
     default_scale,
     validate_attention_inputs,
     validate_write_kv_inputs,
 )
 
 __all__ = [
+    "AttentionPlan",
     "BackendUnavailableError",
     "KernelInputError",
     "available_backends",
     "get_default_backend",
     "paged_attention",
+    "plan_attention",
     "resolve_backend",
     "set_default_backend",
     "write_kv",
@@ -88,12 +94,76 @@ def resolve_backend(name: str = "auto", device: torch.device | str | None = None
 
 
 def _backend_for(backend: str, q: Tensor) -> str:
+    return _resolve_for(backend, q.device, q.dtype)
+
+
+def _resolve_for(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     name = _canonical(backend)
     explicit = name != "auto" or _default_backend != "auto"
-    resolved = resolve_backend(name, q.device)
-    if resolved == "fa" and not explicit and q.dtype not in (torch.float16, torch.bfloat16):
+    resolved = resolve_backend(name, device)
+    if resolved == "fa" and not explicit and dtype not in (torch.float16, torch.bfloat16):
         return "torch"  # auto never sends float32 to a kernel that cannot take it
     return resolved
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AttentionPlan:
+    """What every layer of one forward shares: the resolved backend and, for ``fa``, the
+    segment plan and the per-segment page table (built once, not once per layer).
+
+    Made by :func:`plan_attention`; ``paged_attention(..., plan=)`` checks that it is handed
+    the very metadata tensors the plan was built from.
+    """
+
+    backend: str
+    q_len: int
+    causal: bool
+    page_table: Tensor
+    seqused_k: Tensor
+    seqused_q: Tensor | None
+    bidir_regions: Tensor | None
+    segments: SegmentPlan | None = None
+    segment_pages: Tensor | None = None
+
+    def check(self, q: Tensor, page_table, seqused_k, seqused_q, bidir_regions, causal) -> None:
+        same = (
+            self.page_table is page_table
+            and self.seqused_k is seqused_k
+            and self.seqused_q is seqused_q
+            and self.bidir_regions is bidir_regions
+            and self.causal == causal
+            and self.q_len == q.shape[1]
+        )
+        if not same:
+            raise KernelInputError(
+                "paged_attention got a plan built for other metadata (page_table, seqused_k, "
+                "seqused_q, bidir_regions, causal and q_len must be the plan's)"
+            )
+
+
+def plan_attention(
+    q_len: int,
+    page_table: Tensor,
+    seqused_k: Tensor,
+    *,
+    seqused_q: Tensor | None = None,
+    causal: bool = True,
+    bidir_regions: Tensor | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
+) -> AttentionPlan:
+    """Build once per forward what every layer's ``paged_attention`` call would rebuild.
+
+    No host synchronisation (the segment plan is computed on the device), so a forward that
+    CUDA graphs capture records these few kernels once, not once per layer.
+    """
+    resolved = _resolve_for(backend, page_table.device, dtype)
+    segments = pages = None
+    if resolved == "fa":
+        segments = build_segment_plan(q_len, seqused_k, seqused_q, bidir_regions, causal)
+        pages = fa_backend.pages_per_segment(page_table.contiguous(), segments.segs_per_row)
+    return AttentionPlan(resolved, q_len, causal, page_table, seqused_k, seqused_q,
+                         bidir_regions, segments, pages)  # fmt: skip
 
 
 def paged_attention(
@@ -108,6 +178,7 @@ def paged_attention(
     bidir_regions: Tensor | None = None,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    plan: AttentionPlan | None = None,
 ) -> Tensor:
     """Attention of ``q`` over one layer's paged K/V; returns ``[B, Lq, Hq, D]``.
 
@@ -119,6 +190,7 @@ def paged_attention(
     ``p = seqused_k - seqused_q + i`` and sees keys ``j <= p``, plus all of ``[start, end)`` when
     ``start <= p < end``; ``causal=False`` sees every valid key. Padding query rows are zeros.
     ``softmax_scale`` defaults to ``1/sqrt(D)``. Bad inputs raise ``KernelInputError``.
+    ``plan``: the forward's :func:`plan_attention` (its backend replaces ``backend``).
     """
     shape = validate_attention_inputs(
         q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions
@@ -127,12 +199,16 @@ def paged_attention(
     kwargs = dict(
         seqused_q=seqused_q, causal=causal, bidir_regions=bidir_regions, softmax_scale=scale
     )
-    if _backend_for(backend, q) == "fa":
+    if plan is not None:
+        plan.check(q, page_table, seqused_k, seqused_q, bidir_regions, causal)
+    if (plan.backend if plan is not None else _backend_for(backend, q)) == "fa":
         if q.numel() == 0:
             return torch.zeros_like(q)
         return fa_backend.paged_attention_fa(
-            q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs
-        )
+            q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs,
+            segments=None if plan is None else plan.segments,
+            segment_pages=None if plan is None else plan.segment_pages,
+        )  # fmt: skip
     return torch_backend.paged_attention_torch(
         q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs
     )

@@ -117,9 +117,13 @@ def _paged_kernel(
     max_seqlen_q: int,
     causal: bool,
     softmax_scale: float,
+    *,
+    pages_SP: Tensor | None = None,
 ) -> Tensor:
-    """One varlen call over the paged cache; sequence ``s`` reads page-table row ``s // segs``."""
-    pages_SP = _segment_pages(page_table_BP, segs_per_row)
+    """One varlen call over the paged cache; sequence ``s`` reads page-table row ``s // segs``
+    (``pages_SP``: those rows already expanded, one per sequence)."""
+    if pages_SP is None:
+        pages_SP = pages_per_segment(page_table_BP, segs_per_row)
     out = load_binding()(
         q_THD,
         k_cache.unsqueeze(1),  # [n_pages, page_size=1, Hkv, D]
@@ -185,59 +189,11 @@ def check_fa_inputs(q: Tensor, shape: AttentionShape) -> None:
         )
 
 
-# One-entry caches: the decoder's layers pass the same metadata tensors to every call of a
-# forward, so the segment plan and the per-segment page table are built once per forward. A hit
-# needs the same tensor objects, unmodified (version counter), and the same scalars; the entry
-# holds the tensors, so their ids cannot be reused while cached. Under CUDA-graph capture the
-# first layer's plan kernels are recorded and the other layers read their outputs.
-_plan_entry: tuple = ((), None)
-_pages_entry: tuple = ((), None)
-
-
-def _ident(t: Tensor | None) -> object:
-    if t is None:
-        return None
-    try:
-        return (t, t._version)
-    except RuntimeError:  # inference tensors have no version counter: never cache them
-        return object()
-
-
-def _key(*items: object) -> tuple:
-    return tuple((id(x[0]), x[1]) if isinstance(x, tuple) else x for x in items)
-
-
-def _segment_plan(
-    q_len: int,
-    seqused_k: Tensor,
-    seqused_q: Tensor | None,
-    bidir_regions: Tensor | None,
-    causal: bool,
-) -> SegmentPlan:
-    global _plan_entry
-    idents = (_ident(seqused_k), _ident(seqused_q), _ident(bidir_regions))
-    key = _key(q_len, causal, *idents)
-    cached_key, plan = _plan_entry[:2]
-    if cached_key == key:
-        return plan
-    plan = build_segment_plan(q_len, seqused_k, seqused_q, bidir_regions, causal)
-    _plan_entry = (key, plan, idents)  # idents keep the tensors alive
-    return plan
-
-
-def _segment_pages(page_table_BP: Tensor, segs_per_row: int) -> Tensor:
+def pages_per_segment(page_table_BP: Tensor, segs_per_row: int) -> Tensor:
     """``[B, P] -> [B * segs, P]``: every segment of a row reads the row's pages."""
-    global _pages_entry
     if segs_per_row == 1:
         return page_table_BP
-    ident = _ident(page_table_BP)
-    key = _key(segs_per_row, ident)
-    cached_key, pages = _pages_entry[:2]
-    if cached_key == key:
-        return pages
-    pages = page_table_BP.repeat_interleave(segs_per_row, dim=0)
-    _pages_entry = (key, pages, ident)
-    return pages
+    return page_table_BP.repeat_interleave(segs_per_row, dim=0)
 
 
 def paged_attention_fa(
@@ -252,9 +208,21 @@ def paged_attention_fa(
     causal: bool,
     bidir_regions: Tensor | None,
     softmax_scale: float,
+    segments: SegmentPlan | None = None,
+    segment_pages: Tensor | None = None,
 ) -> Tensor:
-    """``paged_attention`` on FlashAttention (inputs already validated; see ``contract``)."""
+    """``paged_attention`` on FlashAttention (inputs already validated; see ``contract``).
+
+    ``segments`` / ``segment_pages``: the forward's plan (``plan_attention``), built once for
+    all layers; without them each call builds its own.
+    """
     check_fa_inputs(q, shape)
-    plan = _segment_plan(shape.q_len, seqused_k, seqused_q, bidir_regions, causal)
-    kernel = _paged_kernel if _paged_enabled() else _gather_kernel
-    return run_segmented(q, k_cache, v_cache, page_table.contiguous(), plan, kernel, softmax_scale)
+    if segments is None:
+        segments = build_segment_plan(shape.q_len, seqused_k, seqused_q, bidir_regions, causal)
+    page_table = page_table.contiguous()
+    kernel: Callable[..., Tensor] = _gather_kernel
+    if _paged_enabled():
+        if segment_pages is None:
+            segment_pages = pages_per_segment(page_table, segments.segs_per_row)
+        kernel = functools.partial(_paged_kernel, pages_SP=segment_pages)
+    return run_segmented(q, k_cache, v_cache, page_table, segments, kernel, softmax_scale)

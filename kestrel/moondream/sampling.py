@@ -1,9 +1,18 @@
-"""Token sampling over logits, separate from the forward pass.
+"""Token sampling over logits, separate from the forward pass: every row of a batch at once.
 
 Per-row settings: temperature 0 is greedy (argmax; ties pick the lowest id), otherwise
 softmax(logits / T) truncated by top-p as the reference does (sort descending, drop a token when
 the probability mass strictly before it already exceeds top_p, so the top token always
-survives), renormalized, then one multinomial draw.
+survives) and by top-k (k > 0 keeps the k most likely), renormalized, then one draw.
+
+The draw is inverse-CDF sampling with one uniform number ``u`` in [0, 1) per row, given by the
+caller: the first kept token (in descending order) whose cumulative mass exceeds ``u`` times the
+kept mass. That is the same distribution as a multinomial draw over the renormalized nucleus,
+and it lets the caller own the random stream: a request with a seed draws its ``u`` from its own
+generator, so its answer does not depend on what else shares the batch. ``sample_rows`` is one
+fixed set of tensor ops for the whole batch -- greedy and sampled rows mixed, per-row
+temperature, top-p, top-k and suppressed ids -- with no host synchronisation, so the chosen ids
+come back in one transfer per step.
 
 Which ids are suppressed when is skill logic and lives in ``kestrel.skills.text``.
 """
@@ -20,7 +29,9 @@ __all__ = [
     "apply_top_p",
     "greedy",
     "sample",
+    "sample_rows",
     "suppress",
+    "suppress_rows",
 ]
 
 
@@ -42,8 +53,54 @@ def apply_top_p(probs_BV: Tensor, top_p_B: Tensor) -> Tensor:
     return torch.zeros_like(probs_BV).scatter_(-1, idx, p_sorted)
 
 
+def suppress_rows(logits_BV: Tensor, banned_BN: Tensor) -> Tensor:
+    """Copy of ``logits_BV`` with row ``b``'s ids ``banned_BN[b]`` set to -inf (-1 = unused)."""
+    if banned_BN.numel() == 0:
+        return logits_BV
+    ids_BN = banned_BN.clamp(min=0)
+    keep_BN = logits_BV.gather(1, ids_BN)
+    value_BN = torch.where(banned_BN >= 0, float("-inf"), keep_BN)
+    return logits_BV.scatter(1, ids_BN, value_BN)
+
+
+def sample_rows(
+    logits_BV: Tensor,
+    temperature_B: Tensor,
+    top_p_B: Tensor,
+    top_k_B: Tensor,
+    u_B: Tensor,
+    banned_BN: Tensor | None = None,
+    *,
+    any_sampled: bool = True,
+) -> Tensor:
+    """One token per row, int64 [B], for a batch of mixed settings (see the module doc).
+
+    ``temperature_B`` / ``top_p_B`` / ``u_B`` float [B], ``top_k_B`` int [B] (0 = off),
+    ``banned_BN`` int [B, N] ids suppressed per row (-1 = unused) or None. No host sync;
+    ``any_sampled=False`` (every row greedy) skips the sampling ops.
+    """
+    logits = logits_BV.float()
+    if banned_BN is not None:
+        logits = suppress_rows(logits, banned_BN)
+    best_B = greedy(logits)
+    if not any_sampled:
+        return best_B
+    hot_B = temperature_B > 0
+    scaled = logits / torch.where(hot_B, temperature_B, 1.0)[:, None]
+    p_sorted, idx = torch.sort(torch.softmax(scaled, dim=-1), dim=-1, descending=True)
+    cdf = torch.cumsum(p_sorted, dim=-1)
+    rank_1V = torch.arange(logits.shape[-1], device=logits.device)[None]
+    k_B = torch.where(top_k_B > 0, top_k_B, logits.shape[-1])
+    keep = ((cdf - p_sorted) <= top_p_B[:, None]) & (rank_1V < k_B[:, None])
+    cdf = torch.cumsum(p_sorted * keep, dim=-1)
+    target_B1 = (u_B * cdf[:, -1])[:, None]
+    pos_B1 = torch.searchsorted(cdf, target_B1, right=True).clamp(max=logits.shape[-1] - 1)
+    drawn_B = idx.gather(1, pos_B1)[:, 0]
+    return torch.where(hot_B, drawn_B, best_B)
+
+
 def _per_row(value: float | Sequence[float] | Tensor, batch: int, device, name: str) -> Tensor:
-    t = torch.as_tensor(value, dtype=torch.float32, device=device).reshape(-1)
+    t = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
     if t.numel() == 1:
         t = t.expand(batch)
     if t.numel() != batch:
@@ -58,21 +115,19 @@ def sample(
     *,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """One token per row, int64 [B]. Settings are scalars or per-row sequences."""
+    """One token per row, int64 [B]. Settings are scalars or per-row sequences (host values,
+    checked here); the uniform numbers come from ``generator`` (CPU)."""
     B = logits_BV.shape[0]
     temp = _per_row(temperature, B, logits_BV.device, "temperature")
     top = _per_row(top_p, B, logits_BV.device, "top_p")
     if bool((temp < 0).any()) or bool(((top <= 0) | (top > 1)).any()):
         raise SamplingError("temperature must be >= 0 and top_p in (0, 1]")
-    out = greedy(logits_BV)
-    hot = temp > 0
-    if not bool(hot.any()):
-        return out
-    rows = hot.nonzero().squeeze(1)
-    scaled = logits_BV[rows].float() / temp[rows].unsqueeze(1)
-    probs = apply_top_p(torch.softmax(scaled, dim=-1), top[rows])
-    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    return out.index_copy(0, rows, drawn)
+    u = torch.rand(B, generator=generator)
+    dev = logits_BV.device
+    return sample_rows(
+        logits_BV, temp.to(dev), top.to(dev), torch.zeros(B, dtype=torch.int64, device=dev),
+        u.to(dev), any_sampled=bool((temp > 0).any()),
+    )  # fmt: skip
 
 
 def suppress(logits_BV: Tensor, ids: Iterable[int], rows: Tensor | None = None) -> Tensor:

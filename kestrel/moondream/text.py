@@ -120,6 +120,10 @@ def text_forward(
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     cos_BTR, sin_BTR = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta)
     plan = LoraBatch.plan(lora, B, x_BTC.device)
+    attn_plan = kestrel_kernels.plan_attention(
+        T, page_table, seqused_k, seqused_q=seqused_q, causal=True,
+        bidir_regions=bidir_regions, dtype=x_BTC.dtype, backend=backend,
+    )  # fmt: skip
     x = x_BTC
     for i, blk in enumerate(w.blocks):
         h = layer_norm(x, blk.ln)
@@ -149,7 +153,7 @@ def text_forward(
             seqused_q=seqused_q,
             causal=True,
             bidir_regions=bidir_regions,
-            backend=backend,
+            plan=attn_plan,
         )  # [B, T, H, D]
         # proj LoRA reads the LN output h, not the attention output (reference quirk).
         attn_out = _add_lora(linear(attn.reshape(B, T, C), blk.proj), h, plan, i, "proj")

@@ -30,6 +30,7 @@ from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import PagedKV
 from kestrel.runtime.decode import decode_static
 from kestrel.tokens import CoordToken, SizeToken, TextToken
+from kestrel_kernels.counting import count_upload
 
 __all__ = ["DecodeGraphs", "bucket_sizes", "graphs_supported"]
 
@@ -111,6 +112,7 @@ class DecodeGraphs:
         )
         if bucket.index_4B.is_cuda:
             host = host.pin_memory()  # lets the upload run without blocking the host
+        count_upload(blocking=False)
         bucket.index_4B.copy_(host, non_blocking=True)
         if not all(is_text):
             bucket.override_BC[:n].copy_(embed_tokens(list(tokens), self.model))

@@ -26,6 +26,7 @@ from torch import Tensor
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, embed_text, lm_head, text_forward
+from kestrel_kernels.transfer import upload
 
 __all__ = ["decode_eager", "decode_static"]
 
@@ -65,8 +66,7 @@ def decode_eager(
     ``page_table_RP``: the runtime's device page table ``[max_batch + 1, max_seq_len]``.
     """
     dev = x_BC.device
-    rows_B = torch.tensor(list(rows), dtype=torch.long, device=dev)
-    lengths_B = torch.tensor(list(lengths), dtype=torch.long, device=dev)
+    rows_B, lengths_B = upload([list(rows), list(lengths)], torch.int64, dev).unbind(0)
     max_k = max(lengths) + 1
     pages_BK = page_table_RP[rows_B, :max_k]
     slots_B = pages_BK.gather(1, lengths_B[:, None]).reshape(-1).to(torch.long)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,28 +18,63 @@ from kestrel.moondream.region import (
     size_token,
     spatial_ref_tokens,
 )
-from kestrel.moondream.sampling import greedy, sample, suppress
+from kestrel.moondream.sampling import greedy, sample_rows
+from kestrel.skills.base import Draw
 from kestrel.tokens import CoordToken, SizeToken
+from kestrel_kernels.transfer import upload
 
 __all__ = ["ModelHeads", "RowLogits", "batch_rows"]
 
 
 @dataclass(frozen=True, slots=True)
 class RowLogits:
-    """One row of a batch's logits [V] with its argmax, read back for the whole batch at once.
+    """One row of a batch's logits [V], with what was read back for the whole batch at once:
+    its argmax and, when the row's skill announced its draw (``Skill.next_draw``), the token
+    that draw chose (sampled on the device with the rest of the batch).
 
-    A greedy decision whose argmax is not a suppressed id needs nothing more from the device:
-    suppressing other ids cannot change the first maximum. So a batch of greedy rows costs one
-    device-to-host transfer per step instead of one per row.
+    A greedy decision whose argmax is not a suppressed id needs nothing more from the device
+    either: suppressing other ids cannot change the first maximum. So a batch costs one
+    device-to-host transfer per step, not one per row.
     """
 
     logits_V: Tensor
     argmax: int
+    draw: Draw | None = None
+    chosen: int | None = None
 
 
-def batch_rows(logits_BV: Tensor) -> list[RowLogits]:
-    ids = greedy(logits_BV).tolist()  # the one transfer
-    return [RowLogits(logits_BV[i], ids[i]) for i in range(len(ids))]
+def _draw_table(draws: Sequence[Draw | None], device) -> tuple[Tensor, ...]:
+    """Per-row temperature, top-p, top-k, u and suppressed ids, in one non-blocking upload
+    (float32 holds every token id exactly: they are below 2**24)."""
+    width = max((len(d.banned) for d in draws if d is not None), default=0)
+    rows = []
+    for d in draws:
+        if d is None:
+            rows.append([0.0, 1.0, 0.0, 0.0] + [-1.0] * width)
+        else:
+            pad = [-1.0] * (width - len(d.banned))
+            rows.append([d.temperature, d.top_p, float(d.top_k), d.u, *d.banned, *pad])
+    table = upload(rows, torch.float32, device)
+    banned = table[:, 4:].to(torch.int64) if width else None
+    return table[:, 0], table[:, 1], table[:, 2].to(torch.int64), table[:, 3], banned
+
+
+def batch_rows(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) -> list[RowLogits]:
+    """The rows of a batch's logits with their argmax and, for rows with a draw, the chosen
+    token: one set of device ops for the batch and one transfer back."""
+    if draws is None or all(d is None for d in draws):
+        ids = greedy(logits_BV).tolist()  # the one transfer
+        return [RowLogits(logits_BV[i], ids[i]) for i in range(len(ids))]
+    if len(draws) != logits_BV.shape[0]:
+        raise ValueError(f"{len(draws)} draws for {logits_BV.shape[0]} rows of logits")
+    temp, top_p, top_k, u, banned = _draw_table(draws, logits_BV.device)
+    hot = any(d is not None and d.temperature > 0 for d in draws)
+    chosen = sample_rows(logits_BV, temp, top_p, top_k, u, banned, any_sampled=hot)
+    argmax, picks = torch.stack([greedy(logits_BV), chosen]).tolist()  # the one transfer
+    return [
+        RowLogits(logits_BV[i], argmax[i], d, None if d is None else picks[i])
+        for i, d in enumerate(draws)
+    ]
 
 
 class _NoStream:
@@ -77,12 +113,9 @@ class ModelHeads:
         make = getattr(self.tokenizer, "stream_decoder", None)
         return make() if make is not None else _NoStream()
 
-    def rng(self, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        gen = torch.Generator(device=self.model.device)
-        gen.manual_seed(seed)
-        return gen
+    def rng(self, seed: int | None) -> random.Random:
+        """The request's random stream (one uniform number per sampled token)."""
+        return random.Random(seed)
 
     def pick(self, logits_V: Tensor | RowLogits, ids: Sequence[int]) -> int:
         if isinstance(logits_V, RowLogits):
@@ -96,18 +129,25 @@ class ModelHeads:
         temperature: float,
         top_p: float,
         banned: Sequence[int],
-        rng: torch.Generator | None,
+        rng: random.Random | None,
+        u: float | None = None,
     ) -> int:
+        banned = tuple(banned)
         if isinstance(logits_V, RowLogits):
+            d = logits_V.draw
+            if (
+                d is not None
+                and logits_V.chosen is not None
+                and d == Draw(temperature, top_p, banned, d.u if u is None else u)
+            ):
+                return logits_V.chosen  # chosen with the batch, on the device
             if temperature == 0.0 and logits_V.argmax not in banned:
                 return logits_V.argmax
             logits_V = logits_V.logits_V
-        logits_1V = logits_V[None]
-        if banned:
-            logits_1V = suppress(logits_1V, banned)
-        if temperature == 0.0:
-            return int(greedy(logits_1V)[0])
-        return int(sample(logits_1V, temperature, top_p, generator=rng)[0])
+        if temperature > 0.0 and u is None:
+            u = (rng or random).random()
+        draw = Draw(temperature, top_p, banned, u or 0.0)
+        return batch_rows(logits_V[None], [draw])[0].chosen  # type: ignore[return-value]
 
     def coord_token(self, hidden_C: Tensor) -> tuple[CoordToken, Tensor]:
         logits = decode_coordinate(hidden_C, self.model.region)

@@ -25,6 +25,7 @@ from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import PagedKV, text_forward
 from kestrel.runtime.sequence import SequenceError, SequenceState
 from kestrel.tokens import ImageToken
+from kestrel_kernels.transfer import upload
 
 __all__ = ["MAX_PADDING", "PrefillItem", "group_by_length", "prefill_batch", "prefill_item"]
 
@@ -98,20 +99,23 @@ def _forward(
     """One padded forward over ``items``: the last real position's hidden state per row."""
     dev = items[0].x_TC.device
     B, T = len(items), max(it.n for it in items)
-    n_B = torch.tensor([it.n for it in items], device=dev)
+    # one non-blocking upload: real positions, skip, batch row, prompt length per row
+    meta_4B = upload([[it.n for it in items], [it.skip for it in items],
+                      [it.row for it in items], [it.prompt_length for it in items]],
+                     torch.int64, dev)  # fmt: skip
+    n_B, skip_B, rows_B, prompt_B = meta_4B.unbind(0)
     if B == 1:
         x_BTC = items[0].x_TC[None]
     else:
         x_BTC = items[0].x_TC.new_zeros(B, T, items[0].x_TC.shape[1])
         for b, it in enumerate(items):
             x_BTC[b, : it.n] = it.x_TC
-    skip_B = torch.tensor([it.skip for it in items], device=dev)
-    positions_BT = skip_B[:, None] + torch.arange(T, device=dev)[None]  # padding: past the end
-    real_BT = torch.arange(T, device=dev)[None] < n_B[:, None]
+    t_1T = torch.arange(T, device=dev)[None]
+    real_BT = t_1T < n_B[:, None]
+    positions_BT = torch.where(real_BT, skip_B[:, None] + t_1T, 0)  # padding: position 0
     max_k = max(it.prompt_length for it in items)
-    rows_B = torch.tensor([it.row for it in items], dtype=torch.long, device=dev)
     pages_BK = page_table_RP.index_select(0, rows_B)[:, :max_k]
-    slots_BT = pages_BK.gather(1, torch.where(real_BT, positions_BT, 0)).to(torch.long)
+    slots_BT = pages_BK.gather(1, positions_BT)
     slots = torch.where(real_BT, slots_BT, -1).reshape(-1)
     bidir = _regions(items, dev)
     adapters = [it.adapter for it in items]
@@ -119,11 +123,11 @@ def _forward(
         x_BTC,
         model.text,
         model.config.text,
-        positions_BT=torch.where(real_BT, positions_BT, 0),
+        positions_BT=positions_BT,
         kv=kv,
         slot_mapping=slots,
         page_table=pages_BK,
-        seqused_k=torch.tensor([it.prompt_length for it in items], dtype=torch.int32, device=dev),
+        seqused_k=prompt_B.to(torch.int32),
         seqused_q=None if all(it.n == T for it in items) else n_B.to(torch.int32),
         bidir_regions=bidir,
         lora=adapters if any(a is not None for a in adapters) else None,
@@ -138,7 +142,7 @@ def _regions(items: Sequence[PrefillItem], dev: torch.device) -> Tensor | None:
     if most == 0:
         return None
     rows = [list(it.regions) + [(0, 0)] * (most - len(it.regions)) for it in items]
-    out = torch.tensor(rows, dtype=torch.int32, device=dev)
+    out = upload(rows, torch.int32, dev)
     return out[:, 0] if most == 1 else out
 
 

@@ -16,7 +16,7 @@ from kestrel.runtime.heads import RowLogits, batch_rows
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.runtime.sequence import SequenceState
 from kestrel.scheduler.protocol import Capacity, Request, RunnerOverloaded, Started
-from kestrel.skills.base import PromptToken
+from kestrel.skills.base import Draw, PromptToken, Skill
 
 __all__ = ["DEFER_MIN_POSITIONS", "MoondreamRunner", "PageCounts"]
 
@@ -50,8 +50,16 @@ class PageCounts(dict):
 
 
 class MoondreamRunner:
+    """The runtime behind the scheduler's runner protocol.
+
+    It keeps each running sequence's skill so that, before a step's logits exist, it can ask
+    every row how its token will be chosen (``Skill.next_draw``): the whole batch is then
+    sampled on the device together and read back once (``heads.batch_rows``).
+    """
+
     def __init__(self, runtime: MoondreamRuntime) -> None:
         self.runtime = runtime
+        self._skills: dict[int, Skill] = {}  # batch row -> the skill of its request
 
     def capacity(self) -> Capacity:
         rt = self.runtime
@@ -113,13 +121,15 @@ class MoondreamRunner:
         interrupt) is aborted, so nothing is held for a request that did not start."""
         rt = self.runtime
         try:
-            for i, s, hidden_C, logits in self._prefill_wave(wave, out):
+            draws = [requests[i].skill.next_draw() for i, _ in wave]
+            for i, s, hidden_C, logits in self._prefill_wave(wave, draws, out):
                 try:
                     rt.commit_sequence(s, hidden_C)  # aborts its own lease if it raises
                 except Exception as exc:
                     out[i] = exc
                     continue
                 image = requests[i].image
+                self._skills[s.batch_idx] = requests[i].skill
                 out[i] = Started(
                     handle=s,
                     logits_V=logits,
@@ -133,38 +143,46 @@ class MoondreamRunner:
                 if not isinstance(out[i], Started):
                     rt.abort_sequence(s)  # a no-op for those already given back
 
-    def _prefill_wave(self, wave: list[tuple[int, SequenceState]], out: list) -> list:
+    def _prefill_wave(
+        self, wave: list[tuple[int, SequenceState]], draws: list[Draw | None], out: list
+    ) -> list:
         """(index, state, hidden [C], RowLogits) per prefilled sequence: one batched call; if
         that fails, each sequence alone, so a fault fails only the request it belongs to."""
         rt = self.runtime
         states = [s for _, s in wave]
         try:
             hidden_BC, logits_BV = rt.prefill_sequences(states)
-            rows = batch_rows(logits_BV)
+            rows = batch_rows(logits_BV, draws)
             return [(i, s, hidden_BC[b], rows[b]) for b, (i, s) in enumerate(wave)]
         except Exception as exc:
             if len(wave) == 1:
                 out[wave[0][0]] = exc
                 return []
         done = []
-        for i, s in wave:
+        for (i, s), draw in zip(wave, draws, strict=True):
             try:
                 hidden_C, logits_V = rt.prefill_sequence(s)
             except Exception as exc:
                 out[i] = exc
                 continue
-            done.append((i, s, hidden_C, batch_rows(logits_V[None])[0]))
+            done.append((i, s, hidden_C, batch_rows(logits_V[None], [draw])[0]))
         return done
 
     def decode(
         self, handles: Sequence[SequenceState], tokens: Sequence[PromptToken]
     ) -> tuple[list[RowLogits], list[Any]]:
-        """Logits per row (with the batch's argmaxes read back in one transfer), hiddens."""
+        """Logits per row, each row's token chosen with the batch's (one transfer), hiddens."""
+        draws = [self._draw(h) for h in handles]
         with torch.inference_mode():
             logits_BV = self.runtime.decode_step(handles, tokens)
-            return batch_rows(logits_BV), [h.last_hidden for h in handles]
+            return batch_rows(logits_BV, draws), [h.last_hidden for h in handles]
+
+    def _draw(self, handle: SequenceState) -> Draw | None:
+        skill = self._skills.get(handle.batch_idx)
+        return None if skill is None else skill.next_draw()
 
     def release(self, handle: SequenceState) -> None:
+        self._skills.pop(handle.batch_idx, None)
         self.runtime.release_sequence(handle)
 
     def check_integrity(self) -> None:

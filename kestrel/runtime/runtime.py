@@ -338,24 +338,29 @@ class MoondreamRuntime:
                 raise SequenceError(f"decode_step tokens must be cache tokens, got {t!r}")
         if len({s.batch_idx for s in states}) != len(states):
             raise SequenceError("a sequence appears twice in one decode_step")
-        adapters = [s.adapter for s in states]
-        if self.decode_graphs is not None and all(a is None for a in adapters):
-            hidden_BC, logits_BV = self.decode_graphs.run(
-                [s.batch_idx for s in states], [s.length for s in states], tokens
-            )
-        else:
-            x_BC = embed_tokens(list(tokens), self.model)
-            hidden_BC = decode_eager(
-                self.model, self.kv, self.page_table.page_table, x_BC,
-                [s.batch_idx for s in states], [s.length for s in states],
-                adapters, self.attention_backend,
-            )  # fmt: skip
-            logits_BV = lm_head(hidden_BC, self.model.text)
+        hidden_BC, logits_BV = self._decode_forward(states, tokens)
         for i, (s, t) in enumerate(zip(states, tokens, strict=True)):
             s.length += 1
             s.fed.append(t)
             s.last_hidden = hidden_BC[i]
         return logits_BV
+
+    def _decode_forward(
+        self, states: Sequence[SequenceState], tokens: Sequence[PromptToken]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model work of one decode step: (hidden before post_ln [B, C], logits [B, V])."""
+        adapters = [s.adapter for s in states]
+        if self.decode_graphs is not None and all(a is None for a in adapters):
+            return self.decode_graphs.run(
+                [s.batch_idx for s in states], [s.length for s in states], tokens
+            )
+        x_BC = embed_tokens(list(tokens), self.model)
+        hidden_BC = decode_eager(
+            self.model, self.kv, self.page_table.page_table, x_BC,
+            [s.batch_idx for s in states], [s.length for s in states],
+            adapters, self.attention_backend,
+        )  # fmt: skip
+        return hidden_BC, lm_head(hidden_BC, self.model.text)
 
     def release_sequence(self, state: SequenceState) -> None:
         """Retain the decoded tokens (``retain_decoded``), then exactly one unlock, then free

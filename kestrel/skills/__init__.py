@@ -7,7 +7,7 @@ operations come in through :class:`SkillOps`; nothing here imports model code.
 
 from __future__ import annotations
 
-from kestrel.skills.base import PromptToken, Skill, SkillOps, TextSink
+from kestrel.skills.base import Draw, PromptToken, Skill, SkillOps, TextSink
 from kestrel.skills.chat import ChatSkill, ChatTurn, chat_prompt
 from kestrel.skills.grounding import GroundingChunk, grounding_chunks
 from kestrel.skills.prompts import PromptError
@@ -22,6 +22,7 @@ __all__ = [
     "ChatSkill",
     "ChatTurn",
     "DetectSkill",
+    "Draw",
     "GroundingChunk",
     "NoPathError",
     "PathParser",

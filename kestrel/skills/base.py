@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kestrel.tokens import CoordToken, SizeToken, TextToken
@@ -29,9 +30,25 @@ from kestrel.tokens import CoordToken, SizeToken, TextToken
 if TYPE_CHECKING:
     from kestrel.moondream.config import TokenizerConfig
 
-__all__ = ["PromptToken", "Skill", "SkillOps", "TextSink"]
+__all__ = ["Draw", "PromptToken", "Skill", "SkillOps", "TextSink"]
 
 PromptToken = TextToken | CoordToken | SizeToken
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """How a skill's next token will be chosen, announced before the logits exist, so a driver
+    can choose the tokens of a whole batch on the device at once (``Skill.next_draw``).
+
+    ``temperature`` 0 is greedy; ``banned`` ids are suppressed first; ``u`` in [0, 1) is the
+    uniform number of the draw, taken from the request's own random stream.
+    """
+
+    temperature: float
+    top_p: float
+    banned: tuple[int, ...] = ()
+    u: float = 0.0
+    top_k: int = 0
 
 
 class TextSink(Protocol):
@@ -55,9 +72,16 @@ class SkillOps(Protocol):
     def stream_decoder(self) -> TextSink: ...
 
     def sample(
-        self, logits_V: Any, temperature: float, top_p: float, banned: Sequence[int], rng: Any
+        self,
+        logits_V: Any,
+        temperature: float,
+        top_p: float,
+        banned: Sequence[int],
+        rng: Any,
+        u: float | None = None,
     ) -> int:
-        """One token id; ``banned`` ids are masked first; temperature 0 is argmax."""
+        """One token id; ``banned`` ids are masked first; temperature 0 is argmax. ``u``: the
+        draw's uniform number when the skill took it already (else drawn from ``rng``)."""
         ...
 
     def pick(self, logits_V: Any, ids: Sequence[int]) -> int:
@@ -96,6 +120,11 @@ class Skill(ABC):
     def streams_text(self) -> bool:
         """Whether :meth:`take_text` yields the answer as it is generated."""
         return False
+
+    def next_draw(self) -> Draw | None:
+        """How the next :meth:`advance` will choose its token, if it samples one from the
+        logits (None: it reads the logits otherwise, e.g. a region skill's decoders)."""
+        return None
 
     @abstractmethod
     def advance(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:

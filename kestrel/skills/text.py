@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kestrel.skills.base import PromptToken, Skill, SkillOps
+from kestrel.skills.base import Draw, PromptToken, Skill, SkillOps
 from kestrel.skills.grounding import GroundingChunk, grounding_chunks
 from kestrel.skills.prompts import caption_prompt, query_prompt
 from kestrel.skills.settings import Settings
@@ -67,16 +67,26 @@ class TextPhase:
         self.first_logits: Any = None
         self.first_hidden: Any = None
         self.finish_reason: str | None = None
+        self._draw: Draw | None = None
+
+    def next_draw(self) -> Draw:
+        """The next decision's settings and uniform number (taken once per decision)."""
+        if self._draw is None:
+            s = self.settings
+            banned = () if self.first_logits is None else self.banned
+            hot = s.temperature > 0 and self.rng is not None
+            u = self.rng.random() if hot else 0.0
+            self._draw = Draw(s.temperature, s.top_p, banned, u)
+        return self._draw
 
     def decide(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
-        first = self.first_logits is None
-        if first:
+        draw, self._draw = self.next_draw(), None
+        if self.first_logits is None:
             self.first_logits, self.first_hidden = logits_V, hidden_C
         if self.record:
             self.step_logits.append(logits_V)
         s = self.settings
-        banned = () if first else self.banned
-        tok = self.ops.sample(logits_V, s.temperature, s.top_p, banned, self.rng)
+        tok = self.ops.sample(logits_V, s.temperature, s.top_p, draw.banned, self.rng, u=draw.u)
         if tok == self.stop_id:
             self.finish_reason = "stop"
         elif len(self.tokens) >= s.max_tokens:
@@ -131,6 +141,9 @@ class _AnswerSkill(Skill):
     def advance(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
         return self._answer_step(logits_V, hidden_C, budget)
 
+    def next_draw(self) -> Draw | None:
+        return self.answer.next_draw()
+
     def take_text(self) -> str:
         text = "".join(self._pending)
         self._pending.clear()
@@ -181,6 +194,10 @@ class QuerySkill(_AnswerSkill):
         """The prompt this skill prefills (the chat skill renders a whole conversation)."""
         tok = self.ops.tokens
         return query_prompt(tok, self.ops.encode, question, spatial=spatial, reasoning=reasoning)
+
+    def next_draw(self) -> Draw | None:
+        phase = self.answer if self._answering else self.reasoning
+        return None if phase is None else phase.next_draw()
 
     def advance(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
         if self._answering:

@@ -22,7 +22,10 @@ import pytest
 from tests.conformance.cases import check_region_case, check_text_case, run_case
 from tests.conformance.golden import agreeing_prefix, assert_close, fixture_params
 
-MARGIN_FLOOR = 0.05
+# A decision margin below this is a near tie whose bf16 outcome depends on the CPU's bfloat16
+# kernels: on a Xeon with AMX-BF16 (oneDNN accumulates in another order) the md3-tiny-a
+# caption_long_shapes decision of margin 0.074 flips, where other CPUs keep it.
+MARGIN_FLOOR = 0.1
 
 
 def _small_images(meta: dict) -> list[str]:

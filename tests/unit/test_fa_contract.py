@@ -181,20 +181,35 @@ def test_gqa_passes_kv_heads_unexpanded(fake, hkv: int) -> None:
     assert call.q.shape[1] == 4 and call.k.shape[2] == hkv
 
 
-def test_plan_is_reused_across_layers_and_rebuilt_on_change(fake) -> None:
-    """Layers pass the same metadata tensors: one plan; an in-place change rebuilds it."""
+def test_one_plan_serves_every_layer_and_guards_its_metadata(fake, monkeypatch) -> None:
+    """``plan_attention`` builds the segment plan once; every call given the plan reuses it
+    (also under inference_mode, where tensors have no version counter), equals a call
+    without a plan, and a plan handed other metadata is refused."""
+    from kestrel_kernels import contract
+
+    builds = []
+    original = contract.build_segment_plan
+
+    def counting(*a, **k):
+        builds.append(1)
+        return original(*a, **k)
+
+    monkeypatch.setattr(kk, "build_segment_plan", counting)
+    monkeypatch.setattr(fa_backend, "build_segment_plan", counting)
     args = make_inputs([12, 9], q_len=12, q_lens=[12, 9], regions=[(0, 5), (0, 5)])
-    first = kk.paged_attention(**args, backend="fa")
-    kk.paged_attention(**args, backend="fa")
-    assert fake.calls[0].page_table.data_ptr() != fake.calls[2].page_table.data_ptr()  # clones
-    assert fa_backend._plan_entry[0] == fa_backend._key(
-        12, True, *(fa_backend._ident(args[n]) for n in ("seqused_k", "seqused_q", "bidir_regions"))
-    )
-    args["seqused_k"][1] = 7  # in place: the version counter moves
-    args["seqused_q"][1] = 7
-    out = run_both(args)
-    assert ints(fake.calls[-2].seqused_k)[4:] == [0, 0, 7, 0]  # the causal call, row 1
-    assert torch.equal(out[0], first[0]) and not torch.equal(out[1], first[1])
+    meta = {n: args[n] for n in ("page_table", "seqused_k", "seqused_q", "bidir_regions")}
+    with torch.inference_mode():
+        plan = kk.plan_attention(12, **meta, dtype=BF16, backend="fa")
+        assert plan.backend == "fa" and len(builds) == 1
+        outs = [kk.paged_attention(**args, plan=plan) for _ in range(3)]
+        assert len(builds) == 1, "calls with the plan must not rebuild it"
+        alone = kk.paged_attention(**args, backend="fa")
+        assert len(builds) == 2
+    for out in outs:
+        assert torch.equal(out, alone)
+    other = dict(args, seqused_k=args["seqused_k"].clone())
+    with pytest.raises(kk.KernelInputError, match="plan built for other metadata"):
+        kk.paged_attention(**other, plan=plan)
 
 
 def test_missing_package_names_it(monkeypatch) -> None:

@@ -72,7 +72,7 @@ class Script:
     def rng(self, seed):
         return None
 
-    def sample(self, logits_V, temperature, top_p, banned, rng):
+    def sample(self, logits_V, temperature, top_p, banned, rng, u=None):
         self.banned.append(tuple(banned))
         return self.ids.pop(0)
 

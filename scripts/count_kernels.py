@@ -1,0 +1,277 @@
+"""Count what the CUDA code path asks of the GPU, on a CPU: launches, syncs, uploads, host time.
+
+    python scripts/count_kernels.py            # the table
+    python scripts/count_kernels.py --sites    # plus the source line of every sync and upload
+    python scripts/count_kernels.py --json     # last line: one JSON object
+
+The model is Moondream 2's structure (24 text layers, 27 vision layers, 729 patches per crop,
+the 730-position BOS + image block) at small widths, with random bf16 weights: launch, sync and
+upload counts depend on the structure, not on the widths. The runtime runs the branches a GPU
+takes: the ``fa`` attention backend (FlashAttention's binding replaced by its torch model,
+counted as one launch per call, as the contract test does), the static decode step that CUDA
+graphs capture (run uncaptured; its launches are the graph body), the fused Triton kernels
+under ``TRITON_INTERPRET=1`` when Triton is installed (one launch each). Requests go through
+the Engine's own pieces (request factory, scheduler, runner) on this thread.
+
+Rows: a decode step at batch 1 and 64, greedy and with Moondream's default sampling
+(temperature 0.5, top-p 0.3): launches inside the graph body and outside it, syncs, blocking
+uploads; a hit prefill (13 new positions after a cached image), a miss prefill (9 crops and
+~743 positions: vision encoder included), the vision encoder alone on 9 crops, and the host
+microseconds of one scheduler decode step at batch 64 with the model math stubbed (a fixed
+logits tensor stands in for the forward; everything else -- sampling, skills, streams,
+bookkeeping -- runs). The host time is a timing figure: take it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kestrel.engine.requests import RequestFactory  # noqa: E402
+from kestrel.images import prepare_image  # noqa: E402
+from kestrel.moondream.config import MoondreamConfig  # noqa: E402
+from kestrel.moondream.tokenizer import MoondreamTokenizer  # noqa: E402
+from kestrel.reference.random_weights import random_model  # noqa: E402
+from kestrel.runtime.cuda_graphs import DecodeGraphs  # noqa: E402
+from kestrel.runtime.heads import ModelHeads  # noqa: E402
+from kestrel.runtime.runner import MoondreamRunner  # noqa: E402
+from kestrel.runtime.runtime import MoondreamRuntime  # noqa: E402
+from kestrel.scheduler import Request, Scheduler  # noqa: E402
+from kestrel_kernels import contract, fa_backend  # noqa: E402
+from kestrel_kernels.counting import LaunchCounter  # noqa: E402
+from kestrel_kernels.torch_backend import varlen_paged_attention_torch  # noqa: E402
+
+FIXTURE = REPO / "tests" / "fixtures" / "md2-tiny-a"
+SAMPLED = {"temperature": 0.5, "top_p": 0.3, "max_tokens": 48}
+GREEDY = {"temperature": 0.0, "max_tokens": 48}
+
+
+def fake_binding(q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k, page_table, softmax_scale,
+                 causal, **unused):  # fmt: skip
+    """FlashAttention's varlen paged call, computed by its torch model (one launch)."""
+    from kestrel_kernels.counting import opaque
+
+    with opaque("flash_attn"):
+        out = varlen_paged_attention_torch(
+            q, k[:, 0], v[:, 0], page_table, 1, seqused_k, cu_seqlens_q, max_seqlen_q,
+            causal, softmax_scale,
+        )  # fmt: skip
+    return out, None
+
+
+@contextlib.contextmanager
+def gpu_branches():
+    """The ``fa`` backend with the stand-in binding; host-side value checks (CPU only) paused."""
+    saved = (fa_backend.probe, fa_backend.load_binding, contract._check_values,
+             contract._check_regions)  # fmt: skip
+    fa_backend.probe = lambda device=None: fa_backend.FaProbe(True, "counting stand-in")
+    fa_backend.load_binding = lambda: fake_binding
+    contract._check_values = lambda *a, **k: None  # runs on CPU tensors only
+    contract._check_regions = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        (fa_backend.probe, fa_backend.load_binding, contract._check_values,
+         contract._check_regions) = saved  # fmt: skip
+
+
+def build(max_batch: int):
+    base = MoondreamConfig.from_json_file(FIXTURE / "config.json")
+    cfg = replace(base, text=replace(base.text, n_layers=24))
+    model = random_model(cfg, device="cpu", dtype=torch.bfloat16, seed=0)
+    rt = MoondreamRuntime(model, MoondreamTokenizer.for_checkpoint(FIXTURE),
+                          kv_cache_pages=max_batch * 900 + 4000, max_batch_size=max_batch,
+                          attention_backend="fa")  # fmt: skip
+    rt.decode_graphs = DecodeGraphs(model, rt.kv, rt.page_table.page_table,
+                                    max_batch_size=max_batch, backend="fa", capture=False)  # fmt: skip
+    runner = MoondreamRunner(rt)
+    factory = RequestFactory(ModelHeads(model, rt.tokenizer), cfg)
+    return rt, runner, Scheduler(runner), factory
+
+
+_ids = iter(range(1, 1 << 30))
+
+
+def submit(sched: Scheduler, factory: RequestFactory, image, question: str, settings) -> Future:
+    d = factory.query(image, question, settings, None, reasoning=False, spatial_refs=None)
+    fut: Future = Future()
+    sched.submit(Request(request_id=next(_ids), skill=d.skill, image=d.image, adapter=None,
+                         cache_salt=None, prompt_positions=d.prompt_positions,
+                         max_new_tokens=d.max_new_tokens, future=fut,
+                         build_result=d.build_result, submitted_at=time.perf_counter()))  # fmt: skip
+    return fut
+
+
+def picture(seed: int, h: int = 756, w: int = 1512):
+    rng = np.random.default_rng(seed)
+    return prepare_image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+QUESTION = "What is the total revenue shown for the third quarter of the year in this chart?"
+
+
+def counted(fn, sites: bool) -> tuple[LaunchCounter, object]:
+    with LaunchCounter(sites=sites) as c:
+        out = fn()
+    return c, out
+
+
+def graph_body_launches(rt: MoondreamRuntime, counter_box: list) -> None:
+    """Wrap the static step so the launches of the (would-be captured) body are known."""
+    graphs = rt.decode_graphs
+    original = graphs._forward
+
+    def forward(bucket):
+        c = counter_box[0]
+        before = c.launches if c is not None else 0
+        original(bucket)
+        if c is not None:
+            c.graph_body = c.launches - before
+            c.replays += 1
+
+    graphs._forward = forward
+
+
+def decode_rows(batch: int, settings: dict, sites: bool) -> dict:
+    rt, _runner, sched, factory = build(max(batch, 1))
+    image = picture(1)
+    futures = [submit(sched, factory, image, f"{QUESTION} {i}", settings) for i in range(batch)]
+    while sched.waiting or len(sched.running) < batch:
+        sched.step()
+    box: list = [None]
+    graph_body_launches(rt, box)
+    for _ in range(2):  # warm: every row decoding
+        sched.step()
+    with LaunchCounter(sites=sites) as c:
+        box[0] = c
+        c.graph_body = 0
+        sched._decode()
+    box[0] = None
+    running = len(sched.running)
+    for f in futures:
+        f.cancel()
+    return {"rows": running, "graph_body": c.graph_body, "outside": c.launches - c.graph_body,
+            "syncs": c.syncs, "uploads_blocking": c.uploads_blocking,
+            "uploads_nonblocking": c.uploads_nonblocking, "replays": c.replays,
+            "sites": c.sites}  # fmt: skip
+
+
+def prefill_rows(sites: bool) -> dict:
+    rt, runner, sched, factory = build(4)
+    out = {}
+    with LaunchCounter(sites=sites) as c:
+        submit(sched, factory, picture(2), QUESTION, GREEDY)
+        sched._prefill(sched._schedule())
+    out["prefill_miss"] = c
+    before = {id(r) for r in sched.running}
+    with LaunchCounter(sites=sites) as c:
+        submit(sched, factory, picture(2), "How many bars are there?", GREEDY)
+        sched._prefill(sched._schedule())
+    out["prefill_hit"] = c
+    state = next(r for r in sched.running if id(r) not in before).handle
+    out["hit_positions"] = state.prompt_length - state.reused_page_count
+    img = picture(3)
+    with torch.inference_mode(), LaunchCounter(sites=sites) as c:
+        rt._encode_image(img)
+    out["vision_9"] = c
+    return out
+
+
+def host_us(batch: int, settings: dict, steps: int = 30) -> float:
+    """Median host time of one scheduler decode step, the forward replaced by fixed logits."""
+    rt, _runner, sched, factory = build(batch)
+    image = picture(1)
+    for i in range(batch):
+        submit(sched, factory, image, f"{QUESTION} {i}", {**settings, "max_tokens": 400})
+    while sched.waiting or len(sched.running) < batch:
+        sched.step()
+    vocab, dim = rt.config.text.vocab_size, rt.config.text.dim
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, vocab, generator=gen).to(rt.dtype)
+    logits[:, rt.config.tokenizer.eos_id] = -1e4  # keep every row running
+    hidden = torch.zeros(batch, dim, dtype=rt.dtype)
+    rt._decode_forward = lambda states, tokens: (hidden[: len(states)], logits[: len(states)])
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        sched._decode()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times[5:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sites", action="store_true", help="name the source line of each sync/upload")
+    p.add_argument("--json", action="store_true", help="end with one JSON object")
+    p.add_argument("--no-host", action="store_true", help="skip the host-time rows (timing)")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    rows, all_sites = [], {}
+    with gpu_branches():
+        for batch in (1, 64):
+            for name, settings in (("greedy", GREEDY), ("sampled", SAMPLED)):
+                r = decode_rows(batch, settings, args.sites)
+                rows.append((f"decode b{batch} {name}", r))
+                all_sites[f"decode b{batch} {name}"] = r.pop("sites")
+        pre = prefill_rows(args.sites)
+    table = [("row", "graph body", "outside", "syncs", "blocking up", "async up")]
+    for name, r in rows:
+        table.append((name, r["graph_body"], r["outside"], r["syncs"], r["uploads_blocking"],
+                      r["uploads_nonblocking"]))  # fmt: skip
+    for key in ("prefill_hit", "prefill_miss", "vision_9"):
+        c = pre[key]
+        table.append((key, c.launches, 0, c.syncs, c.uploads_blocking, c.uploads_nonblocking))
+        all_sites[key] = c.sites
+    widths = [max(len(str(r[i])) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(str(v).rjust(w) if i else str(v).ljust(w)
+                        for i, (v, w) in enumerate(zip(r, widths, strict=True))))  # fmt: skip
+    print(f"(hit prefill: {pre['hit_positions']} new positions)")
+    if args.sites:
+        for name, sites in all_sites.items():
+            for (kind, site), n in sorted(sites.items()):
+                print(f"  {name}: {kind} x{n} at {site}")
+    host = {}
+    if not args.no_host:
+        with gpu_branches():
+            host["host_us_step_b64"] = host_us(64, GREEDY)
+            host["host_us_step_b64_sampled"] = host_us(64, SAMPLED)
+        for k, v in host.items():
+            print(f"{k}: {v:.0f} us")
+    by = dict(rows)
+    out = {
+        "decode_b1": by["decode b1 greedy"]["graph_body"],
+        "decode_b64": by["decode b64 greedy"]["graph_body"],
+        "decode_b1_outside": by["decode b1 greedy"]["outside"],
+        "decode_b64_outside_sampled": by["decode b64 sampled"]["outside"],
+        "prefill_hit": pre["prefill_hit"].launches,
+        "prefill_miss": pre["prefill_miss"].launches,
+        "vision_9": pre["vision_9"].launches,
+        "syncs_per_decode_step": by["decode b64 greedy"]["syncs"],
+        "syncs_per_decode_step_sampled": by["decode b64 sampled"]["syncs"],
+        "uploads_per_prefill": max(pre["prefill_hit"].uploads_blocking,
+                                   pre["prefill_miss"].uploads_blocking),  # fmt: skip
+        **{k: round(v) for k, v in host.items()},
+    }
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
