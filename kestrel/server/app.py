@@ -168,6 +168,8 @@ class _Server(InfoRoutes):
     def _select_adapter(self, call: Any) -> Any:
         """A ``model`` of the form ``<served>@<adapter>`` (as ``/v1/models`` lists) selects
         that adapter; one that disagrees with ``adapter`` / ``variant`` is a 400."""
+        if call.model is None or "@" not in call.model:
+            return call
         chosen = model_adapter(call.model, self.model_name, self.engine.adapters())
         if chosen is None or chosen == call.adapter:
             return call
@@ -222,11 +224,12 @@ def create_app(
     """The ASGI app serving ``engine`` (which the caller owns and closes).
 
     ``max_queue`` defaults to :data:`DEFAULT_MAX_QUEUE` (or 4 x the engine's
-    ``max_batch_size`` when that is more). With ``api_key``, every route but ``/v1/health``
-    needs ``X-Moondream-Auth: KEY`` (or ``Authorization: Bearer KEY``). ``bind_host`` is the
-    address the server listens on: a loopback one makes it refuse requests whose ``Host`` is
-    not loopback. ``allow_origins`` lists the web origins (``https://app.example``, or ``*``)
-    whose pages may call the API (they get CORS headers); others are refused.
+    ``max_batch_size`` when that is more). With ``api_key``, every route but the health checks
+    (``/v1/health``, ``/health``) and the playground page needs ``X-Moondream-Auth: KEY`` (or
+    ``Authorization: Bearer KEY``). ``bind_host`` is the address the server listens on: a
+    loopback one makes it refuse requests whose ``Host`` is not loopback. ``allow_origins``
+    lists the web origins (``https://app.example``, or ``*``) whose pages may call the API
+    (they get CORS headers); others are refused.
     """
     queue = max_queue if max_queue is not None else max(DEFAULT_MAX_QUEUE,
                                                          4 * engine.max_batch_size)  # fmt: skip
