@@ -10,17 +10,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -30,124 +24,32 @@ pytest.importorskip("httpx", reason="the app tests' module needs httpx (the test
 
 from kestrel.distributed.ring import HashRing
 from kestrel.images import prepare_image
-from tests.server.conftest import (
-    ADAPTER,
-    ADAPTER_DIR,
-    ENGINE_OPTIONS,
-    GREEDY,
-    MODEL,
-    SHAPES,
-    data_url,
-    png,
+from tests.server.conftest import ADAPTER, GREEDY, SHAPES, data_url, png
+from tests.server.ray_front import (
+    AUTH,
+    KEY,
+    NAMES,
+    STARTUP_S,
+    WAIT_S,
+    Server,
+    assert_pages_conserved,
+    idle_stats,
+    post,
+    raw,
+    request,
+    running_server,
+    stable,
+    stats,
+    stream,
 )
 from tests.server.test_server_app import BODY_LIMIT, HOSTILE, PIXEL_LIMIT
-
-KEY = "ray-front-door-key"
-AUTH = {"X-Moondream-Auth": KEY}
-NAMES = ["kestrel-replica-0", "kestrel-replica-1"]
-STARTUP_S = 240  # bounds on waiting, never asserted
-WAIT_S = 120
-
-
-@dataclass(frozen=True, slots=True)
-class Server:
-    proc: subprocess.Popen
-    url: str  # http://127.0.0.1:PORT/v1
-    log: Path
-
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self.url.split("//")[1].split("/")[0].split(":")
-        return host, int(port)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve-ray") / "server.log"
-    options = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_OPTIONS.items()]
-    cmd = [
-        sys.executable, "-m", "kestrel", "serve", "--ray", "--replicas", "2", "--port", "0",
-        "--model", str(MODEL), *options, "--adapter", f"{ADAPTER}={ADAPTER_DIR}",
-        "--api-key", KEY, "--max-body-bytes", str(BODY_LIMIT),
-        "--max-image-pixels", str(PIXEL_LIMIT), "--log-level", "warning",
-    ]  # fmt: skip
-    env = {**os.environ, "RAY_ADDRESS": "", "RAY_DEDUP_LOGS": "0"}
-    env.pop("RAY_ADDRESS")  # a local instance of its own, never a cluster of the caller's
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + STARTUP_S
-    found = None
-    while found is None and time.monotonic() < deadline and proc.poll() is None:
-        found = re.search(r"http://127\.0\.0\.1:\d+/v1", log.read_text(errors="replace"))
-        time.sleep(0.2)
-    if found is None:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"kestrel serve --ray did not start:\n{log.read_text(errors='replace')}")
-    yield Server(proc, found.group(0), log)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-
-
-def _request(server: Server, path: str, body=None, headers=None) -> tuple[int, dict, dict]:
-    data = None if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
-    sent = {"Content-Type": "application/json", **(headers or AUTH)}
-    req = urllib.request.Request(server.url + path, data=data, headers=sent)
-    try:
-        with urllib.request.urlopen(req, timeout=WAIT_S) as r:
-            return r.status, dict(r.headers), json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), json.loads(err.read())
-
-
-def _post(server: Server, route: str, body) -> tuple[int, dict]:
-    status, _, got = _request(server, f"/{route}", body)
-    return status, got
-
-
-def _stats(server: Server) -> dict:
-    status, _, got = _request(server, "/stats")
-    assert status == 200, got
-    return got
-
-
-def _idle_stats(server: Server) -> dict:
-    """/v1/stats once nothing is queued or running anywhere (bounded wait)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        s = _stats(server)
-        if (s["running"], s["queue_depth"], s["server"]["in_flight"]) == (0, 0, 0):
-            return s
-        assert time.monotonic() < deadline, s
-        time.sleep(0.05)
-
-
-def _assert_pages_conserved(s: dict) -> None:
-    """No page locked or private on any replica; every page free or cached; sums agree."""
-    assert [r["live"] for r in s["replicas"]] == [True, True], s["replicas"]
-    for r in (s, *s["replicas"]):
-        assert r["pages_locked"] == 0 and r["pages_private"] == 0, r
-        assert r["pages_free"] + r["pages_cached"] == r["pages_total"], r
-    assert s["pages_total"] == sum(r["pages_total"] for r in s["replicas"])
-
-
-def _events(text: str) -> list[dict]:
-    lines = [ln for ln in text.split("\n") if ln]
-    assert all(ln.startswith("data: ") for ln in lines), lines
-    return [json.loads(ln[6:]) for ln in lines if ln != "data: [DONE]"]
-
-
-def _stream(server: Server, route: str, body: dict) -> list[dict]:
-    conn = http.client.HTTPConnection(*server.address, timeout=WAIT_S)
-    conn.request("POST", f"/v1/{route}", json.dumps(body),
-                 {"Content-Type": "application/json", **AUTH})  # fmt: skip
-    response = conn.getresponse()
-    assert response.status == 200
-    assert response.getheader("content-type").startswith("text/event-stream")
-    events = _events(response.read().decode())
-    conn.close()
-    return events
+    limits = ["--max-body-bytes", str(BODY_LIMIT), "--max-image-pixels", str(PIXEL_LIMIT)]
+    with running_server(tmp_path_factory.mktemp("serve-ray") / "server.log", *limits) as s:
+        yield s
 
 
 def _owner(image: bytes) -> str:
@@ -167,8 +69,27 @@ def _image_of(owner: str, salt: int) -> bytes:
 def test_the_startup_line_names_the_replicas(server) -> None:
     line = next(ln for ln in server.log.read_text().splitlines() if "--ray" in ln)
     assert "2 replicas" in line and all(name in line for name in NAMES), line
-    status, _, health = _request(server, "/health", headers={})  # open without the key
+    status, _, health = request(server, "/health", headers={})  # open without the key
     assert status == 200 and health["status"] == "ok" and health["adapters"] == [ADAPTER]
+
+
+def test_other_routes_answer_as_kestrel_serve_does(server, engine) -> None:
+    """The playground, the model list, health and segment: the same status and body as the
+    app of plain ``kestrel serve`` over one in-process engine."""
+    from starlette.testclient import TestClient
+
+    from kestrel.server import create_app
+
+    segment = {"image_url": data_url(SHAPES), "object": "circle"}
+    calls = [("GET", "/", None), ("GET", "/v1/models", None), ("GET", "/v1/health", None),
+             ("POST", "/v1/segment", segment)]  # fmt: skip
+    with TestClient(create_app(engine, api_key=KEY)) as local:
+        for method, path, body in calls:
+            want = local.request(method, path, json=body, headers=AUTH)
+            status, kind, text = raw(server, method, path, body)
+            assert (status, kind) == (want.status_code, want.headers["content-type"]), path
+            if kind.startswith("application/json"):
+                assert stable(json.loads(text)) == stable(want.json()), path
 
 
 ROUTES = [
@@ -187,7 +108,7 @@ def test_every_route_answers_like_one_engine(server, engine, case, fields) -> No
     route = case.split("-")[0]
     body = {"image_url": data_url(SHAPES), "settings": GREEDY, **fields}
     body = {k: v for k, v in body.items() if v is not None}
-    status, got = _post(server, route, body)
+    status, got = post(server, route, body)
     assert status == 200, got
     image = SHAPES if "image_url" in body else None
     settings = body["settings"]
@@ -214,7 +135,7 @@ def test_streams_are_the_blocking_answer(server, engine, route) -> None:
         want = engine.query(SHAPES, "Stream?", settings=GREEDY).answer
     else:
         want = engine.caption(SHAPES, settings=GREEDY).caption
-    *chunks, last = _stream(server, route, body)
+    *chunks, last = stream(server, route, body)
     assert "".join(c["chunk"] for c in chunks) == want
     assert last["completed"] is True and last["metrics"]["cached_tokens"] > 0
 
@@ -228,14 +149,14 @@ def test_chat_blocking_and_streamed_and_its_second_turn_hits(server, engine) -> 
                                           {"type": "text", "text": "What is it?"}]}]  # fmt: skip
     want = engine.chat(local, settings=GREEDY)
     body = {"model": "any", "messages": [user], "temperature": 0, "max_tokens": 4}
-    status, got = _post(server, "chat/completions", body)
+    status, got = post(server, "chat/completions", body)
     assert status == 200, got
     assert got["choices"][0]["message"]["content"] == want.content
-    chunks = _stream(server, "chat/completions", {**body, "stream": True})
+    chunks = stream(server, "chat/completions", {**body, "stream": True})
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want.content
     turn = [user, got["choices"][0]["message"], {"role": "user", "content": "And the colour?"}]
     second = engine.chat([*local, want.message, turn[2]], settings=GREEDY)
-    status, got = _post(server, "chat/completions", {**body, "messages": turn})
+    status, got = post(server, "chat/completions", {**body, "messages": turn})
     assert got["choices"][0]["message"]["content"] == second.content
     # the second turn met the first turn's replica: its image and first answer are cached
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > engine.config.image_tokens
@@ -246,12 +167,12 @@ def test_chat_blocking_and_streamed_and_its_second_turn_hits(server, engine) -> 
 def test_hostile_input_gets_the_same_error_and_reaches_no_replica(
     server, route, body, status, type_
 ) -> None:
-    before = _idle_stats(server)
-    got_status, headers, got = _request(server, f"/{route}", body)
+    before = idle_stats(server)
+    got_status, headers, got = request(server, f"/{route}", body)
     assert (got_status, got["error"]["type"]) == (status, type_), got
     assert set(got) == {"error", "request_id"} and got["error"]["message"]
     assert headers["x-request-id"] == got["request_id"]
-    after = _idle_stats(server)
+    after = idle_stats(server)
     ran = ("requests_served", "requests_failed", "requests_cancelled")
     # nothing reached a scheduler (what the engine checks, it checks before submitting)
     assert [after[k] for k in ran] == [before[k] for k in ran]
@@ -260,34 +181,34 @@ def test_hostile_input_gets_the_same_error_and_reaches_no_replica(
 def test_api_key_guards_every_route_but_health(server) -> None:
     for headers in ({}, {"X-Moondream-Auth": "wrong"}, {"Authorization": "Bearer wrong"}):
         for path, body in (("/query", {"question": "q"}), ("/stats", None)):
-            status, _, got = _request(server, path, body, headers=headers or {"X": "y"})
+            status, _, got = request(server, path, body, headers=headers)
             assert (status, got["error"]["type"]) == (401, "unauthorized"), got
     bearer = {"Authorization": f"Bearer {KEY}"}
-    assert _request(server, "/query", {"question": "q", "settings": GREEDY}, bearer)[0] == 200
-    status, _, got = _request(server, "/nope", {"object": "a"})
+    assert request(server, "/query", {"question": "q", "settings": GREEDY}, bearer)[0] == 200
+    status, _, got = request(server, "/nope", {"object": "a"})
     assert (status, got["error"]["type"]) == (404, "not_found")
 
 
 def test_routing_by_image_encodes_each_image_once(server) -> None:
     images = [_image_of(NAMES[i % 2], 100 + i) for i in range(6)]  # 3 per replica
-    before = _idle_stats(server)
+    before = idle_stats(server)
     jobs = [(img, q) for q in ("One?", "Two?", "Three?") for img in images]
     with ThreadPoolExecutor(max_workers=6) as pool:
         results = list(pool.map(
-            lambda job: _post(server, "query", {"image_url": data_url(job[0]),
+            lambda job: post(server, "query", {"image_url": data_url(job[0]),
                                                 "question": job[1], "settings": GREEDY}),
             jobs))  # fmt: skip
     assert all(status == 200 for status, _ in results), results
-    after = _idle_stats(server)
+    after = idle_stats(server)
     assert after["vision_encodes"] - before["vision_encodes"] == len(images)
     for b, a in zip(before["replicas"], after["replicas"], strict=True):
         assert a["routed"] - b["routed"] == 9  # its three images' nine questions
         assert a["vision_encodes"] - b["vision_encodes"] == 3
-    _assert_pages_conserved(after)
+    assert_pages_conserved(after)
 
 
 def test_stats_and_metrics_show_each_replica_and_the_sum(server) -> None:
-    s = _idle_stats(server)
+    s = idle_stats(server)
     assert [r["replica"] for r in s["replicas"]] == NAMES
     for key in ("requests_served", "vision_encodes_skipped", "pages_cached"):
         assert s[key] == sum(r[key] for r in s["replicas"]), key
@@ -304,7 +225,7 @@ def test_stats_and_metrics_show_each_replica_and_the_sum(server) -> None:
 
 
 def test_disconnect_mid_stream_cancels_on_the_replica(server) -> None:
-    before = _idle_stats(server)
+    before = idle_stats(server)
     conn = http.client.HTTPConnection(*server.address, timeout=WAIT_S)
     body = {"question": "Tell me everything.", "stream": True,
             "settings": {"temperature": 0, "max_tokens": 1800}}  # fmt: skip
@@ -314,17 +235,17 @@ def test_disconnect_mid_stream_cancels_on_the_replica(server) -> None:
     assert response.status == 200 and response.readline().startswith(b'data: {"chunk"')
     response.close()
     conn.close()  # the client leaves after one of 1800 tokens
-    after = _idle_stats(server)
+    after = idle_stats(server)
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1
     assert after["requests_served"] == before["requests_served"]
-    _assert_pages_conserved(after)
+    assert_pages_conserved(after)
 
 
 def _long_query(server: Server, image: bytes, out: list) -> threading.Thread:
     """A blocking query that runs for a long while, in a thread; its outcome goes to ``out``."""
     body = {"image_url": data_url(image), "question": "Tell me everything.",
             "settings": {"temperature": 0, "max_tokens": 1800}}  # fmt: skip
-    thread = threading.Thread(target=lambda: out.append(_request(server, "/query", body)))
+    thread = threading.Thread(target=lambda: out.append(request(server, "/query", body)))
     thread.start()
     return thread
 
@@ -336,7 +257,7 @@ def _replica(stats: dict, name: str) -> dict:
 def _wait_until(server: Server, ok, what: str) -> dict:
     deadline = time.monotonic() + STARTUP_S
     while True:
-        s = _stats(server)
+        s = stats(server)
         if ok(s):
             return s
         assert time.monotonic() < deadline, f"{what}: {s['replicas']}"
@@ -347,7 +268,7 @@ def test_a_replica_killed_under_load_fails_only_its_requests_and_comes_back(serv
     victim, survivor = NAMES
     mine = [_image_of(victim, 300 + i) for i in range(3)]
     theirs = [_image_of(survivor, 400 + i) for i in range(3)]
-    old_pid = int(_replica(_idle_stats(server), victim)["process"].split(":")[1])
+    old_pid = int(_replica(idle_stats(server), victim)["process"].split(":")[1])
     doomed: list = []
     long_one = _long_query(server, mine[0], doomed)  # surely running on the victim
     _wait_until(server, lambda s: _replica(s, victim)["running"] >= 1, "the long query runs")
@@ -358,7 +279,7 @@ def test_a_replica_killed_under_load_fails_only_its_requests_and_comes_back(serv
         got = []
         while not stop.is_set() and len(got) < 40:  # bounded in count
             body = {"image_url": data_url(image), "question": "Again?", "settings": GREEDY}
-            got.append(_post(server, "query", body))
+            got.append(post(server, "query", body))
         return got
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -367,7 +288,7 @@ def test_a_replica_killed_under_load_fails_only_its_requests_and_comes_back(serv
         long_one.join(timeout=WAIT_S)
         # the victim's keys go to the next replica at once: its image is answered there
         body = {"image_url": data_url(mine[1]), "question": "Moved?", "settings": GREEDY}
-        status, moved = _post(server, "query", body)
+        status, moved = post(server, "query", body)
         stop.set()
         other = [r for f in loads for r in f.result(timeout=WAIT_S)]
     assert doomed, "the long query never returned"
@@ -388,11 +309,11 @@ def test_a_replica_killed_under_load_fails_only_its_requests_and_comes_back(serv
     )
     served = _replica(back, victim)["requests_served"]  # a fresh engine
     body = {"image_url": data_url(mine[2]), "question": "Back?", "settings": GREEDY}
-    status, again = _post(server, "query", body)
+    status, again = post(server, "query", body)
     assert status == 200, again
-    after = _idle_stats(server)
+    after = idle_stats(server)
     assert _replica(after, victim)["requests_served"] == served + 1  # its keys came back
-    _assert_pages_conserved(after)
+    assert_pages_conserved(after)
 
 
 def test_sigterm_finishes_in_flight_streams_and_exits_0(server) -> None:
