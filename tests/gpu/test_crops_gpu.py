@@ -1,0 +1,28 @@
+"""The crop pool's uint8 planes (what a CUDA runtime takes) normalize on the GPU to exactly
+what ``normalize_pixels`` gives there; skips without CUDA (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kestrel.images import prepare_image
+from kestrel.moondream.config import MoondreamConfig
+from kestrel.moondream.crops import overlap_crops
+from kestrel.moondream.vision import normalize_pixels
+from kestrel.runtime.crop_pool import CropPool
+
+pytestmark = pytest.mark.gpu
+
+
+def test_uint8_planes_normalize_on_the_device() -> None:
+    vision = MoondreamConfig().vision
+    pool = CropPool(vision, normalize=False)
+    image = prepare_image(np.random.default_rng(0).integers(0, 256, (960, 1280, 3), np.uint8))
+    crops = pool.pixels(image)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        got = crops.encoder_input(dtype, "cuda")
+        want = normalize_pixels(overlap_crops(image.pixels, vision).crops, dtype, "cuda")
+        assert got.device.type == "cuda" and got.is_contiguous() and torch.equal(got, want)
+    pool.close()

@@ -1,0 +1,180 @@
+"""The crops made by crops.py and the crop pool equal the crops as they were before the pool
+(the conformance goldens depend on them), through the worker process and without it; the
+pool's bookkeeping: shared, released, bounded, skipped when recently encoded."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kestrel.images import PreparedImage, prepare_image
+from kestrel.moondream import crops as crops_mod
+from kestrel.moondream.config import MoondreamConfig
+from kestrel.moondream.crops import CropError, overlap_crops
+from kestrel.moondream.vision import normalize_pixels, pixel_table
+from kestrel.runtime import crop_pool
+from kestrel.runtime.crop_pool import CropPixels, CropPool, processes_supported
+from kestrel.runtime.crop_worker import serve
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+VISION = MoondreamConfig().vision  # Moondream 2's geometry: 378-pixel crops, up to 12
+SIZES = [(960, 1280), (378, 378), (1, 1), (1, 700), (2000, 500), (733, 1111), (379, 1000)]
+
+
+@pytest.fixture(scope="module")
+def legacy():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        yield importlib.import_module("bench_crops")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def _image(h: int, w: int, seed: int = 0) -> PreparedImage:
+    return prepare_image(np.random.default_rng(seed).integers(0, 256, (h, w, 3), np.uint8))
+
+
+def test_crops_equal_the_crops_as_they_were(legacy) -> None:
+    for i, (h, w) in enumerate(SIZES):
+        pixels = _image(h, w, i).pixels
+        old, new = legacy.legacy_overlap_crops(pixels, VISION), overlap_crops(pixels, VISION)
+        assert new.tiling == old.tiling and np.array_equal(new.crops, old.crops), (h, w)
+        assert not new.crops.flags.writeable
+    few = overlap_crops(pixels, VISION, max_crops=2)
+    assert np.array_equal(few.crops, legacy.legacy_overlap_crops(pixels, VISION, max_crops=2).crops)
+
+
+def test_pixel_table_is_normalize_pixels() -> None:
+    levels = torch.arange(256, dtype=torch.uint8).view(1, 1, 256, 1).expand(1, 1, 256, 3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        want = normalize_pixels(levels.contiguous(), dtype)[0, 0, 0]
+        assert torch.equal(torch.from_numpy(pixel_table()).to(dtype), want)
+
+
+@pytest.mark.parametrize("processes", [True, False], ids=["worker-process", "pool-thread"])
+def test_pool_pixels_equal_normalized_crops(legacy, processes) -> None:
+    pools = [CropPool(VISION, processes=processes, normalize=n) for n in (True, False)]
+    try:
+        assert pools[0].uses_processes == (processes and processes_supported())
+        for i, (h, w) in enumerate([(960, 1280), (1, 1), (2000, 500)]):
+            image = _image(h, w, i)
+            old = legacy.legacy_overlap_crops(image.pixels, VISION)
+            floats, planes = (pool.pixels(image) for pool in pools)
+            assert floats.tiling == planes.tiling == old.tiling
+            assert floats.pixels.dtype == torch.float32 and planes.pixels.dtype == torch.uint8
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                want = normalize_pixels(old.crops, dtype)
+                assert torch.equal(floats.encoder_input(dtype, "cpu"), want), (h, w, dtype)
+                assert torch.equal(planes.encoder_input(dtype, "cpu"), want), (h, w, dtype)
+    finally:
+        for pool in pools:
+            pool.close()
+
+
+def test_bad_pixels_raise_crop_error() -> None:
+    pool = CropPool(VISION)
+    bad = PreparedImage(np.zeros((4, 4, 3), np.float32), b"\0" * 32)
+    with pytest.raises(CropError, match="uint8"):
+        pool.pixels(bad)
+    black = prepare_image(np.zeros((50, 50, 3), np.uint8))
+    assert torch.equal(pool.pixels(black).pixels, -torch.ones(2, 3, 378, 378))  # still serving
+    pool.close()
+
+
+def test_worker_reports_errors_and_keeps_serving() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    thread = threading.Thread(target=serve, args=(theirs, crops_mod))
+    thread.start()
+    try:
+        r, w = os.pipe()
+        socket.send_fds(ours, [b"not json\n"], [r])
+        assert ours.recv(4096).startswith(b"error: JSONDecodeError")
+        os.close(w)
+    finally:
+        ours.close()
+        thread.join(timeout=10)
+    assert not thread.is_alive()  # the other end closed: it returned
+
+
+@pytest.mark.skipif(not processes_supported(), reason="needs memfd_create")
+def test_a_dead_worker_is_replaced(legacy) -> None:
+    pool = CropPool(VISION)
+    image = _image(400, 500)
+    want = normalize_pixels(legacy.legacy_overlap_crops(image.pixels, VISION).crops, torch.float32)
+    assert torch.equal(pool.pixels(image).pixels, want)
+    for worker in list(crop_pool._WORKERS._all):
+        worker.proc.kill()
+        worker.proc.wait()
+    assert torch.equal(pool.pixels(image).pixels, want)  # made here this once
+    assert torch.equal(pool.pixels(image).pixels, want)  # a new worker process
+    assert pool.uses_processes
+    pool.close()
+
+
+class Recorder:
+    """Stands in for the cropper: counts crops per image, optionally held at a gate."""
+
+    def __init__(self) -> None:
+        self.calls: list[bytes] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def crop(self, image: PreparedImage) -> CropPixels:
+        self.gate.wait(10)
+        self.calls.append(image.digest)
+        return CropPixels(torch.zeros(1), (1, 1))
+
+
+def _recording_pool(**kw) -> tuple[CropPool, Recorder]:
+    pool = CropPool(VISION, processes=False, **kw)
+    rec = Recorder()
+    pool._cropper = rec  # type: ignore[assignment]
+    return pool, rec
+
+
+def test_holds_share_release_and_bound_the_prefetch() -> None:
+    pool, rec = _recording_pool(prefetch=1, workers=1)
+    a, b = _image(10, 10, 1), _image(10, 10, 2)
+    rec.gate.clear()
+    h1, h2, h3 = pool.hold([a]), pool.hold([a]), pool.hold([b])
+    started = {d: e.future is not None for d, e in pool._entries.items()}
+    assert started == {a.digest: True, b.digest: False}  # b waits for a prefetch slot
+    rec.gate.set()
+    pool.pixels(a)  # taken: b starts
+    assert pool._entries[b.digest].future is not None
+    h1.release()
+    h2.release()
+    h2.release()  # idempotent
+    pool.pixels(b)
+    h3.release()
+    assert rec.calls == [a.digest, b.digest] and pool._entries == {}
+    released = pool.hold([a])
+    released.release()
+    assert a.digest not in pool._entries
+    pool.close()
+
+
+def test_recently_encoded_images_are_skipped_and_close_crops_in_place() -> None:
+    pool, rec = _recording_pool(recent=1)
+    a, b = _image(10, 10, 1), _image(10, 10, 2)
+    pool.pixels(a)
+    with pool.hold([a], skip_recent=True):
+        assert a.digest not in pool._entries  # likely a cache hit: no crops
+    with pool.hold([a]):
+        assert a.digest in pool._entries  # the runtime's hold never skips
+    pool.pixels(b)  # only one remembered: a is forgotten
+    with pool.hold([a], skip_recent=True):
+        assert a.digest in pool._entries
+    pool.close()
+    pool.pixels(a)  # closed: made on this thread
+    assert rec.calls.count(a.digest) >= 2
+    with pytest.raises(ValueError, match="prefetch"):
+        CropPool(VISION, prefetch=0)
