@@ -57,10 +57,9 @@ def suppress_rows(logits_BV: Tensor, banned_BN: Tensor) -> Tensor:
     """Copy of ``logits_BV`` with row ``b``'s ids ``banned_BN[b]`` set to -inf (-1 = unused)."""
     if banned_BN.numel() == 0:
         return logits_BV
-    ids_BN = banned_BN.clamp(min=0)
-    keep_BN = logits_BV.gather(1, ids_BN)
-    value_BN = torch.where(banned_BN >= 0, float("-inf"), keep_BN)
-    return logits_BV.scatter(1, ids_BN, value_BN)
+    # unused entries (-1) aim at id 0 with +inf, which the minimum ignores
+    value_BN = torch.where(banned_BN >= 0, float("-inf"), float("inf")).to(logits_BV.dtype)
+    return logits_BV.scatter_reduce(1, banned_BN.clamp(min=0), value_BN, reduce="amin")
 
 
 def sample_rows(

@@ -131,14 +131,17 @@ class ModelHeads:
         banned: Sequence[int],
         rng: random.Random | None,
         u: float | None = None,
+        top_k: int = 0,
     ) -> int:
+        """One token id (see ``SkillOps.sample``); answered from the batch's choice when the
+        row's announced draw is this one, else computed for this row alone."""
         banned = tuple(banned)
         if isinstance(logits_V, RowLogits):
             d = logits_V.draw
             if (
                 d is not None
                 and logits_V.chosen is not None
-                and d == Draw(temperature, top_p, banned, d.u if u is None else u)
+                and d == Draw(temperature, top_p, banned, d.u if u is None else u, top_k)
             ):
                 return logits_V.chosen  # chosen with the batch, on the device
             if temperature == 0.0 and logits_V.argmax not in banned:
@@ -146,7 +149,7 @@ class ModelHeads:
             logits_V = logits_V.logits_V
         if temperature > 0.0 and u is None:
             u = (rng or random).random()
-        draw = Draw(temperature, top_p, banned, u or 0.0)
+        draw = Draw(temperature, top_p, banned, u or 0.0, top_k)
         return batch_rows(logits_V[None], [draw])[0].chosen  # type: ignore[return-value]
 
     def coord_token(self, hidden_C: Tensor) -> tuple[CoordToken, Tensor]:

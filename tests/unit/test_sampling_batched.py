@@ -1,0 +1,110 @@
+"""Sampling a whole batch on the device at once (``sampling.sample_rows``, ``heads.batch_rows``).
+
+The draw is inverse-CDF sampling with the caller's uniform number per row; these tests check
+it draws from the same distribution as the reference rule (softmax at temperature T, top-p
+nucleus, top-k, renormalised), that greedy and sampled rows mix in one call, that suppressed
+ids are never chosen, that the batched choice equals the one-row path for the same uniform
+number, and that a seeded request's answer does not depend on the rest of its batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kestrel.moondream.sampling import apply_top_p, sample_rows
+from kestrel.runtime.heads import ModelHeads, RowLogits, batch_rows
+from kestrel.skills.base import Draw
+from kestrel_kernels.counting import LaunchCounter
+
+V = 8
+LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0])
+
+
+def expected(temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """The reference rule, written out: probabilities after truncation and renormalisation."""
+    probs = apply_top_p(torch.softmax(LOGITS / temperature, -1)[None], torch.tensor([top_p]))[0]
+    if top_k:
+        order = torch.argsort(probs, descending=True)
+        probs[order[top_k:]] = 0.0
+        probs = probs / probs.sum()
+    return probs
+
+
+def frequencies(n: int, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    u = torch.rand(n, generator=g)
+    ids = sample_rows(
+        LOGITS.expand(n, V), torch.full((n,), temperature), torch.full((n,), top_p),
+        torch.full((n,), top_k, dtype=torch.int64), u,
+    )  # fmt: skip
+    return torch.bincount(ids, minlength=V).float() / n
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.5, 0.3, 0),
+                                                             (0.7, 0.9, 0), (1.3, 1.0, 3)])  # fmt: skip
+def test_draws_follow_the_truncated_distribution(temperature, top_p, top_k) -> None:
+    n = 40_000
+    want, got = expected(temperature, top_p, top_k), frequencies(n, temperature, top_p, top_k)
+    assert torch.all(got[want == 0] == 0), "a token outside the nucleus / top-k was drawn"
+    # each frequency within 5 standard deviations of a binomial proportion
+    sigma = torch.sqrt(want * (1 - want) / n)
+    assert torch.all((got - want).abs() <= 5 * sigma + 1e-9), (got, want)
+    # and the whole histogram passes a chi-square test (p > 1e-4 for the kept tokens)
+    kept = want > 0
+    chi2 = float((((got - want)[kept] * n) ** 2 / (want[kept] * n)).sum())
+    dof = int(kept.sum()) - 1
+    assert dof == 0 or chi2 < dof + 6 * math.sqrt(2 * dof) + 10, chi2
+
+
+def test_greedy_and_sampled_rows_mix_and_banned_ids_never_win() -> None:
+    logits = LOGITS.expand(4, V).clone()
+    banned = torch.tensor([[0, -1], [-1, -1], [0, 1], [-1, -1]])
+    temp = torch.tensor([0.0, 0.0, 5.0, 5.0])
+    for u in torch.linspace(0, 0.999, 50):
+        ids = sample_rows(logits, temp, torch.ones(4), torch.zeros(4, dtype=torch.int64),
+                          torch.full((4,), float(u)), banned)  # fmt: skip
+        assert ids[0] == 1 and ids[1] == 0  # greedy, with and without the argmax banned
+        assert ids[2] not in (0, 1)
+    every = sample_rows(logits[:1].expand(2000, V), torch.full((2000,), 5.0), torch.ones(2000),
+                        torch.zeros(2000, dtype=torch.int64), torch.rand(2000),
+                        banned[2:3].expand(2000, 2))  # fmt: skip
+    assert not torch.isin(every, torch.tensor([0, 1])).any()
+
+
+def test_batched_choice_equals_the_one_row_path() -> None:
+    """``batch_rows`` with draws chooses what ``ModelHeads.sample`` would for each row alone
+    (same uniform number), and reads the batch back in one transfer."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 50, generator=g) * 3
+    draws = [Draw(0.8, 0.9, (), 0.37), None, Draw(0.0, 1.0, (int(logits[2].argmax()),)),
+             Draw(1.5, 1.0, (3, 4), 0.91, top_k=5), Draw(0.5, 0.3, (), 0.05),
+             Draw(0.0, 1.0)]  # fmt: skip
+    with LaunchCounter() as counter:
+        rows = batch_rows(logits, draws)
+    assert counter.syncs == 1
+    heads = ModelHeads.__new__(ModelHeads)
+    for i, (row, d) in enumerate(zip(rows, draws, strict=True)):
+        assert row.argmax == int(logits[i].argmax())
+        if d is None:
+            assert row.chosen is None
+            continue
+        alone = heads.sample(logits[i], d.temperature, d.top_p, d.banned, None, u=d.u,
+                             top_k=d.top_k)  # fmt: skip
+        assert row.chosen == alone
+        # the skill's own call is answered from the batch (no second transfer)
+        with LaunchCounter() as c:
+            got = heads.sample(row, d.temperature, d.top_p, d.banned, None, u=d.u, top_k=d.top_k)
+        assert got == row.chosen and c.syncs == 0
+
+
+def test_a_changed_draw_is_not_answered_from_the_batch() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    (row,) = batch_rows(logits, [Draw(0.0, 1.0)])
+    assert row.chosen == 1
+    heads = ModelHeads.__new__(ModelHeads)
+    # asked with id 1 banned, which the batch did not know: computed again, not the stale 1
+    assert heads.sample(RowLogits(logits[0], row.argmax, row.draw, row.chosen), 0.0, 1.0, (1,),
+                        None) == 2  # fmt: skip
