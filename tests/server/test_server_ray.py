@@ -224,17 +224,24 @@ def test_stats_and_metrics_show_each_replica_and_the_sum(server) -> None:
     assert "kestrel_prefix_hit_rate " in text and "kestrel_http_requests_total" in text
 
 
-def test_disconnect_mid_stream_cancels_on_the_replica(server) -> None:
+@pytest.mark.parametrize("streamed", [True, False], ids=["mid-stream", "blocking"])
+def test_a_client_that_leaves_cancels_its_request_on_the_replica(server, streamed) -> None:
     before = idle_stats(server)
     conn = http.client.HTTPConnection(*server.address, timeout=WAIT_S)
-    body = {"question": "Tell me everything.", "stream": True,
+    body = {"question": "Tell me everything.", "stream": streamed,
             "settings": {"temperature": 0, "max_tokens": 1800}}  # fmt: skip
     conn.request("POST", "/v1/query", json.dumps(body),
                  {"Content-Type": "application/json", **AUTH})  # fmt: skip
-    response = conn.getresponse()
-    assert response.status == 200 and response.readline().startswith(b'data: {"chunk"')
-    response.close()
-    conn.close()  # the client leaves after one of 1800 tokens
+    if streamed:
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b'data: {"chunk"')
+        response.close()
+    else:
+        deadline = time.monotonic() + WAIT_S
+        while stats(server)["running"] == 0:  # bounded wait until it is generating
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    conn.close()  # the client leaves long before 1800 tokens
     after = idle_stats(server)
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1
     assert after["requests_served"] == before["requests_served"]
