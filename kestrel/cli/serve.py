@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise KestrelError(f"kestrel serve needs the 'serve' extra: {server.SERVE_EXTRA}")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     _check_before_load(args, api_key)
+    _check_ray_flags(args)
     try:
         sock = server.bind(args.host, args.port)
     except OSError as exc:
@@ -148,6 +149,19 @@ def _add_ray_options(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the replicas' Ray Serve applications are NAME-0, NAME-1, ... (default: %(default)s)",
     )
+
+
+def _check_ray_flags(args: argparse.Namespace) -> None:
+    """The Ray options mean nothing without --ray: refuse them rather than ignore them."""
+    given = {
+        "--ray-address": args.ray_address is not None,
+        "--replicas": args.replicas is not None,
+        "--routing": args.routing != "image",
+        "--ray-app": args.ray_app != "kestrel-replica",
+    }
+    named = [flag for flag, set_ in given.items() if set_]
+    if named and not args.ray:
+        raise common.UsageError(f"{', '.join(named)} only apply with --ray")
 
 
 def _run_ray(args: argparse.Namespace, sock, api_key: str | None) -> int:

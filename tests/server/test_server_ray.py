@@ -340,3 +340,10 @@ def test_sigterm_finishes_in_flight_streams_and_exits_0(server) -> None:
     assert server.proc.wait(timeout=WAIT_S) == 0
     log = server.log.read_text(errors="replace")
     assert "Traceback" not in log and "Exception in ASGI" not in log, log
+
+
+def test_ray_options_without_ray_are_refused(capsys) -> None:
+    from kestrel.cli import main
+
+    assert main(["serve", "--replicas", "2", "--routing", "random", "--port", "0"]) == 2
+    assert "--replicas, --routing only apply with --ray" in capsys.readouterr().err
