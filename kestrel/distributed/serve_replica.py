@@ -111,11 +111,6 @@ class EngineReplica:
         )
         return body
 
-    def check(self) -> dict[str, Any]:
-        """Assert every cache and page invariant (on the scheduler thread); the stats after."""
-        self.engine.check_integrity()
-        return self.stats()
-
     def __del__(self) -> None:  # Serve tears the replica down: stop the scheduler thread
         engine = getattr(self, "engine", None)
         if engine is not None and not engine.closed:
