@@ -1,234 +1,278 @@
-"""GPU benchmark on a Moondream-2-shaped model with random bf16 weights made on the device.
+"""ChartQA-shaped image QA through the Engine: requests/s and median latency by batch size.
 
-Real dimensions (1.9 B parameters, 729 image tokens, 24 decoder layers of 32 x 64 heads), so the
-speed is that of the real model without needing its checkpoint. Reports:
+    python scripts/bench_gpu.py [--model DIR] [--batches 1,4,16,64] [--requests N] [--json]
+    python scripts/bench_gpu.py --smoke [--allow-busy]       # CPU proof: kestrel-tiny, tiny counts
 
-- decode tokens/s at batch 1, 8, 32 and 64 (graph-captured steps over ~760-position contexts),
-  and the fraction of HBM bandwidth a step achieves: (decoder weights + the batch's K/V) bytes per
-  step / step time, against the device's measured copy bandwidth and its datasheet figure;
-- TTFT of a cache miss (new image: vision encoder + the whole prompt) and of a hit (same image,
-  new question: only the question is prefilled), medians;
-- requests/s on short-answer image QA (ChartQA-like: a new 800 x 600 image per request, a short
-  question, 6 generated tokens) at batch 1 and 64. The loop admits requests (one prefill each)
-  while the batch has room, then advances every running sequence by one batched decode step.
+The workload is shaped like ChartQA: generated charts (bar and line charts with a title, axes
+and labels, 640-900 x 480-640 PNGs, sent as encoded bytes the way a client sends them), about
+1.66 questions per chart (each chart's questions one after the other), questions of 12-20
+tokens of the model's own tokenizer, asked two ways: ``direct`` (a short answer, at most 4
+tokens) and ``cot`` (``reasoning=True``, at most ``--cot-tokens``). Each runs greedy and with
+Moondream's default sampling (temperature 0.5, top-p 0.3), as a closed loop of ``batch``
+requests in flight (a new one is submitted as one finishes) for batch 1, 4, 16 and 64.
+requests/s = requests / wall time; latency = submit (the image decoded and hashed on the
+caller's thread included) to result. Every run uses charts never seen before, so cache hits
+come only from a chart's own questions. Variants run interleaved through the harness
+(``harness.py``): median (min-max) over the rounds.
 
-Kestrel's published H100 figures for Moondream 2 on ChartQA are about 42 requests/s at batch 1
-and 57 at batch 64; the table prints them beside ours.
-
-    python scripts/bench_gpu.py [--json out.json] [--kv-memory-fraction 0.9]
+The model: ``--model DIR`` (a Moondream 2 checkpoint), else a random-weight checkpoint of
+Moondream 2's dimensions (1.9 B parameters, 729 image tokens), written once to ``--model-dir``
+with a tokenizer widened to its 51,200 ids: it answers gibberish and never stops early, so
+every answer is exactly ``max_tokens`` long, a fixed and slightly pessimistic load. Kestrel's
+published ChartQA figures for Moondream 2 on an H100 (41.9 requests/s at batch 1, 57.0 at
+batch 64) and our last H100 measurement (11.7 / 17.2, the runtime-level loop of
+``bench_gpu_runtime.py``) are printed beside the direct rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import itertools
 import json
 import statistics
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
+import harness
 import numpy as np
 import torch
+from PIL import Image, ImageDraw
 
-import kestrel_kernels
-from kestrel.images import image_digest, load_image
-from kestrel.moondream.config import MoondreamConfig
-from kestrel.moondream.vision import encode_image, normalize_pixels, overlap_crops
-from kestrel.reference.random_weights import random_model
-from kestrel.runtime.runtime import MoondreamRuntime
-from kestrel.tokens import TextToken
+from kestrel import Engine
 
-PUBLISHED_REQ_S = {1: 42.0, 64: 57.0}  # Kestrel, H100, Moondream 2, ChartQA short answers
-DATASHEET_TB_S = {"H100": 3.35, "H200": 4.8}  # HBM bandwidth, SXM parts
-DECODE_BATCHES = (1, 8, 32, 64)
-QUESTION = [TextToken(i) for i in (1, 15, 817, 1241, 2099, 286, 262, 8262, 30, 3, 3)]
-ANSWER_TOKENS = 6  # the prefill's token + 5 decode steps
+PUBLISHED_REQ_S = {1: 41.9, 64: 57.0}  # Kestrel, Moondream 2, ChartQA, one H100
+OURS_BEFORE_REQ_S = {1: 11.7, 64: 17.2}  # bench_gpu_runtime.py, one H100 (docs/kernels.md)
+QUESTIONS_PER_IMAGE = 1.66
+QUESTION_TOKENS = (12, 20)
+SAMPLING = {"greedy": {"temperature": 0.0}, "default": {"temperature": 0.5, "top_p": 0.3}}
+DIRECT_TOKENS = 4
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny-a"
 
-
-def timed(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-def copy_bandwidth_tb_s() -> float:
-    """Device-to-device copy, bytes read + written per second (the attainable HBM figure)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = min(timed(lambda: dst.copy_(src)) for _ in range(5))
-    return 2 * src.numel() / t / 1e12
+SUBJECTS = ["revenue", "sales", "the population", "exports", "the share of voters",
+            "profit", "the number of visitors", "spending", "the unemployment rate",
+            "production"]  # fmt: skip
+LABELS = ["2015", "2016", "2017", "2018", "2019", "2020", "2021", "Asia", "Europe", "Africa",
+          "Q1", "Q2", "Q3", "Q4", "Men", "Women", "Online", "Retail"]  # fmt: skip
+TEMPLATES = [
+    "What was the value of {s} in {a} according to the chart shown here?",
+    "What is the difference between {s} in {a} and in {b} in this chart?",
+    "Which category has the highest value of {s} in the chart, {a} or {b}?",
+    "By how much did {s} change from {a} to {b} according to the graph?",
+    "Is the value of {s} in {a} greater than the average over all the years?",
+    "What is the sum of {s} in {a} and {b}, as shown in the bar chart?",
+]
 
 
-def image(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (600, 800, 3), dtype=np.uint8)
+@dataclass(frozen=True, slots=True)
+class Query:
+    image: bytes  # an encoded PNG, as a client sends it
+    question: str
 
 
-def prompt(rt: MoondreamRuntime, variant: int = 0) -> list[TextToken]:
-    bos = TextToken(rt.config.tokenizer.bos_id)
-    return [bos, TextToken(100 + variant), *QUESTION]
+def chart_png(rng: np.random.Generator) -> bytes:
+    """A bar or line chart with a title, axes, gridlines, tick labels and a legend."""
+    w, h = int(rng.integers(640, 901)), int(rng.integers(480, 641))
+    img = Image.new("RGB", (w, h), tuple(int(v) for v in rng.integers(235, 256, 3)))
+    d = ImageDraw.Draw(img)
+    left, top, right, bottom = 70, 60, w - 30, h - 60
+    d.text((w // 3, 20), f"{rng.choice(SUBJECTS).title()} by year", fill=(20, 20, 20))
+    for k in range(6):  # gridlines and y tick labels
+        y = bottom - k * (bottom - top) // 5
+        d.line([(left, y), (right, y)], fill=(210, 210, 210))
+        d.text((20, y - 6), str(k * int(rng.integers(5, 50))), fill=(60, 60, 60))
+    d.line([(left, top), (left, bottom), (right, bottom)], fill=(0, 0, 0), width=2)
+    n = int(rng.integers(4, 9))
+    values = rng.uniform(0.1, 1.0, n)
+    step = (right - left) / n
+    colour = tuple(int(v) for v in rng.integers(30, 200, 3))
+    points = []
+    for i, v in enumerate(values):
+        x0, y = left + i * step, bottom - v * (bottom - top)
+        if rng.random() < 0.6:  # a bar chart, mostly
+            d.rectangle([x0 + step * 0.15, y, x0 + step * 0.85, bottom], fill=colour)
+        points.append((x0 + step / 2, y))
+        d.text((x0 + step * 0.3, bottom + 8), LABELS[i % len(LABELS)], fill=(40, 40, 40))
+    if len(points) > 1:
+        d.line(points, fill=(200, 40, 40), width=3)
+    d.rectangle([right - 120, top, right - 100, top + 12], fill=colour)
+    d.text((right - 95, top), "series A", fill=(30, 30, 30))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
 
 
-def decode_rate(rt: MoondreamRuntime, batch: int, steps: int = 48) -> dict:
-    """Tokens/s and bandwidth of graph-captured decode steps at ``batch`` rows."""
-    img = image(1)
-    states = [rt.start_sequence(prompt(rt, i), img, max_new_tokens=steps + 8)[0]
-              for i in range(batch)]  # fmt: skip
-    feed = [TextToken(500 + i) for i in range(batch)]
-    for _ in range(4):  # capture + warm
-        rt.decode_step(states, feed)
-    mean_k = statistics.mean(s.length for s in states) + steps / 2
-    t = timed(lambda: [rt.decode_step(states, feed) for _ in range(steps)]) / steps
-    for s in states:
-        rt.release_sequence(s)
-    text = rt.model.text
-    weights = sum(p.numel() * p.element_size() for p in _tensors(text) if p is not text.wte)
-    kv = int(batch * mean_k * (rt.kv.bytes // rt.kv.n_pages))  # every K/V position read once
-    return {"batch": batch, "step_ms": 1e3 * t, "tokens_s": batch / t,
-            "bytes_per_step": weights + kv, "tb_s": (weights + kv) / t / 1e12}  # fmt: skip
+def question(rng: np.random.Generator, n_tokens, bounds=QUESTION_TOKENS) -> str:
+    """A chart question of ``bounds`` tokens (``n_tokens(text)``): a template, trimmed or
+    extended a word at a time."""
+    a, b = rng.choice(LABELS, 2, replace=False)
+    words = str(rng.choice(TEMPLATES)).format(s=rng.choice(SUBJECTS), a=a, b=b).split()
+    lo, hi = bounds
+    while n_tokens(" ".join(words)) > hi and len(words) > 3:
+        del words[len(words) // 2]  # drop a middle word, keep the ends
+    pad = iter(itertools.cycle(["please", "answer", "briefly", "now"]))
+    while n_tokens(" ".join(words)) < lo:
+        words.insert(-1, next(pad))
+    return " ".join(words)
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if hasattr(obj, "__slots__"):
-        return [t for s in obj.__slots__ for t in _tensors(getattr(obj, s))]
-    return []
-
-
-def ttft(rt: MoondreamRuntime, trials: int = 10) -> dict:
-    """Median time to first token: a miss (new image) and a hit (cached image, new question)."""
-    out = {}
-    for kind in ("miss", "hit"):
-        times = []
-        for i in range(trials):
-            img = image(1000 + i) if kind == "miss" else image(1)
-            holder = []
-
-            def first(img=img, i=i, holder=holder):
-                state, logits = rt.start_sequence(prompt(rt, 50 + i), img, max_new_tokens=2)
-                holder.append(state)
-                return int(logits.argmax())  # the host has the token: a real TTFT
-
-            times.append(timed(first))
-            rt.release_sequence(holder[0])
-        out[kind] = 1e3 * statistics.median(times)
+def chart_workload(n: int, n_tokens, seed: int) -> list[Query]:
+    """``n`` queries about ``round(n / 1.66)`` new charts, each chart's questions in a row."""
+    rng = np.random.default_rng(seed)
+    n_images = max(1, min(n, round(n / QUESTIONS_PER_IMAGE)))
+    per_image = np.ones(n_images, dtype=int)
+    np.add.at(per_image, rng.integers(0, n_images, n - n_images), 1)
+    out = []
+    for count in per_image:
+        png = chart_png(rng)
+        out += [Query(png, question(rng, n_tokens)) for _ in range(int(count))]
     return out
 
 
-def profile_request(rt: MoondreamRuntime) -> None:
-    """Where a request's time goes: image crops (host), vision encoder, prefill host overhead."""
-    cfg = rt.config
-    img = image(777)
-    crops = overlap_crops(load_image(img), cfg.vision)
-    t_crops = timed(lambda: overlap_crops(load_image(img), cfg.vision))
-    pixels = normalize_pixels(crops.crops, rt.dtype, rt.device)
-    t_vision = timed(lambda: encode_image(pixels, crops.tiling, rt.model.vision, cfg.vision))
-    t_hash = timed(lambda: image_digest(img))
-    print(f"\nmiss parts: crops {1e3 * t_crops:.1f} ms ({crops.n_crops} crops, host), vision "
-          f"encoder {1e3 * t_vision:.1f} ms, SHA-256 {1e3 * t_hash:.1f} ms")  # fmt: skip
-    text, kv = cfg.text, rt.kv
-    q = torch.randn(1, 1, text.n_heads, text.head_dim, device=rt.device, dtype=rt.dtype)
-    pt = rt.page_table.page_table[:1]
-    sk = torch.ones(1, dtype=torch.int32, device=rt.device)
-    for backend in kestrel_kernels.available_backends(rt.device):
-        kestrel_kernels.paged_attention(q, kv.k[0], kv.v[0], pt, sk, backend=backend)
-        torch.cuda.synchronize()
+def measure(engine: Engine, queries: list[Query], batch: int, settings: dict, cot: bool) -> dict:
+    """Run ``queries`` with ``batch`` in flight; requests/s, p50 latency, mean tokens out."""
+    slots, done, lock = threading.Semaphore(batch), threading.Event(), threading.Lock()
+    latency, tokens, errors = [], [], []
+
+    def finished(future, t0: float) -> None:  # on the scheduler thread: keep it short
+        latency.append(time.perf_counter() - t0)
+        if future.exception() is not None:
+            errors.append(future.exception())
+        else:
+            tokens.append(future.result().metrics.output_tokens)
+        slots.release()
+        with lock:
+            if len(latency) == len(queries):
+                done.set()
+
+    start = time.perf_counter()
+    for q in queries:
+        slots.acquire()
         t0 = time.perf_counter()
-        for _ in range(100):
-            kestrel_kernels.paged_attention(q, kv.k[0], kv.v[0], pt, sk, backend=backend)
-        host = (time.perf_counter() - t0) / 100
-        torch.cuda.synchronize()
-        print(f"paged_attention host time per decode call, {backend}: {1e6 * host:.0f} us")
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    holder = []
-    with torch.profiler.profile(activities=acts) as prof:
-        state, logits = rt.start_sequence(prompt(rt, 3), image(1), max_new_tokens=2)
-        holder.append(int(logits.argmax()))
-    rt.release_sequence(state)
-    events = prof.key_averages()
-    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    print(f"hit prefill: {kernels} GPU kernel launches; top host ops:")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=12))
+        future = engine.submit_query(q.image, q.question, settings=settings, reasoning=cot)
+        future.add_done_callback(partial(finished, t0=t0))
+    done.wait()
+    wall = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(queries)} requests failed: {errors[0]!r}")
+    return {"rps": len(queries) / wall, "p50_ms": 1e3 * statistics.median(latency),
+            "tokens": statistics.mean(tokens)}  # fmt: skip
 
 
-def qa_rate(rt: MoondreamRuntime, batch: int, n_requests: int) -> float:
-    """Requests/s: new image per request, ANSWER_TOKENS greedy tokens, up to ``batch`` at once."""
-    images = [image(10_000 + i) for i in range(n_requests)]
-    pending = list(range(n_requests))
-    running: list[list] = []  # [state, last token, tokens produced]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while pending or running:
-        if pending and len(running) < batch:
-            i = pending.pop(0)
-            state, logits = rt.start_sequence(prompt(rt, i % 400), images[i],
-                                              max_new_tokens=ANSWER_TOKENS)  # fmt: skip
-            running.append([state, int(logits.argmax()), 1])
-            if len(running) < batch and pending:
-                continue  # admit up to the batch before decoding
-        states = [r[0] for r in running]
-        logits = rt.decode_step(states, [TextToken(r[1]) for r in running])
-        for r, tok in zip(running, logits.argmax(-1).tolist(), strict=True):
-            r[1], r[2] = tok, r[2] + 1
-        for r in [r for r in running if r[2] >= ANSWER_TOKENS]:
-            rt.release_sequence(r[0])
-            running.remove(r)
-    torch.cuda.synchronize()
-    return n_requests / (time.perf_counter() - t0)
+def widened_tokenizer(src: Path, dst: Path, vocab_size: int) -> None:
+    """``src``'s tokenizer with placeholder entries up to ``vocab_size`` ids, so every id a
+    random-weight model samples decodes (to ``<tN>``)."""
+    data = json.loads(src.read_text())
+    vocab = data["model"]["vocab"]
+    vocab.update({f"<t{i}>": i for i in range(max(vocab.values()) + 1, vocab_size)})
+    dst.write_text(json.dumps(data))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--kv-memory-fraction", type=float, default=0.9)
-    ap.add_argument("--qa-requests", type=int, default=256)
-    ap.add_argument("--profile", action="store_true", help="only break down one request's time")
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    name = torch.cuda.get_device_name()
-    copy_tb_s = copy_bandwidth_tb_s()
-    model = random_model(MoondreamConfig(), device="cuda", dtype=torch.bfloat16)
-    t_rt = time.perf_counter()
-    rt = MoondreamRuntime(model, max_batch_size=max(DECODE_BATCHES),
-                          kv_memory_fraction=args.kv_memory_fraction)  # fmt: skip
-    t_rt = time.perf_counter() - t_rt
-    backend = kestrel_kernels.resolve_backend("auto", "cuda")
-    print(f"device: {name}; attention backend: {backend}; torch {torch.__version__}")
-    print(f"{rt.kv_report}  [runtime built in {t_rt:.1f} s]")
-    assert rt.decode_graphs is not None, "decode graphs need the fa backend"
-    if args.profile:
-        ttft(rt, trials=2)  # warm
-        profile_request(rt)
+def random_md2_checkpoint(path: Path, sections: dict | None = None) -> Path:
+    """A random-weight checkpoint at ``path`` (bf16), written if missing: Moondream 2's
+    dimensions, or ``sections`` over them (the tests' small model); the fixture's tokenizer,
+    widened to the vocabulary."""
+    if (path / "config.json").exists():
+        return path
+    from kestrel.moondream.config import MoondreamConfig
+    from kestrel.reference.random_checkpoint import config_to_dict, write_random_checkpoint
+
+    fixture = MoondreamConfig.from_json_file(FIXTURE / "config.json")
+    cfg = MoondreamConfig.from_dict(
+        {**(sections or {}), "tokenizer": config_to_dict(fixture)["tokenizer"]}
+    )
+    print(f"writing a random-weight checkpoint to {path} (once)", flush=True)
+    write_random_checkpoint(path, cfg, dtype=torch.bfloat16)
+    widened_tokenizer(FIXTURE / "tokenizer.json", path / "tokenizer.json", cfg.text.vocab_size)
+    return path
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a Moondream 2 checkpoint (default: random weights, below)")
+    p.add_argument("--model-dir", type=Path,
+                   default=Path(tempfile.gettempdir()) / "kestrel-bench-md2-random")  # fmt: skip
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU proof: kestrel-tiny, batches 1,4, 4 requests each")  # fmt: skip
+    p.add_argument("--batches", help="requests in flight (default 1,4,16,64; smoke 1,4)")
+    p.add_argument("--requests", type=int, help="per run (default max(32, 4 x batch); smoke 4)")
+    p.add_argument("--modes", default="direct,cot", help="direct, cot or both")
+    p.add_argument("--sampling", default="greedy,default", help="greedy, default or both")
+    p.add_argument("--cot-tokens", type=int, help="cot answers' max_tokens (default 128; smoke 8)")
+    harness.add_arguments(p, rounds=2)
+    args = p.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        p.error("no CUDA device here: --smoke runs the CPU proof")
+    batches = args.batches or ("1,4" if args.smoke else "1,4,16,64")
+    args.batches = [int(b) for b in batches.split(",")]
+    args.cot_tokens = args.cot_tokens or (8 if args.smoke else 128)
+    return args
+
+
+def variants(engine: Engine, args: argparse.Namespace, n_tokens) -> dict:
+    """One harness variant per (mode, sampling, batch); each run on charts never seen before."""
+    seeds = itertools.count(1)
+    out = {}
+    for mode in args.modes.split(","):
+        cot = {"direct": False, "cot": True}[mode]
+        max_tokens = args.cot_tokens if cot else DIRECT_TOKENS
+        for name in args.sampling.split(","):
+            settings = {**SAMPLING[name], "max_tokens": max_tokens}
+            for b in args.batches:
+                n = args.requests or (4 if args.smoke else max(32, 4 * b))
+
+                def run(b=b, n=n, settings=settings, cot=cot) -> dict:
+                    queries = chart_workload(n, n_tokens, seed=next(seeds))
+                    return measure(engine, queries, b, settings, cot)
+
+                out[f"{mode}, {name}, batch {b}"] = run
+    return out
+
+
+def compare(bench, runs: dict) -> None:
+    """The direct rows at batch 1 and 64 beside the published and our earlier figures."""
+    rows = [(name, b) for name in runs for b in PUBLISHED_REQ_S
+            if name.startswith("direct") and name.endswith(f"batch {b}")]  # fmt: skip
+    if not rows:
         return
-    t_cap = timed(rt.decode_graphs.capture_all)
-    print(f"decode graphs captured for batches {rt.decode_graphs.captured} in {t_cap:.1f} s")
-    datasheet = next((v for k, v in DATASHEET_TB_S.items() if k in name), None)
-    results = {"device": name, "backend": backend, "copy_tb_s": copy_tb_s,
-               "kv_pool": str(rt.kv_report), "decode": [], "qa_req_s": {}}  # fmt: skip
-    print("\n| decode batch | step ms | tokens/s | GB/step | TB/s | of copy BW | of datasheet |")
-    print("|---|---|---|---|---|---|---|")
-    for b in DECODE_BATCHES:
-        r = decode_rate(rt, b)
-        results["decode"].append(r)
-        sheet = f"{r['tb_s'] / datasheet:.0%}" if datasheet else "n/a"
-        print(f"| {b} | {r['step_ms']:.2f} | {r['tokens_s']:.0f} | {r['bytes_per_step'] / 1e9:.2f}"
-              f" | {r['tb_s']:.2f} | {r['tb_s'] / copy_tb_s:.0%} | {sheet} |")  # fmt: skip
-    results["ttft_ms"] = t = ttft(rt)
-    print(f"\nTTFT (median of 10): miss {t['miss']:.1f} ms, hit {t['hit']:.1f} ms")
-    print("\n| image QA | requests/s | Kestrel published (H100) |\n|---|---|---|")
-    for b in (1, 64):
-        n = args.qa_requests if b > 1 else max(16, args.qa_requests // 4)
-        rate = results["qa_req_s"][b] = qa_rate(rt, b, n)
-        print(f"| batch {b} ({n} requests) | {rate:.1f} | {PUBLISHED_REQ_S[b]:.0f} |")
-    print(f"\ncopy bandwidth {copy_tb_s:.2f} TB/s (read + write); datasheet {datasheet} TB/s")
-    rt.check_integrity()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    bench.emit("\n| workload | requests/s (median) | Kestrel published (H100) | "
+               "ours before (H100) |\n|---|---|---|---|")  # fmt: skip
+    for name, b in rows:
+        rps = statistics.median(r["rps"] for r in runs[name])
+        bench.emit(f"| {name} | {rps:.1f} | {PUBLISHED_REQ_S[b]} | {OURS_BEFORE_REQ_S[b]} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    source = args.model or (None if args.smoke else random_md2_checkpoint(args.model_dir))
+    device = "cpu" if args.smoke else "cuda"
+    engine = Engine(source, device=device, max_batch_size=max(args.batches))
+    try:
+        encode = engine.runtime.tokenizer.encode
+        n_tokens = lambda text: len(encode(text))  # noqa: E731
+        bench = harness.start(args, "ChartQA-shaped image QA through the Engine (bench_gpu.py)")
+        name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+        sample = chart_workload(64, n_tokens, seed=0)
+        lengths = [n_tokens(q.question) for q in sample]
+        bench.emit(f"device: {name}; model: {engine.model_path}; dtype {engine.runtime.dtype}; "
+                   f"question tokens {min(lengths)}-{max(lengths)} (mean "
+                   f"{statistics.mean(lengths):.1f}); {QUESTIONS_PER_IMAGE} questions per "
+                   f"chart; direct max {DIRECT_TOKENS} tokens, cot max "
+                   f"{args.cot_tokens}")  # fmt: skip
+        for b in args.batches:  # warm: CUDA graphs for each batch size, allocator, kernels
+            measure(engine, sample[:b], b, {"temperature": 0.0, "max_tokens": 2}, False)
+        runs = bench.run(variants(engine, args, n_tokens))
+        metrics = {"rps": "requests/s", "p50_ms": "p50 latency ms", "tokens": "tokens out"}
+        bench.table(runs, metrics, fmt=".1f")
+        compare(bench, runs)
+        engine.check_integrity()
+    finally:
+        engine.close()
+    bench.finish({"published_req_s": PUBLISHED_REQ_S, "ours_before_req_s": OURS_BEFORE_REQ_S})
 
 
 if __name__ == "__main__":

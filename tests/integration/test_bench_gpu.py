@@ -1,0 +1,59 @@
+"""scripts/bench_gpu.py on the CPU, small: its workload has ChartQA's shape, its closed loop
+serves every request, and its random-weight checkpoint (here narrow, with a vocabulary wider
+than the fixture tokenizer's, as Moondream 2's is) loads in the Engine and decodes any id."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from kestrel import Engine
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SMALL = {  # a narrow model of Moondream 2's structure, vocabulary past the fixture's 1024 ids
+    "text": {"dim": 64, "ff_dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2,
+             "vocab_size": 2048},
+    "vision": {"enc_dim": 32, "enc_ff_dim": 64, "enc_n_layers": 1, "enc_n_heads": 2,
+               "proj_out_dim": 64, "proj_inner_dim": 128, "crop_size": 56, "max_crops": 2,
+               "overlap_margin": 1},
+    "region": {"dim": 64, "inner_dim": 128},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bench_gpu():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        yield importlib.import_module("bench_gpu")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_chartqa_workload_through_the_engine(bench_gpu, tmp_path) -> None:
+    ckpt = bench_gpu.random_md2_checkpoint(tmp_path / "md2", SMALL)
+    with Engine(ckpt, device="cpu", dtype="float32", max_batch_size=4) as engine:
+        assert engine.runtime.tokenizer.vocab_size == 2048
+        encode = engine.runtime.tokenizer.encode
+        n_tokens = lambda text: len(encode(text))  # noqa: E731
+        queries = bench_gpu.chart_workload(10, n_tokens, seed=3)
+        assert len(queries) == 10 and len({q.image for q in queries}) == 6  # 10 / 1.66
+        assert all(12 <= n_tokens(q.question) <= 20 for q in queries)
+        for cot in (False, True):
+            settings = {**bench_gpu.SAMPLING["default"], "max_tokens": 3}
+            out = bench_gpu.measure(engine, queries[:6], 4, settings, cot)
+            assert out["rps"] > 0 and out["p50_ms"] > 0 and 1 <= out["tokens"] <= 3
+        stats = engine.stats()
+        assert stats.requests_served == 12 and stats.requests_failed == 0
+        engine.check_integrity()
+
+
+def test_smoke_run_prints_the_table_and_the_published_figures(bench_gpu, capsys) -> None:
+    bench_gpu.main(["--smoke", "--allow-busy", "--rounds", "1", "--batches", "1,2",
+                    "--requests", "2", "--sampling", "greedy"])  # fmt: skip
+    out = capsys.readouterr().out
+    for row in ("direct, greedy, batch 1", "direct, greedy, batch 2", "cot, greedy, batch 2"):
+        assert f"| {row} |" in out
+    assert "| direct, greedy, batch 1 | " in out and "| 41.9 | 11.7 |" in out
