@@ -204,3 +204,45 @@ def test_cluster_stats_sum_the_replicas_that_answered() -> None:
     assert s.replicas[0].cached_tokens == 30 and s.to_dict()["replicas"][1]["prompt_tokens"] == 60
     empty = cluster_stats({"r0": None}, Router(["r0"]).snapshot())
     assert replace(empty, replicas=()).hit_rate == 0.0 and empty.requests_served == 0
+
+
+class _Probe:
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.cancelled = False
+
+    def result(self, timeout_s: float):
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Describe:
+    def __init__(self) -> None:
+        self.answer: object = TimeoutError("still loading its model")
+        self.probes: list[_Probe] = []
+
+    def remote(self):
+        self.probes.append(_Probe(self.answer))
+        return self.probes[-1]
+
+
+def test_the_health_monitor_takes_a_silent_replica_off_and_a_loaded_one_back() -> None:
+    from kestrel.distributed.serve_cluster import HealthMonitor
+
+    handle = _Handle(outcome="ok")
+    handle.describe = _Describe()
+    door = _door(handle)
+    monitor = HealthMonitor(door, period_s=60.0, timeout_s=0.01)
+    monitor.probe_once()  # restarting: the probe waits on a replica still loading its model
+    assert door.router.snapshot().live == {"r0": False}
+    assert handle.describe.probes[-1].cancelled  # a probe left unanswered does not pile up
+    with pytest.raises(ReplicaLostError):
+        asyncio.run(door.aquery(IMAGE, "q?"))  # no traffic while it loads
+    handle.describe.answer = {**INFO, "name": "ip:2"}  # loaded, in a new process
+    monitor.probe_once()
+    assert door.router.snapshot().live == {"r0": True} and door.links["r0"].info["name"] == "ip:2"
+    assert asyncio.run(door.aquery(IMAGE, "q?")) == "ok"
