@@ -44,7 +44,7 @@ _FIELDS = frozenset({
 _NULL_OK = frozenset({
     "top_logprobs", "response_format", "tools", "logit_bias", "metadata", "service_tier",
     "reasoning_effort", "functions", "function_call", "store", "prediction", "modalities",
-    "audio", "web_search_options", "suffix", "echo", "best_of", "stream_options",
+    "audio", "web_search_options", "suffix", "echo", "best_of",
 })  # fmt: skip
 # Accepted only at the value that changes nothing (what some clients always send).
 _NEUTRAL: dict[str, Any] = {
