@@ -17,6 +17,7 @@ import kestrel_kernels
 from kestrel.kv.page_table import PageTable
 from kestrel.moondream import region, text, vision
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
+from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.heads import ModelHeads
 
 __all__ = ["TIMERS", "bench_model", "instrument", "measure", "table"]
@@ -60,6 +61,8 @@ def instrument() -> None:
     for cls, methods, label in (
         (ModelHeads, ("sample", "coord_token", "size_token"), "sampling"),
         (RadixPrefixCache, ("match_prefix", "insert", "lock", "unlock", "evict"), "cache ops"),
+        # the crops are made off the scheduler thread; this is what it waits for them
+        (CropPool, ("pixels",), "image crops (host)"),
         (PageTable, ("allocate", "allocate_pages", "map_pages", "erase"), "cache ops"),
     ):
         for m in methods:
