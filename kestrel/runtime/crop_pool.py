@@ -126,10 +126,17 @@ class _Workers:
     stopped at exit."""
 
     def __init__(self) -> None:
+        self._forget()
+        atexit.register(self.stop_all)
+        if hasattr(os, "register_at_fork"):  # a forked child must not talk to our workers
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        for worker in getattr(self, "_all", ()):
+            worker.sock.close()  # this process's copy; the worker stays its parent's
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()
-        atexit.register(self.stop_all)
 
     def run(self, message: bytes, fd: int) -> None:
         with self._lock:
