@@ -77,10 +77,12 @@ class CropPixels:
     tiling: tuple[int, int]
 
     def encoder_input(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """The vision encoder's input: normalized, in ``dtype`` on ``device``."""
-        if self.pixels.dtype == torch.uint8:  # the same arithmetic, on the device
-            return normalize_pixels(self.pixels.permute(0, 2, 3, 1), dtype, device)
-        return self.pixels.to(device=device, dtype=dtype)
+        """The vision encoder's input: normalized, in ``dtype`` on ``device`` (uploaded without
+        a host sync when the crops are in pinned memory)."""
+        pixels = self.pixels.to(device=device, non_blocking=self.pixels.is_pinned())
+        if pixels.dtype == torch.uint8:  # the same arithmetic, on the device
+            return normalize_pixels(pixels.permute(0, 2, 3, 1), dtype, device)
+        return pixels.to(dtype=dtype)
 
 
 class _WorkerGone(RuntimeError):
@@ -184,9 +186,9 @@ def _aligned(n: int) -> int:
 class _Cropper:
     """Makes one image's crops, in a worker process or, failing that, here."""
 
-    def __init__(self, config: VisionConfig, normalize: bool, processes: bool) -> None:
+    def __init__(self, config: VisionConfig, normalize: bool, processes: bool, pin: bool) -> None:
         self.config = config
-        self.normalize = normalize
+        self.normalize, self.pin = normalize, pin
         self.processes = processes and processes_supported()
         self.failures = 0
         self.table = pixel_table() if normalize else None
@@ -194,24 +196,30 @@ class _Cropper:
     def crop(self, image: PreparedImage) -> CropPixels:
         pixels = check_pixels(image.pixels)
         g = crop_geometry(pixels.shape[0], pixels.shape[1], self.config)
-        if self.processes:
-            try:
-                planes = self._in_worker(pixels, g)
-                self.failures = 0
-                return CropPixels(planes, (g.rows, g.cols))
-            except _WorkerGone as exc:
-                self.failures += 1
-                if self.failures >= _MAX_FAILURES:
-                    self.processes = False
-                log.warning("crops made in-process: %s", exc)
-        return CropPixels(self._here(pixels, g), (g.rows, g.cols))
+        planes = self._in_worker(pixels, g) if self.processes else None
+        if planes is None:
+            planes = self._here(pixels, g)
+        return CropPixels(planes.pin_memory() if self.pin else planes, (g.rows, g.cols))
 
     def _dtypes(self) -> tuple[np.dtype, torch.dtype]:
         if self.normalize:
             return np.dtype(np.float32), torch.float32
         return np.dtype(np.uint8), torch.uint8
 
-    def _in_worker(self, pixels: np.ndarray, g: CropGeometry) -> torch.Tensor:
+    def _in_worker(self, pixels: np.ndarray, g: CropGeometry) -> torch.Tensor | None:
+        """The crops made by a worker process; None if none could (then made here)."""
+        try:
+            planes = self._shipped(pixels, g)
+        except _WorkerGone as exc:
+            self.failures += 1
+            if self.failures >= _MAX_FAILURES:
+                self.processes = False
+            log.warning("crops made in-process: %s", exc)
+            return None
+        self.failures = 0
+        return planes
+
+    def _shipped(self, pixels: np.ndarray, g: CropGeometry) -> torch.Tensor:
         n_in, (np_dtype, dtype) = pixels.size, self._dtypes()
         count = g.n_crops * 3 * g.crop * g.crop
         out_at = _aligned(n_in)
@@ -272,7 +280,8 @@ class CropPool:
     """Crops for one model's vision config, made by ``workers`` threads (module doc).
 
     ``normalize``: float32 crops ready for the encoder (on a CPU model), else uint8 planes that
-    ``CropPixels.encoder_input`` normalizes on the device (4x less to upload). ``prefetch``
+    ``CropPixels.encoder_input`` normalizes on the device (4x less to upload); ``pin_memory``:
+    the crops in pinned memory (a CUDA model's: uploaded without a host sync). ``prefetch``
     bounds the images started but not yet taken (their memory); ``recent`` is how many lately
     encoded images ``hold(skip_recent=True)`` leaves alone (0: none). ``processes=False``
     makes the crops on the pool's threads.
@@ -283,6 +292,7 @@ class CropPool:
         config: VisionConfig,
         *,
         normalize: bool = True,
+        pin_memory: bool = False,
         workers: int | None = None,
         prefetch: int = 16,
         recent: int = 0,
@@ -291,7 +301,7 @@ class CropPool:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         workers = workers or max(1, min(4, (os.cpu_count() or 2) // 4))
-        self._cropper = _Cropper(config, normalize, processes)
+        self._cropper = _Cropper(config, normalize, processes, pin_memory)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-crops")
         self._lock = threading.Lock()
         self._entries: dict[bytes, _Entry] = {}  # by image digest, in arrival order

@@ -164,8 +164,10 @@ class MoondreamRuntime:
         self.prefix_cache = RadixPrefixCache(self.page_table)
         # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
         images = (kv_cache_pages - 1) // self.config.image_tokens if enable_prefix_cache else 0
-        on_host = self.device.type != "cuda"
-        self.crops = CropPool(self.config.vision, normalize=on_host, recent=images)
+        cuda = self.device.type == "cuda"  # uint8 crops in pinned memory, normalized there
+        self.crops = CropPool(
+            self.config.vision, normalize=not cuda, pin_memory=cuda, recent=images
+        )
         self.page_table.set_prefix_cache(self.prefix_cache)
         self.counters = RuntimeCounters()
         self._active: dict[int, SequenceState] = {}

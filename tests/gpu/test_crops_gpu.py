@@ -1,5 +1,6 @@
-"""The crop pool's uint8 planes (what a CUDA runtime takes) normalize on the GPU to exactly
-what ``normalize_pixels`` gives there; skips without CUDA (tests/conftest.py)."""
+"""The crop pool's uint8 planes in pinned memory (what a CUDA runtime takes) upload and
+normalize on the GPU to exactly what ``normalize_pixels`` gives there; skips without CUDA
+(tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ pytestmark = pytest.mark.gpu
 
 def test_uint8_planes_normalize_on_the_device() -> None:
     vision = MoondreamConfig().vision
-    pool = CropPool(vision, normalize=False)
+    pool = CropPool(vision, normalize=False, pin_memory=True)
     image = prepare_image(np.random.default_rng(0).integers(0, 256, (960, 1280, 3), np.uint8))
     crops = pool.pixels(image)
+    assert crops.pixels.is_pinned() and crops.pixels.dtype == torch.uint8
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         got = crops.encoder_input(dtype, "cuda")
         want = normalize_pixels(overlap_crops(image.pixels, vision).crops, dtype, "cuda")
