@@ -210,7 +210,7 @@ class _Cropper:
         """The crops made by a worker process; None if none could (then made here)."""
         try:
             planes = self._shipped(pixels, g)
-        except _WorkerGone as exc:
+        except (_WorkerGone, OSError) as exc:  # no worker, or no shared memory to give it
             self.failures += 1
             if self.failures >= _MAX_FAILURES:
                 self.processes = False
