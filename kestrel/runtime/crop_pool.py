@@ -6,7 +6,8 @@ running sequence; made on a plain worker thread they stall on the GIL: every lib
 torch call that lets the GIL go has to win it back from the process's busy Python threads,
 about one switch interval (5 ms) each time. So the pool hands each image to a crop worker
 process (``crop_worker.py``) through shared memory: its threads only copy the pixels in, send
-one message and wait for the reply; the result is a tensor over that shared memory, no copy.
+one message and wait for the reply; the result is a tensor over that shared memory (copied
+once into pinned memory for a CUDA model, whose upload then needs no host sync).
 
 - ``hold(images)``: the Engine calls it on the caller's thread when it submits a request; the
   crops start at once (up to ``prefetch`` images not yet taken; more wait their turn, first
