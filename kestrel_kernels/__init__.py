@@ -18,6 +18,7 @@ from kestrel_kernels import fa_backend, torch_backend
 from kestrel_kernels.contract import (
     BackendUnavailableError,
     KernelInputError,
+    KvScales,
     SegmentPlan,
     build_segment_plan,
     default_scale,
@@ -29,6 +30,7 @@ __all__ = [
     "AttentionPlan",
     "BackendUnavailableError",
     "KernelInputError",
+    "KvScales",
     "available_backends",
     "get_default_backend",
     "paged_attention",
@@ -179,6 +181,7 @@ def paged_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     plan: AttentionPlan | None = None,
+    kv_scales: KvScales | None = None,
 ) -> Tensor:
     """Attention of ``q`` over one layer's paged K/V; returns ``[B, Lq, Hq, D]``.
 
@@ -191,9 +194,11 @@ def paged_attention(
     ``start <= p < end``; ``causal=False`` sees every valid key. Padding query rows are zeros.
     ``softmax_scale`` defaults to ``1/sqrt(D)``. Bad inputs raise ``KernelInputError``.
     ``plan``: the forward's :func:`plan_attention` (its backend replaces ``backend``).
+    ``kv_scales``: the caches are FP8 pages with these scales (the contract's scaled-KV case);
+    that case runs the torch reference on every device for now.
     """
     shape = validate_attention_inputs(
-        q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions
+        q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions, kv_scales
     )
     scale = default_scale(shape.head_dim, softmax_scale)
     kwargs = dict(
@@ -201,6 +206,10 @@ def paged_attention(
     )
     if plan is not None:
         plan.check(q, page_table, seqused_k, seqused_q, bidir_regions, causal)
+    if kv_scales is not None:
+        return torch_backend.paged_attention_scaled_torch(
+            q, k_cache, v_cache, page_table, seqused_k, shape, scales=kv_scales, **kwargs
+        )
     if (plan.backend if plan is not None else _backend_for(backend, q)) == "fa":
         if q.numel() == 0:
             return torch.zeros_like(q)
@@ -214,12 +223,23 @@ def paged_attention(
     )
 
 
-def write_kv(k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
+def write_kv(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_scales: KvScales | None = None,
+) -> None:
     """Write new keys/values in place: ``k_cache[slot_mapping[n]] = k[n]`` (same for v).
 
     ``slot_mapping``: int32/int64 ``[N]`` physical page per new position; ``k``, ``v``:
     ``[N, Hkv, D]`` in the caches' dtype. Slots < 0 are padding and are skipped: no page changes
     because of them (page 0, the reserved padding page, included). Shared by every backend.
+    With ``kv_scales`` the caches are FP8 pages and K/V are quantised by those scales.
     """
-    validate_write_kv_inputs(k_cache, v_cache, slot_mapping, k, v)
+    validate_write_kv_inputs(k_cache, v_cache, slot_mapping, k, v, kv_scales)
+    if kv_scales is not None:
+        torch_backend.write_kv_scaled(k_cache, v_cache, slot_mapping, k, v, kv_scales)
+        return
     torch_backend.write_kv_indexed(k_cache, v_cache, slot_mapping, k, v)

@@ -122,15 +122,22 @@ def validate_attention_inputs(
     seqused_k: Tensor,
     seqused_q: Tensor | None,
     bidir_regions: Tensor | None,
+    kv_scales: KvScales | None = None,
 ) -> AttentionShape:
     """Check shapes, dtypes and devices (always) and lengths / page ids (CPU tensors only).
+    With ``kv_scales`` the caches are the scaled-KV case's e4m3 pages (``validate_scaled_kv``).
 
     Value checks need the numbers on the host; on CUDA that would be a sync per layer, so there
     they are left to the kernels. Raises ``KernelInputError`` saying what is wrong.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _need(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        _need(t.dtype in _FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+        if kv_scales is None or name == "q":
+            _need(
+                t.dtype in _FLOAT_DTYPES, f"{name} must be float32/float16/bfloat16, got {t.dtype}"
+            )
+    if kv_scales is not None:
+        validate_scaled_kv(q.dtype, k_cache, v_cache, kv_scales)
     _need(q.dim() == 4, f"q must be [B, Lq, Hq, D], got shape {list(q.shape)}")
     _need(k_cache.dim() == 3, f"k_cache must be [n_pages, Hkv, D], got {list(k_cache.shape)}")
     _need(
@@ -138,7 +145,7 @@ def validate_attention_inputs(
         f"v_cache shape {list(v_cache.shape)} != k_cache shape {list(k_cache.shape)}",
     )
     _need(
-        q.dtype == k_cache.dtype == v_cache.dtype,
+        kv_scales is not None or q.dtype == k_cache.dtype == v_cache.dtype,
         f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
     )
     _need(
@@ -216,9 +223,17 @@ def _check_values(
 
 
 def validate_write_kv_inputs(
-    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, k: Tensor, v: Tensor
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_scales: KvScales | None = None,
 ) -> None:
-    """Check ``write_kv`` inputs; slot range is checked on CPU only (a sync on CUDA)."""
+    """Check ``write_kv`` inputs; slot range is checked on CPU only (a sync on CUDA). With
+    ``kv_scales``, float K/V go into the scaled-KV case's e4m3 pages."""
+    if kv_scales is not None:
+        validate_scaled_kv(k.dtype, k_cache, v_cache, kv_scales)
     _need(k_cache.dim() == 3, f"k_cache must be [n_pages, Hkv, D], got {list(k_cache.shape)}")
     _need(v_cache.shape == k_cache.shape, "v_cache and k_cache shapes differ")
     _need(
@@ -230,7 +245,10 @@ def validate_write_kv_inputs(
     want = (n, *k_cache.shape[1:])
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         _need(tuple(t.shape) == want, f"{name} must be {list(want)}, got {list(t.shape)}")
-        _need(t.dtype == cache.dtype, f"{name} is {t.dtype} but its cache is {cache.dtype}")
+        _need(
+            kv_scales is not None or t.dtype == cache.dtype,
+            f"{name} is {t.dtype} but its cache is {cache.dtype}",
+        )
         _need(t.device == cache.device, f"{name} is on {t.device} but its cache on {cache.device}")
     _need(slot_mapping.device == k_cache.device, "slot_mapping must be on the cache's device")
     if slot_mapping.device.type == "cpu" and n:

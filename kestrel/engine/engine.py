@@ -56,7 +56,9 @@ class Engine(AsyncTwins, ChatCalls):
     conversation hits through the answer; ``retain_decoded=False`` frees them instead.
     ``moe_weights`` (Moondream 3): ``"fp8"`` keeps the experts float8_e4m3 with row scales in
     memory (quantising a 16-bit file's at load), ``"dequantize"`` widens FP8 experts to
-    ``dtype``; None keeps what the file holds (docs/models.md).
+    ``dtype``; None keeps what the file holds (docs/models.md). ``kv_dtype="fp8"`` stores the
+    KV pages as float8_e4m3 with the checkpoint's per-layer ``kv_quantizer`` scales (refused
+    when it has none; decode then runs the torch attention reference, without CUDA graphs).
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -76,6 +78,7 @@ class Engine(AsyncTwins, ChatCalls):
         exif_orientation: bool = True,
         retain_decoded: bool = True,
         moe_weights: str | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         self.runtime, self.model_path = load_runtime(
             model,
@@ -87,6 +90,7 @@ class Engine(AsyncTwins, ChatCalls):
             attention_backend=attention_backend,
             retain_decoded=retain_decoded,
             moe_weights=moe_weights,
+            kv_dtype=kv_dtype,
         )
         self.config = self.runtime.config
         self.max_batch_size = max_batch_size

@@ -13,9 +13,10 @@ import torch
 from kestrel.errors import InvalidInputError, ModelLoadError
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.moondream.weights import MOE_WEIGHT_MODES, resolve_checkpoint
+from kestrel.moondream.weights import MOE_WEIGHT_MODES, load_kv_scales, resolve_checkpoint
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tiny import MODEL_DIR
+from kestrel_kernels.contract import KvScales
 
 __all__ = ["DEFAULT_MODEL_DIR", "load_runtime", "resolve_device", "resolve_dtype"]
 
@@ -68,16 +69,33 @@ def _model_source(model: str | Path | None) -> str | Path:
     )
 
 
-def _model_and_tokenizer(
-    source: str | Path, device: torch.device, dtype: torch.dtype | None, moe_weights: str | None
-) -> tuple[MoondreamModel, MoondreamTokenizer]:
-    """The model (its experts in the ``moe_weights`` form) and tokenizer of a checkpoint; a hub
-    id is resolved once (``moe_weights="fp8"`` prefers a repo's ``model_fp8.pt``)."""
+KV_DTYPES = ("fp8",)
+
+
+def _load(
+    source: str | Path,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    moe_weights: str | None,
+    kv_dtype: str | None,
+) -> tuple[MoondreamModel, MoondreamTokenizer, tuple[KvScales, ...] | None]:
+    """The model (its experts in the ``moe_weights`` form), tokenizer and, for
+    ``kv_dtype="fp8"``, the checkpoint's KV scales; a hub id is resolved once
+    (``moe_weights="fp8"`` prefers a repo's ``model_fp8.pt``)."""
     ckpt = resolve_checkpoint(source, prefer_fp8=moe_weights == "fp8")
     model = MoondreamModel.from_pretrained(
         ckpt, device=device, dtype=dtype, moe_weights=moe_weights
     )
-    return model, MoondreamTokenizer.for_checkpoint(ckpt)
+    kv_scales = None
+    if kv_dtype == "fp8":
+        kv_scales = load_kv_scales(ckpt, model.config)
+        if kv_scales is None:
+            raise ValueError(
+                "kv_dtype='fp8' needs FP8 KV scales (text_model.transformer.h.N.kv_quantizer."
+                "{k_scale, v_scale}) in every layer of the checkpoint, and this one lacks them; "
+                "leave kv_dtype unset for KV pages in the model dtype"
+            )
+    return model, MoondreamTokenizer.for_checkpoint(ckpt), kv_scales
 
 
 def load_runtime(
@@ -91,6 +109,7 @@ def load_runtime(
     attention_backend: str,
     retain_decoded: bool = True,
     moe_weights: str | None = None,
+    kv_dtype: str | None = None,
 ) -> tuple[MoondreamRuntime, str]:
     """Load the checkpoint and build its runtime; returns (runtime, where it came from)."""
     source = _model_source(model)
@@ -107,9 +126,16 @@ def load_runtime(
         raise InvalidInputError(
             f"moe_weights must be one of {MOE_WEIGHT_MODES} or None, got {moe_weights!r}"
         )
+    if kv_dtype not in (None, *KV_DTYPES):
+        raise InvalidInputError(
+            f"kv_dtype must be 'fp8' (FP8 KV pages) or None (the model dtype), got {kv_dtype!r}"
+        )
     try:
+        model, tokenizer, kv_scales = _load(source, dev, dt, moe_weights, kv_dtype)
         rt = MoondreamRuntime(
-            *_model_and_tokenizer(source, dev, dt, moe_weights),
+            model,
+            tokenizer,
+            kv_scales=kv_scales,
             kv_cache_pages=kv_cache_pages,
             max_batch_size=max_batch_size,
             enable_prefix_cache=enable_prefix_cache,

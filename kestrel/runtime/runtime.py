@@ -71,6 +71,7 @@ from kestrel.runtime.sequence import (
     image_regions,
     validate_image_regions,
 )
+from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
 
@@ -111,6 +112,8 @@ class MoondreamRuntime:
     ``max_batch_size * max_context + 1``. ``cuda_graphs``: replay decode steps from CUDA graphs
     when the ``fa`` attention backend runs (see ``cuda_graphs``). ``retain_decoded``: keep
     a finished sequence's decoded tokens in the cache under its prompt (module doc, step 5).
+    ``kv_scales``: one ``KvScales`` per layer stores K/V as FP8 pages (opt-in; the scaled-KV
+    case runs the torch attention reference, so decode steps are not graph-captured).
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class MoondreamRuntime:
         kv_memory_fraction: float | None = None,
         cuda_graphs: bool = True,
         retain_decoded: bool = True,
+        kv_scales: Sequence[KvScales] | None = None,
     ) -> None:
         self.model = model
         self.retain_decoded = retain_decoded
@@ -158,8 +162,9 @@ class MoondreamRuntime:
             n_layers=text.n_layers,
             n_kv_heads=text.n_kv_heads,
             head_dim=text.head_dim,
-            dtype=self.dtype,
+            dtype=self.dtype if kv_scales is None else KV_FP8_DTYPE,
             device=self.device,
+            kv_scales=kv_scales,
         )
         self.prefix_cache = RadixPrefixCache(self.page_table)
         # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
@@ -172,7 +177,7 @@ class MoondreamRuntime:
         self.counters = RuntimeCounters()
         self._active: dict[int, SequenceState] = {}
         self.decode_graphs: DecodeGraphs | None = None
-        if graphs_supported(model, attention_backend):
+        if kv_scales is None and graphs_supported(model, attention_backend):
             self.decode_graphs = DecodeGraphs(
                 model, self.kv, self.page_table.page_table, max_batch_size=max_batch_size,
                 backend=attention_backend, capture=cuda_graphs,
