@@ -106,3 +106,33 @@ def test_fp8_graph_decode_matches_eager(fa_ready, fp8_model, n) -> None:  # noqa
     eager, _ = run(fp8_model, image, n, attention_backend="fa", cuda_graphs=False)
     for g, e in zip(captured, eager, strict=True):
         torch.testing.assert_close(g, e, atol=1e-2, rtol=1e-2)
+
+
+def test_fp8_kv_pages_on_device(fp8_model) -> None:
+    """FP8 KV pages on the GPU (the scaled case's torch form): e4m3 pages on the device, no
+    decode graphs, logits within e4m3's error of bfloat16 pages (scales calibrated here)."""
+    from kestrel.runtime.runtime import MoondreamRuntime
+    from kestrel.tokens import TextToken
+    from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
+
+    image = np.asarray(Image.open(FIXTURES / "md3-tiny-a/images/shapes_378.png").convert("RGB"))
+    prompt = [TextToken(i) for i in (0, 439, 2, 302, 333, 272, 271, 3)]
+
+    def decode(rt):
+        state, logits = rt.start_sequence(prompt, image, max_new_tokens=4)
+        out = [logits.float().cpu()]
+        out += [rt.decode_step([state], [TextToken(100 + t)])[0].float().cpu() for t in range(4)]
+        rt.release_sequence(state)
+        return out
+
+    plain = MoondreamRuntime(fp8_model, kv_cache_pages=1000, max_batch_size=1,
+                             attention_backend="torch")  # fmt: skip
+    want = decode(plain)
+    scales = [KvScales((plain.kv.k[i].abs().max().float() * 1.25 / 448).reshape(1),
+                       (plain.kv.v[i].abs().max().float() * 1.25 / 448).reshape(1))
+              for i in range(fp8_model.config.text.n_layers)]  # fmt: skip
+    rt = MoondreamRuntime(fp8_model, kv_cache_pages=1000, max_batch_size=1, kv_scales=scales)
+    assert rt.kv.k[0].dtype == KV_FP8_DTYPE and rt.kv.k[0].is_cuda and rt.decode_graphs is None
+    for g, w in zip(decode(rt), want, strict=True):
+        assert bool(torch.isfinite(g).all())
+        assert float((g - w).abs().max()) < 0.25 * float(w.abs().max())
