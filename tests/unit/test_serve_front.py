@@ -246,3 +246,38 @@ def test_the_health_monitor_takes_a_silent_replica_off_and_a_loaded_one_back() -
     monitor.probe_once()
     assert door.router.snapshot().live == {"r0": True} and door.links["r0"].info["name"] == "ip:2"
     assert asyncio.run(door.aquery(IMAGE, "q?")) == "ok"
+
+
+@pytest.mark.parametrize(
+    ("resources", "wanted", "engine", "n", "actor", "device", "threads"),
+    [
+        ({"CPU": 64, "GPU": 8}, None, {}, 8, {"num_gpus": 1, "num_cpus": 1}, "cuda", None),
+        ({"CPU": 64, "GPU": 8}, 3, {"device": "auto"}, 3, {"num_gpus": 1, "num_cpus": 1}, "cuda",
+         None),
+        ({"CPU": 8, "GPU": 2}, 2, {"device": "cpu"}, 2, {"num_cpus": 4.0}, "cpu", 4),
+        ({"CPU": 2}, None, {}, 2, {"num_cpus": 1.0}, None, 1),
+        ({"CPU": 9}, 4, {}, 4, {"num_cpus": 2.0}, None, 2),
+    ],
+)  # fmt: skip
+def test_placement_one_gpu_each_else_a_share_of_the_cpus(
+    monkeypatch, resources, wanted, engine, n, actor, device, threads
+) -> None:
+    from kestrel.distributed import serve_cluster
+    from kestrel.distributed.replica import ReplicaOptions
+
+    monkeypatch.setattr(serve_cluster.ray, "cluster_resources", lambda: resources)
+    options = serve_cluster.ServeOptions(replicas=wanted)
+    got_n, replica, got_actor = serve_cluster.placement(ReplicaOptions(engine=engine), options)
+    assert (got_n, got_actor) == (n, actor)
+    assert replica.engine.get("device") == device and replica.threads == threads
+
+
+def test_placement_refuses_more_than_the_cluster_has(monkeypatch) -> None:
+    from kestrel.distributed import serve_cluster
+    from kestrel.distributed.replica import ReplicaOptions
+
+    for resources, wanted, match in (({"CPU": 64, "GPU": 2}, 3, "3 GPUs"),
+                                     ({"CPU": 2}, 3, "need 3")):  # fmt: skip
+        monkeypatch.setattr(serve_cluster.ray, "cluster_resources", lambda r=resources: r)
+        with pytest.raises(InvalidInputError, match=match):
+            serve_cluster.placement(ReplicaOptions(), serve_cluster.ServeOptions(replicas=wanted))
