@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,12 +156,12 @@ class ClusterEngine:
         snap = self.router.snapshot()
         pending = {n: self.links[n].handle.stats.remote() for n, up in snap.live.items() if up}
         found: dict[str, dict[str, Any] | None] = {}
+        deadline = time.monotonic() + _STATS_TIMEOUT_S  # for all of them together
         for name in self.links:
             response = pending.get(name)
             try:
-                found[name] = (
-                    None if response is None else response.result(timeout_s=_STATS_TIMEOUT_S)
-                )
+                wait = max(0.01, deadline - time.monotonic())
+                found[name] = None if response is None else response.result(timeout_s=wait)
             except Exception:  # dead or stuck: reported as down, not as an error
                 found[name] = None
         self.last_stats = cluster_stats(found, snap)
@@ -188,13 +189,7 @@ class ClusterEngine:
     ) -> Any:
         name = self._begin(key)
         if stream:
-            relay = RelayStream(self, name, skill, args, kw)
-            try:
-                await relay.prime()
-            except BaseException:
-                relay.cancel()
-                raise
-            return relay
+            return await self._streamed(name, skill, args, kw)
         try:
             response = self.links[name].handle.call.remote(skill, args, kw)
             try:
@@ -202,13 +197,28 @@ class ClusterEngine:
             except asyncio.CancelledError:  # the client left: stop the replica's work too
                 _cancel_soon(response)
                 raise
-            except LOST as exc:
-                raise self.lost(name, exc) from None
+        except LOST as exc:
+            raise self.lost(name, exc) from None
         finally:
             self.router.end(name)
         if isinstance(out, Failure):
             raise out.error
         return out
+
+    async def _streamed(self, name: str, skill: str, args: tuple, kw: dict[str, Any]) -> Any:
+        try:
+            relay = RelayStream(self, name, skill, args, kw)
+        except BaseException as exc:
+            self.router.end(name)
+            if isinstance(exc, LOST):
+                raise self.lost(name, exc) from None
+            raise
+        try:
+            await relay.prime()
+        except BaseException:
+            relay.cancel()
+            raise
+        return relay
 
 
 class RelayStream:

@@ -281,3 +281,16 @@ def test_placement_refuses_more_than_the_cluster_has(monkeypatch) -> None:
         monkeypatch.setattr(serve_cluster.ray, "cluster_resources", lambda r=resources: r)
         with pytest.raises(InvalidInputError, match=match):
             serve_cluster.placement(ReplicaOptions(), serve_cluster.ServeOptions(replicas=wanted))
+
+
+def test_a_call_refused_at_once_by_serve_is_a_lost_replica_and_holds_nothing() -> None:
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    for stream in (False, True):
+        handle = _Handle()
+        refused = _Method(lambda: (_ for _ in ()).throw(DeploymentUnavailableError("r0")))
+        handle.call = handle.stream = refused
+        door = _door(handle)
+        with pytest.raises(ReplicaLostError):
+            asyncio.run(door.aquery(IMAGE, "q?", stream=stream))
+        assert _in_flight(door) == 0 and door.router.snapshot().live == {"r0": False}
