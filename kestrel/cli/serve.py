@@ -149,6 +149,12 @@ def _add_ray_options(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the replicas' Ray Serve applications are NAME-0, NAME-1, ... (default: %(default)s)",
     )
+    group.add_argument(
+        "--ray-attach",
+        action="store_true",
+        help="start no replicas: front the ones another kestrel serve --ray runs on the cluster "
+        "(--ray-address, --ray-app); the model options are theirs",
+    )
 
 
 def _check_ray_flags(args: argparse.Namespace) -> None:
@@ -158,10 +164,14 @@ def _check_ray_flags(args: argparse.Namespace) -> None:
         "--replicas": args.replicas is not None,
         "--routing": args.routing != "image",
         "--ray-app": args.ray_app != "kestrel-replica",
+        "--ray-attach": args.ray_attach,
     }
     named = [flag for flag, set_ in given.items() if set_]
     if named and not args.ray:
         raise common.UsageError(f"{', '.join(named)} only apply with --ray")
+    if args.ray_attach and (args.replicas is not None or args.adapters):
+        raise common.UsageError("--ray-attach starts no replicas: --replicas and --adapter are "
+                                "the running replicas' own")  # fmt: skip
 
 
 def _run_ray(args: argparse.Namespace, sock, api_key: str | None) -> int:
@@ -175,7 +185,7 @@ def _run_ray(args: argparse.Namespace, sock, api_key: str | None) -> int:
         raise KestrelError(f'--ray needs Ray Serve: pip install "kestrel[ray]" ({why})') from None
     options = serving.ServeOptions(replicas=args.replicas, routing=args.routing,
                                    shutdown_timeout_s=args.shutdown_timeout,
-                                   app_prefix=args.ray_app)  # fmt: skip
+                                   app_prefix=args.ray_app, attach=args.ray_attach)  # fmt: skip
     replica = serving.ReplicaOptions(
         model=args.model, engine=common.engine_kwargs(args), adapters=_adapter_paths(args)
     )

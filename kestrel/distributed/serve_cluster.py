@@ -32,6 +32,7 @@ __all__ = [
     "APP_PREFIX",
     "HealthMonitor",
     "ServeOptions",
+    "attach_cluster",
     "delete_replicas",
     "placement",
     "start_cluster",
@@ -51,7 +52,8 @@ class ServeOptions:
     its torch threads (None: an equal share of the cluster's CPUs, at least 1);
     ``max_ongoing_requests``: what Serve lets one replica hold at once; ``health_period_s``:
     Serve's health check and the front door's probe period; ``app_prefix``: the replicas'
-    Serve applications are ``<app_prefix>-<i>`` (the ring's names)."""
+    Serve applications are ``<app_prefix>-<i>`` (the ring's names); ``attach``: use the
+    replicas of that name already running (another front door's) instead of starting any."""
 
     replicas: int | None = None
     routing: str = "image"
@@ -61,6 +63,7 @@ class ServeOptions:
     health_period_s: float = 1.0
     shutdown_timeout_s: float = 30.0
     app_prefix: str = APP_PREFIX
+    attach: bool = False
 
 
 def placement(
@@ -125,8 +128,34 @@ def start_cluster(replica: ReplicaOptions, options: ServeOptions) -> ClusterEngi
     except BaseException:
         delete_replicas(names)
         raise
-    slack = options.slack if options.slack is not None else replica.engine.get("max_batch_size", 16)
-    router = Router(names, routing=options.routing, slack=int(slack))
+    return _door(links, options)
+
+
+def attach_cluster(options: ServeOptions) -> ClusterEngine:
+    """The front door's engine over replicas another front door started on this cluster
+    (``<app_prefix>-0``, ``-1``, ...): the same names, so the same ring and the same routing."""
+    from ray import serve
+
+    pattern = re.compile(re.escape(options.app_prefix) + r"-(\d+)")
+    running = [(m, name) for name in serve.status().applications
+               if (m := pattern.fullmatch(name))]  # fmt: skip
+    names = [name for _, name in sorted(running, key=lambda found: int(found[0][1]))]
+    if not names:
+        raise InvalidInputError(
+            f"no Serve applications {options.app_prefix}-0, -1, ... run on this Ray cluster: "
+            "start them with kestrel serve --ray (and --ray-address to reach it)"
+        )
+    handles = [serve.get_app_handle(name) for name in names]
+    links = [
+        ReplicaLink(n, h, h.describe.remote().result()) for n, h in zip(names, handles, strict=True)
+    ]
+    return _door(links, options)
+
+
+def _door(links: list[ReplicaLink], options: ServeOptions) -> ClusterEngine:
+    batch = int(links[0].info.get("max_batch_size", 16))
+    slack = options.slack if options.slack is not None else batch
+    router = Router([link.name for link in links], routing=options.routing, slack=slack)
     return ClusterEngine(links, router)
 
 

@@ -13,10 +13,18 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import ray
+
 from .frontdoor import ClusterEngine
 from .pipeline import ray_session
 from .replica import ReplicaOptions
-from .serve_cluster import HealthMonitor, ServeOptions, delete_replicas, start_cluster
+from .serve_cluster import (
+    HealthMonitor,
+    ServeOptions,
+    attach_cluster,
+    delete_replicas,
+    start_cluster,
+)
 from .serve_stats import ReplicaCollector
 
 __all__ = [
@@ -32,17 +40,19 @@ __all__ = [
 def serve_cluster(
     address: str | None, replica: ReplicaOptions, options: ServeOptions | None = None
 ) -> Iterator[ClusterEngine]:
-    """The front door's engine over freshly started replicas, probed by a health monitor.
-    On exit the replicas are deleted (and a Ray instance started here is stopped)."""
+    """The front door's engine over freshly started replicas (or, with ``options.attach``,
+    over those another front door started), probed by a health monitor. On exit the replicas
+    this call started are deleted (and a Ray instance started here is stopped)."""
     options = options or ServeOptions()
     with ray_session(address):
-        door = start_cluster(replica, options)
+        door = attach_cluster(options) if options.attach else start_cluster(replica, options)
         try:
             with HealthMonitor(door, period_s=options.health_period_s):
                 yield door
         finally:
             door.close()
-            delete_replicas(list(door.links))
+            if not options.attach:
+                delete_replicas(list(door.links))
 
 
 def add_replica_metrics(app: Any, door: ClusterEngine) -> None:
@@ -57,6 +67,6 @@ def startup_line(door: ClusterEngine, url: str) -> str:
     adapters = ", ".join(door.adapters()) or "none"
     return (
         f"kestrel serve --ray: {door.model_path} ({door.config.family}) on {url} "
-        f"(adapters: {adapters}; routing: {door.router.routing}; {len(door.links)} replicas: "
-        f"{replicas})"
+        f"(Ray at {ray.get_runtime_context().gcs_address}; adapters: {adapters}; routing: "
+        f"{door.router.routing}; {len(door.links)} replicas: {replicas})"
     )

@@ -46,13 +46,24 @@ def running_server(log: Path, *flags: str) -> Iterator[Server]:
     """``kestrel serve --ray --replicas 2`` with ``flags``, up until the block ends (then
     SIGTERM, which also stops its Ray instance, unless a test stopped it already)."""
     options = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_OPTIONS.items()]
-    cmd = [
-        sys.executable, "-m", "kestrel", "serve", "--ray", "--replicas", "2", "--port", "0",
-        "--model", str(MODEL), *options, "--adapter", f"{ADAPTER}={ADAPTER_DIR}",
-        "--api-key", KEY, "--log-level", "warning", *flags,
-    ]  # fmt: skip
-    # a local Ray instance of its own, never a cluster of the caller's ($RAY_ADDRESS)
+    with _launch(log, "--replicas", "2", "--model", str(MODEL), *options,
+                 "--adapter", f"{ADAPTER}={ADAPTER_DIR}", *flags) as server:  # fmt: skip
+        yield server
+
+
+def attached_door(log: Path, ray_address: str) -> contextlib.AbstractContextManager[Server]:
+    """A second front door over the replicas of the server whose Ray is at ``ray_address``."""
+    return _launch(log, "--ray-attach", "--ray-address", ray_address)
+
+
+@contextlib.contextmanager
+def _launch(log: Path, *flags: str) -> Iterator[Server]:
+    cmd = [sys.executable, "-m", "kestrel", "serve", "--ray", "--port", "0", "--api-key", KEY,
+           "--log-level", "warning", *flags]  # fmt: skip
+    # A local Ray instance of its own, never a cluster of the caller's ($RAY_ADDRESS); token
+    # authentication on, so that a second front door joins it with the same token.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "token"
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + STARTUP_S

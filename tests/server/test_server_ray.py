@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -33,6 +34,7 @@ from tests.server.ray_front import (
     WAIT_S,
     Server,
     assert_pages_conserved,
+    attached_door,
     idle_stats,
     post,
     raw,
@@ -204,6 +206,29 @@ def test_routing_by_image_encodes_each_image_once(server) -> None:
     for b, a in zip(before["replicas"], after["replicas"], strict=True):
         assert a["routed"] - b["routed"] == 9  # its three images' nine questions
         assert a["vision_encodes"] - b["vision_encodes"] == 3
+    assert_pages_conserved(after)
+
+
+def test_a_second_front_door_attaches_to_the_same_replicas(server, tmp_path) -> None:
+    """Same names, same ring: an image meets the same replica through either front door; the
+    attached door's SIGTERM leaves the replicas running."""
+    line = next(ln for ln in server.log.read_text().splitlines() if "--ray" in ln)
+    address = re.search(r"Ray at ([^;]+);", line).group(1)
+    image = _image_of(NAMES[1], 500)
+    body = {"image_url": data_url(image), "question": "Which door?", "settings": GREEDY}
+    before = idle_stats(server)
+    with attached_door(tmp_path / "door2.log", address) as door:
+        assert all(name in door.log.read_text() for name in NAMES)
+        status, got = post(door, "query", body)
+        assert status == 200 and got["metrics"]["cached_tokens"] == 0
+        door.proc.send_signal(signal.SIGTERM)
+        assert door.proc.wait(timeout=WAIT_S) == 0
+    status, again = post(server, "query", {**body, "question": "And this door?"})
+    assert status == 200 and again["metrics"]["cached_tokens"] > 0  # the same replica's KV
+    after = idle_stats(server)
+    served = [a["requests_served"] - b["requests_served"]
+              for a, b in zip(after["replicas"], before["replicas"], strict=True)]  # fmt: skip
+    assert served == [0, 2]
     assert_pages_conserved(after)
 
 
