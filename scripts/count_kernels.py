@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -53,7 +54,7 @@ from kestrel.runtime.heads import ModelHeads  # noqa: E402
 from kestrel.runtime.runner import MoondreamRunner  # noqa: E402
 from kestrel.runtime.runtime import MoondreamRuntime  # noqa: E402
 from kestrel.scheduler import Request, Scheduler  # noqa: E402
-from kestrel_kernels import contract, fa_backend  # noqa: E402
+from kestrel_kernels import contract, fa_backend, fused  # noqa: E402
 from kestrel_kernels.counting import LaunchCounter  # noqa: E402
 from kestrel_kernels.torch_backend import varlen_paged_attention_torch  # noqa: E402
 
@@ -84,9 +85,13 @@ def gpu_branches():
     fa_backend.load_binding = lambda: fake_binding
     contract._check_values = lambda *a, **k: None  # runs on CPU tensors only
     contract._check_regions = lambda *a, **k: None
+    fused_before = fused.get_fused_backend()
+    if importlib.util.find_spec("triton") is not None:
+        fused.set_fused_backend("triton")  # the Triton kernels, interpreted: one launch each
     try:
         yield
     finally:
+        fused.set_fused_backend(fused_before)
         (fa_backend.probe, fa_backend.load_binding, contract._check_values,
          contract._check_regions) = saved  # fmt: skip
 

@@ -30,6 +30,12 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# Without a GPU the fused Triton kernels run under Triton's interpreter. The flag must be set
+# before triton is first imported (its standard library, tl.sum and the like, is built then).
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_available():
         return

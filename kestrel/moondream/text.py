@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -26,7 +25,8 @@ from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.lora_batch import LoraBatch
 from kestrel.moondream.model import LayerNorm, Linear, TextBlock, TextWeights
 from kestrel.moondream.moe import Routing, moe_mlp, moe_mlp_static, tau_factors
-from kestrel.moondream.rope import apply_rope, rope_cos_sin
+from kestrel.moondream.rope import rope_cos_sin
+from kestrel_kernels.fused import add_layer_norm, linear_gelu, rope_write_kv
 
 __all__ = ["dense_activation", "embed_text", "layer_norm", "linear", "lm_head", "text_forward"]
 
@@ -83,7 +83,10 @@ def _mlp(
             sink(i, routing)
         return out
     assert blk.fc1 is not None and blk.fc2 is not None
-    ff = dense_activation(_add_lora(linear(h, blk.fc1), h, plan, i, "fc1"))
+    if plan is None:  # bias + GELU in the GEMM's epilogue where fused
+        ff = linear_gelu(h, blk.fc1.weight, blk.fc1.bias)
+    else:
+        ff = dense_activation(_add_lora(linear(h, blk.fc1), h, plan, i, "fc1"))
     return _add_lora(linear(ff, blk.fc2), ff, plan, i, "fc2")
 
 
@@ -124,26 +127,20 @@ def text_forward(
         T, page_table, seqused_k, seqused_q=seqused_q, causal=True,
         bidir_regions=bidir_regions, dtype=x_BTC.dtype, backend=backend,
     )  # fmt: skip
-    x = x_BTC
-    for i, blk in enumerate(w.blocks):
-        h = layer_norm(x, blk.ln)
+    kv_scales = getattr(kv, "kv_scales", None)  # per-layer scales of FP8 KV pages, or None
+    x, blocks = x_BTC, w.blocks
+    h = layer_norm(x, blocks[0].ln)
+    for i, blk in enumerate(blocks):
         qkv = _add_lora(linear(h, blk.qkv), h, plan, i, "qkv")  # [B, T, (H + 2Hkv) D]
-        v = qkv[..., (H + Hkv) * D :]
+        tau_q = tau_v = None
         if blk.tau is not None:  # Moondream 3: scale q and v (not k) before rotary
             tau_q, tau_v = tau_factors(qkv, positions_BT, blk.tau)  # [B, T, H] each
-            q_BTHD = qkv[..., : H * D].view(B, T, H, D) * tau_q[..., None]
-            k_BTHD = qkv[..., H * D : (H + Hkv) * D].view(B, T, Hkv, D)
-            qk_in = torch.cat([q_BTHD, k_BTHD], dim=2)  # [B, T, H+Hkv, D]
-            v = (v.view(B, T, Hkv, D) * tau_v[..., None]).reshape(B, T, Hkv * D)
-        else:
-            qk_in = qkv[..., : (H + Hkv) * D].view(B, T, H + Hkv, D)
-        # q and k rotate in one call (half the kernels of a decode step's RoPE): [B, T, H+Hkv, D]
-        qk = apply_rope(qk_in, cos_BTR, sin_BTR)
-        q = qk[:, :, :H].contiguous()  # [B, T, H, D]
-        k = qk[:, :, H:]  # [B, T, Hkv, D]
-        kestrel_kernels.write_kv(
-            kv.k[i], kv.v[i], slot_mapping, k.reshape(B * T, Hkv, D), v.reshape(B * T, Hkv, D)
-        )
+        # rotary on q and k, k and v written to their pages: one launch where fused
+        scales = None if kv_scales is None else kv_scales[i]
+        q = rope_write_kv(
+            qkv, cos_BTR, sin_BTR, kv.k[i], kv.v[i], slot_mapping,
+            n_heads=H, n_kv_heads=Hkv, head_dim=D, tau_q=tau_q, tau_v=tau_v, kv_scales=scales,
+        )  # fmt: skip
         attn = kestrel_kernels.paged_attention(
             q,
             kv.k[i],
@@ -154,8 +151,14 @@ def text_forward(
             causal=True,
             bidir_regions=bidir_regions,
             plan=attn_plan,
+            kv_scales=scales,
         )  # [B, T, H, D]
         # proj LoRA reads the LN output h, not the attention output (reference quirk).
         attn_out = _add_lora(linear(attn.reshape(B, T, C), blk.proj), h, plan, i, "proj")
-        x = x + attn_out + _mlp(h, blk, cfg, plan, i, routing_sink, moe_static)
+        mlp_out = _mlp(h, blk, cfg, plan, i, routing_sink, moe_static)
+        if i + 1 < len(blocks):  # the residual add runs with the next block's LayerNorm
+            ln = blocks[i + 1].ln
+            x, h = add_layer_norm(x, (attn_out, mlp_out), ln.weight, ln.bias, LN_EPS)
+        else:
+            x = x + attn_out + mlp_out
     return x

@@ -28,7 +28,8 @@ from torch import Tensor
 from kestrel.moondream.config import VisionConfig
 from kestrel.moondream.crops import CropError, OverlapCrops, overlap_crops, select_tiling
 from kestrel.moondream.model import VisionBlock, VisionWeights
-from kestrel.moondream.text import layer_norm, linear
+from kestrel.moondream.text import LN_EPS, layer_norm, linear
+from kestrel_kernels.fused import add_layer_norm, linear_gelu
 
 __all__ = [
     "CropError",
@@ -122,10 +123,18 @@ def _attention(x_NPC: Tensor, blk: VisionBlock, n_heads: int) -> Tensor:
 def vision_encoder(pixels_NCHW: Tensor, w: VisionWeights, cfg: VisionConfig) -> Tensor:
     """Encoder features after post_ln: [N, n_patches, enc_dim]. Crops are independent."""
     x = linear(patchify(pixels_NCHW, cfg.enc_patch_size), w.patch_emb) + w.pos_emb
-    for blk in w.blocks:
-        x = x + _attention(layer_norm(x, blk.ln1), blk, cfg.enc_n_heads)
-        x = x + linear(F.gelu(linear(layer_norm(x, blk.ln2), blk.fc1), approximate="tanh"), blk.fc2)
-    return layer_norm(x, w.post_ln)
+    # each residual add runs with the LayerNorm after it (one launch where fused)
+    norms = [n for blk in w.blocks for n in (blk.ln1, blk.ln2)] + [w.post_ln]
+    h = layer_norm(x, norms[0])
+    for i, blk in enumerate(w.blocks):
+        x, h = add_layer_norm(x, (_attention(h, blk, cfg.enc_n_heads),), *_ln(norms[2 * i + 1]))
+        mlp = linear(linear_gelu(h, blk.fc1.weight, blk.fc1.bias), blk.fc2)
+        x, h = add_layer_norm(x, (mlp,), *_ln(norms[2 * i + 2]))
+    return h
+
+
+def _ln(w) -> tuple[Tensor, Tensor, float]:
+    return w.weight, w.bias, LN_EPS
 
 
 def _keep_range(i: int, n: int, g: int, m: int) -> tuple[int, int]:

@@ -62,9 +62,10 @@ def _draw_table(draws: Sequence[Draw | None], device) -> tuple[Tensor, ...]:
 def batch_rows(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) -> list[RowLogits]:
     """The rows of a batch's logits with their argmax and, for rows with a draw, the chosen
     token: one set of device ops for the batch and one transfer back."""
+    rows = logits_BV.unbind(0)  # one call for every row's view
     if draws is None or all(d is None for d in draws):
         ids = greedy(logits_BV).tolist()  # the one transfer
-        return [RowLogits(logits_BV[i], ids[i]) for i in range(len(ids))]
+        return [RowLogits(row, i) for row, i in zip(rows, ids, strict=True)]
     if len(draws) != logits_BV.shape[0]:
         raise ValueError(f"{len(draws)} draws for {logits_BV.shape[0]} rows of logits")
     temp, top_p, top_k, u, banned = _draw_table(draws, logits_BV.device)
@@ -72,8 +73,8 @@ def batch_rows(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) ->
     chosen = sample_rows(logits_BV, temp, top_p, top_k, u, banned, any_sampled=hot)
     argmax, picks = torch.stack([greedy(logits_BV), chosen]).tolist()  # the one transfer
     return [
-        RowLogits(logits_BV[i], argmax[i], d, None if d is None else picks[i])
-        for i, d in enumerate(draws)
+        RowLogits(row, best, d, None if d is None else pick)
+        for row, best, d, pick in zip(rows, argmax, draws, picks, strict=True)
     ]
 
 

@@ -71,9 +71,12 @@ from kestrel.runtime.sequence import (
     image_regions,
     validate_image_regions,
 )
+from kestrel.tokens import CoordToken, SizeToken, TextToken
 from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
+
+_TOKEN_TYPES = (TextToken, CoordToken, SizeToken)
 
 log = logging.getLogger("kestrel.runtime")
 
@@ -333,24 +336,28 @@ class MoondreamRuntime:
                 f"decode_step needs one token per sequence, got {len(states)} states and "
                 f"{len(tokens)} tokens"
             )
-        for s, t in zip(states, tokens, strict=True):
-            if s.released or self._active.get(s.batch_idx) is not s:
-                raise SequenceError(f"sequence in batch row {s.batch_idx} is not running")
-            if s.length >= s.max_length:
-                raise SequenceError(
-                    f"sequence in batch row {s.batch_idx} has used all "
-                    f"{s.max_length - s.prompt_length} new-token pages (max_new_tokens reached)"
-                )
-            if not isinstance(t, PromptToken):
+        active = self._active
+        for s, t in zip(states, tokens, strict=True):  # one pass of plain attribute checks
+            if s.released or active.get(s.batch_idx) is not s or s.length >= s.max_length:
+                self._refuse(s)
+            if not isinstance(t, _TOKEN_TYPES):
                 raise SequenceError(f"decode_step tokens must be cache tokens, got {t!r}")
         if len({s.batch_idx for s in states}) != len(states):
             raise SequenceError("a sequence appears twice in one decode_step")
         hidden_BC, logits_BV = self._decode_forward(states, tokens)
-        for i, (s, t) in enumerate(zip(states, tokens, strict=True)):
+        for s, t, h in zip(states, tokens, hidden_BC.unbind(0), strict=True):
             s.length += 1
             s.fed.append(t)
-            s.last_hidden = hidden_BC[i]
+            s.last_hidden = h
         return logits_BV
+
+    def _refuse(self, s: SequenceState) -> None:
+        if s.released or self._active.get(s.batch_idx) is not s:
+            raise SequenceError(f"sequence in batch row {s.batch_idx} is not running")
+        raise SequenceError(
+            f"sequence in batch row {s.batch_idx} has used all "
+            f"{s.max_length - s.prompt_length} new-token pages (max_new_tokens reached)"
+        )
 
     def _decode_forward(
         self, states: Sequence[SequenceState], tokens: Sequence[PromptToken]

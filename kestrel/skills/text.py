@@ -122,8 +122,11 @@ class _AnswerSkill(Skill):
             banned=answer_suppressed_ids(tok),
             record=record,
         )
+        # Text streams lazily: answer ids wait here until a consumer asks (take_text), so a
+        # request nobody streams never runs the incremental detokenizer.
         self._sink = ops.stream_decoder()
-        self._pending: list[str] = []
+        self._streamed = 0  # answer ids already pushed into the sink
+        self._flushed = False
 
     @property
     def streams_text(self) -> bool:
@@ -132,10 +135,7 @@ class _AnswerSkill(Skill):
     def _answer_step(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
         fed = self.answer.decide(logits_V, hidden_C, budget)
         if fed is None:
-            self._pending.append(self._sink.flush())
             self._finish(_public_reason(self.answer.finish_reason))
-        else:
-            self._pending.append(self._sink.push(self.answer.tokens[-1]))
         return fed
 
     def advance(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
@@ -145,9 +145,13 @@ class _AnswerSkill(Skill):
         return self.answer.next_draw()
 
     def take_text(self) -> str:
-        text = "".join(self._pending)
-        self._pending.clear()
-        return text
+        ids = self.answer.tokens
+        parts = [self._sink.push(i) for i in ids[self._streamed :]]
+        self._streamed = len(ids)
+        if self.finished and not self._flushed:
+            self._flushed = True
+            parts.append(self._sink.flush())
+        return "".join(parts)
 
     def output_tokens(self) -> tuple[int, ...]:
         return tuple(self.answer.tokens)
@@ -207,7 +211,6 @@ class QuerySkill(_AnswerSkill):
         if fed is not None:
             return fed
         if budget <= 0:  # no room for the answer marker
-            self._pending.append(self._sink.flush())
             self._finish("length")
             return None
         self._answering = True

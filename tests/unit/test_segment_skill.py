@@ -34,7 +34,7 @@ class PathScript:
     def decode(self, ids) -> str:
         return "".join(" " + WORDS[i] for i in ids)  # a leading space, as BPE words have
 
-    def sample(self, logits_V, temperature, top_p, banned, rng):
+    def sample(self, logits_V, temperature, top_p, banned, rng, u=None):
         self.banned.append(tuple(banned))
         return self.ids.pop(0)
 
