@@ -35,14 +35,15 @@ def _build(interpret: bool):
 
     @triton.jit
     def rope_kv_kernel(
-        qkv, cos, sin, tau_q, tau_v, slots, q_out, k_cache, v_cache,
+        qkv, cos, sin, tau_q, tau_v, slots, q_out, k_cache, v_cache, N,
         stride_tok, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-        BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAU: tl.constexpr,
+        TOKS: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, HAS_TAU: tl.constexpr,
     ):  # fmt: skip
-        n = tl.program_id(0)  # one token: every q and kv head at once
-        j = tl.arange(0, BLOCK_J)[:, None]  # head: q heads first, then kv heads
-        d = tl.arange(0, BLOCK_D)[None, :]
-        ok = (j < H + HKV) & (d < D)
+        # TOKS tokens per program, every q and kv head of each at once: [TOKS, heads, dims]
+        n = tl.program_id(0) * TOKS + tl.arange(0, TOKS)[:, None, None]
+        j = tl.arange(0, BLOCK_J)[None, :, None]  # head: q heads first, then kv heads
+        d = tl.arange(0, BLOCK_D)[None, None, :]
+        ok = (n < N) & (j < H + HKV) & (d < D)
         is_q = j < H
         row = qkv + n * stride_tok
         ty = q_out.dtype.element_ty
@@ -60,7 +61,7 @@ def _build(interpret: bool):
         out = tl.where(d < R, xf * c - pf * s, tl.where(rot, pf * s + xf * c, xf))
         tl.store(q_out + (n * H + j) * D + d, out.to(ty), mask=ok & is_q)
         g = j - H
-        slot = tl.load(slots + n + j * 0 + d * 0)  # the token's page, broadcast
+        slot = tl.load(slots + n + j * 0 + d * 0, mask=ok, other=-1)  # the token's page
         keep = ok & (j >= H) & (slot >= 0)
         dst = slot * (HKV * D) + g * D + d
         tl.store(k_cache + dst, out.to(k_cache.dtype.element_ty), mask=keep)
@@ -104,6 +105,12 @@ def kernels():
     return _build(_interpret())
 
 
+def _per_program(interpreted: int) -> int:
+    """Rows (tokens) per program: one on a GPU; the interpreter runs programs one after
+    another in Python, so there each program takes many."""
+    return interpreted if _interpret() else 1
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -122,13 +129,14 @@ def rope_write_kv_triton(
     rope_kv_kernel, _ = kernels()
     has_tau = tau_q_NH is not None
     dummy = cos_NR
+    toks = _per_program(64)
     with opaque("triton_rope_write_kv"):
-        rope_kv_kernel[(n,)](
+        rope_kv_kernel[(-(-n // toks),)](
             qkv_NX, cos_NR.contiguous(), sin_NR.contiguous(),
             tau_q_NH.contiguous() if has_tau else dummy,
             tau_v_NG.contiguous() if has_tau else dummy,
-            slots_N, q_out, k_cache, v_cache, qkv_NX.stride(0),
-            H=n_heads, HKV=n_kv_heads, D=head_dim, R=cos_NR.shape[-1],
+            slots_N, q_out, k_cache, v_cache, n, qkv_NX.stride(0),
+            H=n_heads, HKV=n_kv_heads, D=head_dim, R=cos_NR.shape[-1], TOKS=toks,
             BLOCK_J=_next_pow2(n_heads + n_kv_heads), BLOCK_D=_next_pow2(head_dim),
             HAS_TAU=has_tau,
         )  # fmt: skip
@@ -148,8 +156,7 @@ def add_layer_norm_triton(
     _, add_ln_kernel = kernels()
     a = deltas[0].contiguous() if deltas else x_NC
     m = deltas[1].contiguous() if len(deltas) > 1 else x_NC
-    # one row per program on a GPU; the interpreter runs programs one by one, so it gets many
-    rows = 64 if _interpret() else 1
+    rows = _per_program(64)
     with opaque("triton_add_layer_norm"):
         add_ln_kernel[(-(-n // rows),)](
             x_NC, a, m, weight, bias, x_out, h, n, C=c, eps=eps, BLOCK_C=_next_pow2(c),
@@ -162,11 +169,12 @@ def add_layer_norm_triton(
 _SM90_BUILDS = {
     "rope_kv": (
         {"qkv": "*bf16", "cos": "*fp32", "sin": "*fp32", "tau_q": "*bf16", "tau_v": "*bf16",
-         "slots": "*i64", "q_out": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16",
+         "slots": "*i64", "q_out": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "N": "i32",
          "stride_tok": "i32", "H": "constexpr", "HKV": "constexpr", "D": "constexpr",
-         "R": "constexpr", "BLOCK_J": "constexpr", "BLOCK_D": "constexpr",
+         "R": "constexpr", "TOKS": "constexpr", "BLOCK_J": "constexpr", "BLOCK_D": "constexpr",
          "HAS_TAU": "constexpr"},
-        {"H": 32, "HKV": 32, "D": 64, "R": 16, "BLOCK_J": 64, "BLOCK_D": 64, "HAS_TAU": False},
+        {"H": 32, "HKV": 32, "D": 64, "R": 16, "TOKS": 1, "BLOCK_J": 64, "BLOCK_D": 64,
+         "HAS_TAU": False},
     ),
     "add_ln": (
         {"x": "*bf16", "a": "*bf16", "m": "*bf16", "w": "*bf16", "b": "*bf16",

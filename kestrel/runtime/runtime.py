@@ -67,16 +67,15 @@ from kestrel.runtime.sequence import (
     SequenceState,
     build_cache_tokens,
     cacheable_prefix,
+    check_decode_batch,
     check_request,
     image_regions,
     validate_image_regions,
 )
-from kestrel.tokens import CoordToken, SizeToken, TextToken
 from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
 
-_TOKEN_TYPES = (TextToken, CoordToken, SizeToken)
 
 log = logging.getLogger("kestrel.runtime")
 
@@ -331,33 +330,13 @@ class MoondreamRuntime:
         Each new K/V goes to that sequence's private page at its current length. Coordinate and
         size tokens are embedded through the region encoders.
         """
-        if len(states) != len(tokens) or not states:
-            raise SequenceError(
-                f"decode_step needs one token per sequence, got {len(states)} states and "
-                f"{len(tokens)} tokens"
-            )
-        active = self._active
-        for s, t in zip(states, tokens, strict=True):  # one pass of plain attribute checks
-            if s.released or active.get(s.batch_idx) is not s or s.length >= s.max_length:
-                self._refuse(s)
-            if not isinstance(t, _TOKEN_TYPES):
-                raise SequenceError(f"decode_step tokens must be cache tokens, got {t!r}")
-        if len({s.batch_idx for s in states}) != len(states):
-            raise SequenceError("a sequence appears twice in one decode_step")
+        check_decode_batch(states, tokens, self._active)
         hidden_BC, logits_BV = self._decode_forward(states, tokens)
         for s, t, h in zip(states, tokens, hidden_BC.unbind(0), strict=True):
             s.length += 1
             s.fed.append(t)
             s.last_hidden = h
         return logits_BV
-
-    def _refuse(self, s: SequenceState) -> None:
-        if s.released or self._active.get(s.batch_idx) is not s:
-            raise SequenceError(f"sequence in batch row {s.batch_idx} is not running")
-        raise SequenceError(
-            f"sequence in batch row {s.batch_idx} has used all "
-            f"{s.max_length - s.prompt_length} new-token pages (max_new_tokens reached)"
-        )
 
     def _decode_forward(
         self, states: Sequence[SequenceState], tokens: Sequence[PromptToken]

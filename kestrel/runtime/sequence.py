@@ -6,7 +6,7 @@ cacheable) can be read and tested without the model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +29,7 @@ __all__ = [
     "SequenceState",
     "build_cache_tokens",
     "cacheable_prefix",
+    "check_decode_batch",
     "check_request",
     "image_regions",
     "validate_image_regions",
@@ -229,3 +230,31 @@ def check_request(
             f"prompt ({prompt} positions) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"model context of {config.text.max_context}"
         )
+
+
+_TOKEN_TYPES = (TextToken, CoordToken, SizeToken)
+
+
+def check_decode_batch(
+    states: Sequence[SequenceState], tokens: Sequence, active: Mapping[int, SequenceState]
+) -> None:
+    """Refuse a decode step unless every sequence is running (``active`` maps batch rows to
+    running sequences), has a page left, appears once, and is fed a cache token. One pass of
+    plain attribute checks: it runs on every step."""
+    if len(states) != len(tokens) or not states:
+        raise SequenceError(
+            f"decode_step needs one token per sequence, got {len(states)} states and "
+            f"{len(tokens)} tokens"
+        )
+    for s, t in zip(states, tokens, strict=True):
+        if s.released or active.get(s.batch_idx) is not s:
+            raise SequenceError(f"sequence in batch row {s.batch_idx} is not running")
+        if s.length >= s.max_length:
+            raise SequenceError(
+                f"sequence in batch row {s.batch_idx} has used all "
+                f"{s.max_length - s.prompt_length} new-token pages (max_new_tokens reached)"
+            )
+        if not isinstance(t, _TOKEN_TYPES):
+            raise SequenceError(f"decode_step tokens must be cache tokens, got {t!r}")
+    if len({s.batch_idx for s in states}) != len(states):
+        raise SequenceError("a sequence appears twice in one decode_step")
