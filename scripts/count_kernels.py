@@ -38,8 +38,8 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -63,24 +63,37 @@ SAMPLED = {"temperature": 0.5, "top_p": 0.3, "max_tokens": 48}
 GREEDY = {"temperature": 0.0, "max_tokens": 48}
 
 
-def fake_binding(q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k, page_table, softmax_scale,
-                 causal, **unused):  # fmt: skip
+def fake_binding(
+    q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k, page_table, softmax_scale, causal, **unused
+):
     """FlashAttention's varlen paged call, computed by its torch model (one launch)."""
     from kestrel_kernels.counting import opaque
 
     with opaque("flash_attn"):
         out = varlen_paged_attention_torch(
-            q, k[:, 0], v[:, 0], page_table, 1, seqused_k, cu_seqlens_q, max_seqlen_q,
-            causal, softmax_scale,
-        )  # fmt: skip
+            q,
+            k[:, 0],
+            v[:, 0],
+            page_table,
+            1,
+            seqused_k,
+            cu_seqlens_q,
+            max_seqlen_q,
+            causal,
+            softmax_scale,
+        )
     return out, None
 
 
 @contextlib.contextmanager
 def gpu_branches():
     """The ``fa`` backend with the stand-in binding; host-side value checks (CPU only) paused."""
-    saved = (fa_backend.probe, fa_backend.load_binding, contract._check_values,
-             contract._check_regions)  # fmt: skip
+    saved = (
+        fa_backend.probe,
+        fa_backend.load_binding,
+        contract._check_values,
+        contract._check_regions,
+    )
     fa_backend.probe = lambda device=None: fa_backend.FaProbe(True, "counting stand-in")
     fa_backend.load_binding = lambda: fake_binding
     contract._check_values = lambda *a, **k: None  # runs on CPU tensors only
@@ -92,19 +105,33 @@ def gpu_branches():
         yield
     finally:
         fused.set_fused_backend(fused_before)
-        (fa_backend.probe, fa_backend.load_binding, contract._check_values,
-         contract._check_regions) = saved  # fmt: skip
+        (
+            fa_backend.probe,
+            fa_backend.load_binding,
+            contract._check_values,
+            contract._check_regions,
+        ) = saved
 
 
 def build(max_batch: int):
     base = MoondreamConfig.from_json_file(FIXTURE / "config.json")
     cfg = replace(base, text=replace(base.text, n_layers=24))
     model = random_model(cfg, device="cpu", dtype=torch.bfloat16, seed=0)
-    rt = MoondreamRuntime(model, MoondreamTokenizer.for_checkpoint(FIXTURE),
-                          kv_cache_pages=max_batch * 900 + 4000, max_batch_size=max_batch,
-                          attention_backend="fa")  # fmt: skip
-    rt.decode_graphs = DecodeGraphs(model, rt.kv, rt.page_table.page_table,
-                                    max_batch_size=max_batch, backend="fa", capture=False)  # fmt: skip
+    rt = MoondreamRuntime(
+        model,
+        MoondreamTokenizer.for_checkpoint(FIXTURE),
+        kv_cache_pages=max_batch * 900 + 4000,
+        max_batch_size=max_batch,
+        attention_backend="fa",
+    )
+    rt.decode_graphs = DecodeGraphs(
+        model,
+        rt.kv,
+        rt.page_table.page_table,
+        max_batch_size=max_batch,
+        backend="fa",
+        capture=False,
+    )
     runner = MoondreamRunner(rt)
     factory = RequestFactory(ModelHeads(model, rt.tokenizer), cfg)
     return rt, runner, Scheduler(runner), factory
@@ -116,10 +143,20 @@ _ids = iter(range(1, 1 << 30))
 def submit(sched: Scheduler, factory: RequestFactory, image, question: str, settings) -> Future:
     d = factory.query(image, question, settings, None, reasoning=False, spatial_refs=None)
     fut: Future = Future()
-    sched.submit(Request(request_id=next(_ids), skill=d.skill, image=d.image, adapter=None,
-                         cache_salt=None, prompt_positions=d.prompt_positions,
-                         max_new_tokens=d.max_new_tokens, future=fut,
-                         build_result=d.build_result, submitted_at=time.perf_counter()))  # fmt: skip
+    sched.submit(
+        Request(
+            request_id=next(_ids),
+            skill=d.skill,
+            image=d.image,
+            adapter=None,
+            cache_salt=None,
+            prompt_positions=d.prompt_positions,
+            max_new_tokens=d.max_new_tokens,
+            future=fut,
+            build_result=d.build_result,
+            submitted_at=time.perf_counter(),
+        )
+    )
     return fut
 
 
@@ -171,14 +208,20 @@ def decode_rows(batch: int, settings: dict, sites: bool) -> dict:
     running = len(sched.running)
     for f in futures:
         f.cancel()
-    return {"rows": running, "graph_body": c.graph_body, "outside": c.launches - c.graph_body,
-            "syncs": c.syncs, "uploads_blocking": c.uploads_blocking,
-            "uploads_nonblocking": c.uploads_nonblocking, "replays": c.replays,
-            "sites": c.sites}  # fmt: skip
+    return {
+        "rows": running,
+        "graph_body": c.graph_body,
+        "outside": c.launches - c.graph_body,
+        "syncs": c.syncs,
+        "uploads_blocking": c.uploads_blocking,
+        "uploads_nonblocking": c.uploads_nonblocking,
+        "replays": c.replays,
+        "sites": c.sites,
+    }
 
 
 def prefill_rows(sites: bool) -> dict:
-    rt, runner, sched, factory = build(4)
+    rt, _runner, sched, factory = build(4)
     out = {}
     with LaunchCounter(sites=sites) as c:
         submit(sched, factory, picture(2), QUESTION, GREEDY)
@@ -199,7 +242,9 @@ def prefill_rows(sites: bool) -> dict:
 
 
 def host_us(batch: int, settings: dict, steps: int = 30) -> float:
-    """Median host time of one scheduler decode step, the forward replaced by fixed logits."""
+    """Median host time of one scheduler decode step, the forward replaced by fixed logits
+    (the setup's prefills use the torch forms: the interpreter is slow, and it is not timed)."""
+    fused.set_fused_backend("torch")
     rt, _runner, sched, factory = build(batch)
     image = picture(1)
     for i in range(batch):
@@ -237,16 +282,28 @@ def main() -> None:
         pre = prefill_rows(args.sites)
     table = [("row", "graph body", "outside", "syncs", "blocking up", "async up")]
     for name, r in rows:
-        table.append((name, r["graph_body"], r["outside"], r["syncs"], r["uploads_blocking"],
-                      r["uploads_nonblocking"]))  # fmt: skip
+        table.append(
+            (
+                name,
+                r["graph_body"],
+                r["outside"],
+                r["syncs"],
+                r["uploads_blocking"],
+                r["uploads_nonblocking"],
+            )
+        )
     for key in ("prefill_hit", "prefill_miss", "vision_9"):
         c = pre[key]
         table.append((key, c.launches, 0, c.syncs, c.uploads_blocking, c.uploads_nonblocking))
         all_sites[key] = c.sites
     widths = [max(len(str(r[i])) for r in table) for i in range(len(table[0]))]
     for r in table:
-        print("  ".join(str(v).rjust(w) if i else str(v).ljust(w)
-                        for i, (v, w) in enumerate(zip(r, widths, strict=True))))  # fmt: skip
+        print(
+            "  ".join(
+                str(v).rjust(w) if i else str(v).ljust(w)
+                for i, (v, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
     print(f"(hit prefill: {pre['hit_positions']} new positions)")
     if args.sites:
         for name, sites in all_sites.items():
@@ -270,8 +327,9 @@ def main() -> None:
         "vision_9": pre["vision_9"].launches,
         "syncs_per_decode_step": by["decode b64 greedy"]["syncs"],
         "syncs_per_decode_step_sampled": by["decode b64 sampled"]["syncs"],
-        "uploads_per_prefill": max(pre["prefill_hit"].uploads_blocking,
-                                   pre["prefill_miss"].uploads_blocking),  # fmt: skip
+        "uploads_per_prefill": max(
+            pre["prefill_hit"].uploads_blocking, pre["prefill_miss"].uploads_blocking
+        ),
         **{k: round(v) for k, v in host.items()},
     }
     if args.json:

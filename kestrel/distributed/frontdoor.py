@@ -27,7 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.exceptions import (
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+    RequestCancelledError,
+)
 
 from kestrel.errors import EngineClosedError, KestrelError
 from kestrel.images import PreparedImage
@@ -248,6 +252,10 @@ class RelayStream:
             item = await self._gen.__anext__()
         except StopAsyncIteration:
             raise KestrelError("the replica's stream ended without a result") from None
+        except RequestCancelledError as exc:
+            if self._ended:  # cancelled here (the client left): end quietly, as a cancellation
+                raise asyncio.CancelledError from None
+            raise self._door.lost(self._name, exc) from None  # cancelled by its replica's end
         except LOST as exc:
             raise self._door.lost(self._name, exc) from None
         if isinstance(item, Failure):

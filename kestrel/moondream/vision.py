@@ -18,6 +18,7 @@ embeddings of the text width, which follow BOS (or the image's place) in the pro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,32 +143,41 @@ def _keep_range(i: int, n: int, g: int, m: int) -> tuple[int, int]:
     return (0 if i == 0 else m), (g if i == n - 1 else g - m)
 
 
+@functools.lru_cache(maxsize=64)
+def _stitch_index(rows: int, cols: int, g: int, m: int, device: torch.device) -> Tensor:
+    """For every cell of the stitched grid, the row of ``local_TPC.reshape(-1, C)`` it comes
+    from (each cell comes from exactly one tile), on ``device``: one gather stitches."""
+    win = g - 2 * m
+    idx = torch.empty(win * rows + 2 * m, win * cols + 2 * m, dtype=torch.int64)
+    cell = torch.arange(rows * cols * g * g).view(rows, cols, g, g)
+    for i in range(rows):
+        ys, ye = _keep_range(i, rows, g, m)
+        for j in range(cols):
+            xs, xe = _keep_range(j, cols, g, m)
+            idx[win * i + ys : win * i + ye, win * j + xs : win * j + xe] = cell[i, j, ys:ye, xs:xe]
+    return idx.reshape(-1).to(device)
+
+
 def pooled_local_features(local_TPC: Tensor, tiling: tuple[int, int], cfg: VisionConfig) -> Tensor:
     """Stitch the local tiles' features and pool them to the patch grid: -> [n_patches, C].
 
     Output grid before pooling: (window * rows + 2m) x (window * cols + 2m) patches with
-    window = grid_side - 2m; every output cell comes from exactly one tile.
+    window = grid_side - 2m; every output cell comes from exactly one tile (one gather).
     """
     rows, cols = tiling
     g, m = cfg.grid_side, cfg.overlap_margin
     win = g - 2 * m
     C = local_TPC.shape[-1]
-    tiles = local_TPC.view(rows, cols, g, g, C)
-    stitched = local_TPC.new_empty(win * rows + 2 * m, win * cols + 2 * m, C)
-    for i in range(rows):
-        ys, ye = _keep_range(i, rows, g, m)
-        for j in range(cols):
-            xs, xe = _keep_range(j, cols, g, m)
-            stitched[win * i + ys : win * i + ye, win * j + xs : win * j + xe] = tiles[
-                i, j, ys:ye, xs:xe
-            ]
+    index = _stitch_index(rows, cols, g, m, local_TPC.device)
+    stitched = local_TPC.reshape(-1, C).index_select(0, index)
+    stitched = stitched.view(win * rows + 2 * m, win * cols + 2 * m, C)
     pooled = F.adaptive_avg_pool2d(stitched.permute(2, 0, 1), (g, g))  # [C, g, g]
     return pooled.permute(1, 2, 0).reshape(g * g, C)
 
 
 def vision_projection(z_PC: Tensor, w: VisionWeights) -> Tensor:
     """Projection MLP: [n_patches, 2 * enc_dim] -> [n_patches, proj_out_dim]."""
-    return linear(F.gelu(linear(z_PC, w.proj_fc1), approximate="tanh"), w.proj_fc2)
+    return linear(linear_gelu(z_PC, w.proj_fc1.weight, w.proj_fc1.bias), w.proj_fc2)
 
 
 def _check_crops(pixels_NCHW: Tensor, tiling: tuple[int, int], cfg: VisionConfig) -> None:

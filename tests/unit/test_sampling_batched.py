@@ -43,8 +43,10 @@ def frequencies(n: int, temperature: float, top_p: float, top_k: int = 0) -> tor
     return torch.bincount(ids, minlength=V).float() / n
 
 
-@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.5, 0.3, 0),
-                                                             (0.7, 0.9, 0), (1.3, 1.0, 3)])  # fmt: skip
+SETTINGS = [(1.0, 1.0, 0), (0.5, 0.3, 0), (0.7, 0.9, 0), (1.3, 1.0, 3)]
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "top_k"), SETTINGS)
 def test_draws_follow_the_truncated_distribution(temperature, top_p, top_k) -> None:
     n = 40_000
     want, got = expected(temperature, top_p, top_k), frequencies(n, temperature, top_p, top_k)
