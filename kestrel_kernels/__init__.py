@@ -19,12 +19,11 @@ from kestrel_kernels.contract import (
     BackendUnavailableError,
     KernelInputError,
     KvScales,
-    SegmentPlan,
-    build_segment_plan,
     default_scale,
     validate_attention_inputs,
     validate_write_kv_inputs,
 )
+from kestrel_kernels.segments import SegmentPlan, build_segment_plan
 
 __all__ = [
     "AttentionPlan",

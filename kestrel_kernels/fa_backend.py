@@ -10,9 +10,9 @@ The package is imported only when a CUDA sm90 device asks for it (``import kestr
 never imports it); ``load_binding`` is the single import point, which is also where the CPU
 contract test substitutes a recording fake.
 
-The bidirectional region needs no mask function: ``contract.build_segment_plan`` turns the masking
+The bidirectional region needs no mask function: ``segments.build_segment_plan`` turns the masking
 rule into varlen sequences that are plain right-aligned causal or non-causal attention, and
-``contract.run_segmented`` makes one causal call and, only when regions are given, one non-causal
+``segments.run_segmented`` makes one causal call and, only when regions are given, one non-causal
 call. A miss with an image is therefore one non-causal pass over BOS + image and one causal pass
 over the text; an append or a decode step (no region reaches their queries) is one causal call.
 
@@ -34,10 +34,8 @@ from torch import Tensor
 from kestrel_kernels.contract import (
     AttentionShape,
     BackendUnavailableError,
-    SegmentPlan,
-    build_segment_plan,
-    run_segmented,
 )
+from kestrel_kernels.segments import SegmentPlan, build_segment_plan, run_segmented
 
 __all__ = ["INSTALL_HINT", "PACKAGE", "FaProbe", "load_binding", "paged_attention_fa", "probe"]
 

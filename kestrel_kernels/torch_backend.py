@@ -3,7 +3,7 @@
 This is the numerics reference (float32 SDPA, used for golden conformance) and what CI runs. It
 also holds ``varlen_paged_attention_torch``, a torch stand-in for FlashAttention's varlen paged
 kernel, so that ``paged_attention_segmented`` runs the exact orchestration of the ``fa`` backend
-(``contract.run_segmented``) on a CPU and tests can prove it equals the masked reference.
+(``segments.run_segmented``) on a CPU and tests can prove it equals the masked reference.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from torch import Tensor
 from kestrel_kernels.contract import (
     AttentionShape,
     KvScales,
-    SegmentPlan,
-    build_segment_plan,
     dequantize_kv,
     quantize_kv,
     regions_BR2,
-    run_segmented,
 )
+from kestrel_kernels.segments import SegmentPlan, build_segment_plan, run_segmented
 
 __all__ = [
     "build_attention_mask",
@@ -246,7 +244,7 @@ def varlen_paged_attention_torch(
     causal: bool,
     softmax_scale: float,
 ) -> Tensor:
-    """Torch model of FlashAttention's varlen paged call (``contract.VarlenPagedKernel``).
+    """Torch model of FlashAttention's varlen paged call (``segments.VarlenPagedKernel``).
 
     Each packed query row is treated as its own batch entry of length 1, with the right-aligned
     causal limit of its sequence; rows that see no key return zeros (as FlashAttention does).

@@ -185,10 +185,10 @@ def test_one_plan_serves_every_layer_and_guards_its_metadata(fake, monkeypatch) 
     """``plan_attention`` builds the segment plan once; every call given the plan reuses it
     (also under inference_mode, where tensors have no version counter), equals a call
     without a plan, and a plan handed other metadata is refused."""
-    from kestrel_kernels import contract
+    from kestrel_kernels import segments
 
     builds = []
-    original = contract.build_segment_plan
+    original = segments.build_segment_plan
 
     def counting(*a, **k):
         builds.append(1)

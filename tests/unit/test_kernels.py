@@ -17,7 +17,7 @@ import torch
 
 import kestrel_kernels as kk
 from kestrel_kernels import torch_backend
-from kestrel_kernels.contract import build_segment_plan
+from kestrel_kernels.segments import build_segment_plan
 from kestrel_kernels.torch_backend import paged_attention_segmented
 
 I32 = torch.int32
