@@ -18,7 +18,7 @@ from kestrel.moondream.region import (
     size_token,
     spatial_ref_tokens,
 )
-from kestrel.moondream.sampling import greedy, sample_rows
+from kestrel.moondream.sampling import greedy, sample_rows, suppress
 from kestrel.skills.base import Draw
 from kestrel.tokens import CoordToken, SizeToken
 from kestrel_kernels.transfer import upload
@@ -63,14 +63,15 @@ def batch_rows(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) ->
     """The rows of a batch's logits with their argmax and, for rows with a draw, the chosen
     token: one set of device ops for the batch and one transfer back."""
     rows = logits_BV.unbind(0)  # one call for every row's view
-    if draws is None or all(d is None for d in draws):
+    if draws is not None and len(draws) != logits_BV.shape[0]:
+        raise ValueError(f"{len(draws)} draws for {logits_BV.shape[0]} rows of logits")
+    if draws is None or not any(d is not None and d.temperature > 0 for d in draws):
+        # every row greedy: the argmaxes alone (a row whose argmax it suppresses is decided
+        # again from its own logits, which is rare)
         ids = greedy(logits_BV).tolist()  # the one transfer
         return [RowLogits(row, i) for row, i in zip(rows, ids, strict=True)]
-    if len(draws) != logits_BV.shape[0]:
-        raise ValueError(f"{len(draws)} draws for {logits_BV.shape[0]} rows of logits")
     temp, top_p, top_k, u, banned = _draw_table(draws, logits_BV.device)
-    hot = any(d is not None and d.temperature > 0 for d in draws)
-    chosen = sample_rows(logits_BV, temp, top_p, top_k, u, banned, any_sampled=hot)
+    chosen = sample_rows(logits_BV, temp, top_p, top_k, u, banned)
     argmax, picks = torch.stack([greedy(logits_BV), chosen]).tolist()  # the one transfer
     return [
         RowLogits(row, best, d, None if d is None else pick)
@@ -148,9 +149,11 @@ class ModelHeads:
             if temperature == 0.0 and logits_V.argmax not in banned:
                 return logits_V.argmax
             logits_V = logits_V.logits_V
-        if temperature > 0.0 and u is None:
+        if temperature == 0.0:
+            return int(greedy(suppress(logits_V[None], banned))[0])
+        if u is None:
             u = (rng or random).random()
-        draw = Draw(temperature, top_p, banned, u or 0.0, top_k)
+        draw = Draw(temperature, top_p, banned, u, top_k)
         return batch_rows(logits_V[None], [draw])[0].chosen  # type: ignore[return-value]
 
     def coord_token(self, hidden_C: Tensor) -> tuple[CoordToken, Tensor]:

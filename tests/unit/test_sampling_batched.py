@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kestrel.moondream.sampling import apply_top_p, sample_rows
-from kestrel.runtime.heads import ModelHeads, RowLogits, batch_rows
+from kestrel.runtime.heads import ModelHeads, batch_rows
 from kestrel.skills.base import Draw
 from kestrel_kernels.counting import LaunchCounter
 
@@ -103,10 +103,22 @@ def test_batched_choice_equals_the_one_row_path() -> None:
 
 
 def test_a_changed_draw_is_not_answered_from_the_batch() -> None:
-    logits = torch.tensor([[0.0, 5.0, 1.0]])
-    (row,) = batch_rows(logits, [Draw(0.0, 1.0)])
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    row, _ = batch_rows(logits, [Draw(0.0, 1.0), Draw(1.0, 1.0, (), 0.5)])
     assert row.chosen == 1
     heads = ModelHeads.__new__(ModelHeads)
     # asked with id 1 banned, which the batch did not know: computed again, not the stale 1
-    assert heads.sample(RowLogits(logits[0], row.argmax, row.draw, row.chosen), 0.0, 1.0, (1,),
-                        None) == 2  # fmt: skip
+    assert heads.sample(row, 0.0, 1.0, (1,), None) == 2
+
+
+def test_an_all_greedy_batch_reads_back_only_its_argmaxes() -> None:
+    """No sampling ops for a batch of greedy rows; a row whose argmax its skill suppresses is
+    decided again from its own logits."""
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 1.0, 2.0]])
+    with LaunchCounter() as c:
+        rows = batch_rows(logits, [Draw(0.0, 1.0, (1,)), Draw(0.0, 1.0)])
+    assert c.syncs == 1 and "sort" not in c.by_op
+    assert [r.argmax for r in rows] == [1, 0] and rows[0].chosen is None
+    heads = ModelHeads.__new__(ModelHeads)
+    assert heads.sample(rows[0], 0.0, 1.0, (1,), None) == 2
+    assert heads.sample(rows[1], 0.0, 1.0, (), None) == 0
