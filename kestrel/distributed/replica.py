@@ -58,23 +58,28 @@ class ReplicaOptions:
     threads: int | None = None  # torch intra-op threads (CPU replicas)
     crash: CrashOnce | None = None
 
-
-class Replica:
-    """A Ray Data callable class: ``Replica(options)(block) -> output rows``."""
-
-    def __init__(self, options: ReplicaOptions) -> None:
+    def open_engine(self) -> tuple[Any, str]:
+        """In the replica's process: its Engine (threads set, adapters loaded) and its name,
+        ``node-ip:pid``. Shared by the batch replicas and the serving ones."""
         import ray
         import torch
 
         from kestrel.engine import Engine
 
-        if options.threads is not None:
-            torch.set_num_threads(options.threads)
-        self.engine = Engine(options.model, **options.engine)
-        for name, path in options.adapters:
-            self.engine.load_adapter(name, path)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        engine = Engine(self.model, **self.engine)
+        for name, path in self.adapters:
+            engine.load_adapter(name, path)
+        return engine, f"{ray.util.get_node_ip_address()}:{os.getpid()}"
+
+
+class Replica:
+    """A Ray Data callable class: ``Replica(options)(block) -> output rows``."""
+
+    def __init__(self, options: ReplicaOptions) -> None:
+        self.engine, self.name = options.open_engine()
         self.options = options
-        self.name = f"{ray.util.get_node_ip_address()}:{os.getpid()}"
         self.answered = 0  # rows recorded by this process (for CrashOnce)
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -51,17 +51,7 @@ class EngineReplica:
     """The deployment's class: ``serve.deployment(EngineReplica).bind(options)``."""
 
     def __init__(self, options: ReplicaOptions) -> None:
-        import ray
-        import torch
-
-        from kestrel.engine import Engine
-
-        if options.threads is not None:
-            torch.set_num_threads(options.threads)
-        self.engine = Engine(options.model, **options.engine)
-        for name, path in options.adapters:
-            self.engine.load_adapter(name, path)
-        self.name = f"{ray.util.get_node_ip_address()}:{os.getpid()}"
+        self.engine, self.name = options.open_engine()
 
     def describe(self) -> dict[str, Any]:
         """Who this replica is and what it serves (the front door's health probe, too)."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,6 +62,7 @@ from kestrel.runtime.decode import decode_eager
 from kestrel.runtime.prefill import prefill_batch, prefill_item
 from kestrel.runtime.sequence import (
     PromptToken,
+    RuntimeCounters,
     SequenceError,
     SequenceState,
     build_cache_tokens,
@@ -78,23 +78,6 @@ __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceStat
 
 
 log = logging.getLogger("kestrel.runtime")
-
-
-@dataclass(slots=True)
-class RuntimeCounters:
-    """Cumulative figures, for metrics and benchmarks."""
-
-    sequences: int = 0
-    prompt_tokens: int = 0  # KV positions of all prompts
-    cached_tokens: int = 0  # of which reused from the cache
-    prefill_tokens: int = 0  # of which computed
-    vision_encodes: int = 0
-    cache_hits: int = 0  # sequences that reused at least one page
-    retained_tokens: int = 0  # decoded positions kept in the cache at release
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def _prepared(image: object) -> tuple[PreparedImage, ...]:
@@ -284,7 +267,7 @@ class MoondreamRuntime:
         state.length = state.prompt_length
         state.prompt, state.images = (), ()
         self._active[state.batch_idx] = state
-        self._count(state)
+        self.counters.add(state)
 
     def abort_sequence(self, state: SequenceState) -> None:
         """Give back everything a prepared (or failed) sequence holds; a no-op if it has."""
@@ -402,12 +385,3 @@ class MoondreamRuntime:
         crops = self.crops.pixels(image)
         pixels = crops.encoder_input(self.dtype, self.device)
         return encode_image(pixels, crops.tiling, self.model.vision, self.config.vision)
-
-    def _count(self, state: SequenceState) -> None:
-        c = self.counters
-        c.sequences += 1
-        c.prompt_tokens += state.prompt_length
-        c.cached_tokens += state.reused_page_count
-        c.prefill_tokens += state.prompt_length - state.reused_page_count
-        c.vision_encodes += int(state.vision_encoded)
-        c.cache_hits += int(state.reused_page_count > 0)

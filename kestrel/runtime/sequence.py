@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PromptToken",
+    "RuntimeCounters",
     "SequenceError",
     "SequenceState",
     "build_cache_tokens",
@@ -258,3 +259,29 @@ def check_decode_batch(
             raise SequenceError(f"decode_step tokens must be cache tokens, got {t!r}")
     if len({s.batch_idx for s in states}) != len(states):
         raise SequenceError("a sequence appears twice in one decode_step")
+
+
+@dataclass(slots=True)
+class RuntimeCounters:
+    """Cumulative figures of a runtime's sequences, for metrics and benchmarks."""
+
+    sequences: int = 0
+    prompt_tokens: int = 0  # KV positions of all prompts
+    cached_tokens: int = 0  # of which reused from the cache
+    prefill_tokens: int = 0  # of which computed
+    vision_encodes: int = 0
+    cache_hits: int = 0  # sequences that reused at least one page
+    retained_tokens: int = 0  # decoded positions kept in the cache at release
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def add(self, state: SequenceState) -> None:
+        """Count a sequence that has just been prefilled and committed."""
+        self.sequences += 1
+        self.prompt_tokens += state.prompt_length
+        self.cached_tokens += state.reused_page_count
+        self.prefill_tokens += state.prompt_length - state.reused_page_count
+        self.vision_encodes += int(state.vision_encoded)
+        self.cache_hits += int(state.reused_page_count > 0)
