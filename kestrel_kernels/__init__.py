@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kestrel_kernels import fa_backend, torch_backend
+from kestrel_kernels import compile_op, fa_backend, torch_backend
 from kestrel_kernels.contract import (
     BackendUnavailableError,
     KernelInputError,
@@ -98,6 +98,12 @@ def _backend_for(backend: str, q: Tensor) -> str:
     return _resolve_for(backend, q.device, q.dtype)
 
 
+@torch.compiler.assume_constant_result
+def _traced_resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``_resolve_for`` run once while dynamo traces; the graph keeps the answer as a constant."""
+    return _resolve_for(backend, device, dtype)
+
+
 def _resolve_for(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     name = _canonical(backend)
     explicit = name != "auto" or _default_backend != "auto"
@@ -158,7 +164,8 @@ def plan_attention(
     No host synchronisation (the segment plan is computed on the device), so a forward that
     CUDA graphs capture records these few kernels once, not once per layer.
     """
-    resolved = _resolve_for(backend, page_table.device, dtype)
+    resolve = _traced_resolve if torch.compiler.is_compiling() else _resolve_for
+    resolved = resolve(backend, page_table.device, dtype)
     segments = pages = None
     if resolved == "fa":
         segments = build_segment_plan(q_len, seqused_k, seqused_q, bidir_regions, causal)
@@ -195,7 +202,13 @@ def paged_attention(
     ``plan``: the forward's :func:`plan_attention` (its backend replaces ``backend``).
     ``kv_scales``: the caches are FP8 pages with these scales (the contract's scaled-KV case);
     that case runs the torch reference on every device for now.
+    Under ``torch.compile`` the call is one opaque op (``kestrel_kernels.compile_op``).
     """
+    if torch.compiler.is_compiling():
+        return _traced_attention(
+            q, k_cache, v_cache, page_table, seqused_k, seqused_q, causal, bidir_regions,
+            softmax_scale, backend, plan, kv_scales,
+        )  # fmt: skip
     shape = validate_attention_inputs(
         q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions, kv_scales
     )
@@ -220,6 +233,25 @@ def paged_attention(
     return torch_backend.paged_attention_torch(
         q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs
     )
+
+
+def _traced_attention(
+    q, k_cache, v_cache, page_table, seqused_k, seqused_q, causal, bidir_regions,
+    softmax_scale, backend, plan, kv_scales,
+) -> Tensor:  # fmt: skip
+    """``paged_attention`` as dynamo sees it: ``torch.ops.kestrel.paged_attention``, whose eager
+    implementation validates the inputs and runs the backend at run time."""
+    if plan is not None:
+        plan.check(q, page_table, seqused_k, seqused_q, bidir_regions, causal)
+        name = plan.backend
+    else:
+        name = _traced_resolve(backend, q.device, q.dtype)
+    return compile_op.attention_op(
+        q, k_cache, v_cache, page_table, seqused_k, seqused_q=seqused_q, causal=causal,
+        bidir_regions=bidir_regions, softmax_scale=default_scale(q.shape[-1], softmax_scale),
+        backend=name, segments=None if plan is None else plan.segments,
+        segment_pages=None if plan is None else plan.segment_pages, kv_scales=kv_scales,
+    )  # fmt: skip
 
 
 def write_kv(
