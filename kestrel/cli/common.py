@@ -68,6 +68,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--attention-backend", default="auto", metavar="NAME")
     group.add_argument(
+        "--compile", action="store_true",
+        help="run the decode step through torch.compile (opt-in, experimental: each batch "
+        "size compiles on first use, about a minute per shape for Moondream 2)",
+    )  # fmt: skip
+    group.add_argument(
         "--keep-exif-orientation", action="store_true",
         help="read images in their stored orientation instead of turning them upright by their "
         "EXIF orientation tag (coordinates then refer to the stored pixels)",
@@ -152,6 +157,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_batch_size": args.max_batch_size,
         "enable_prefix_cache": not args.no_prefix_cache,
         "attention_backend": args.attention_backend,
+        "compile": args.compile,
         "exif_orientation": not args.keep_exif_orientation,
     }
 

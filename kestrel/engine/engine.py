@@ -59,6 +59,9 @@ class Engine(AsyncTwins, ChatCalls):
     ``dtype``; None keeps what the file holds (docs/models.md). ``kv_dtype="fp8"`` stores the
     KV pages as float8_e4m3 with the checkpoint's per-layer ``kv_quantizer`` scales (refused
     when it has none; decode then runs the torch attention reference, without CUDA graphs).
+    ``compile=True`` (opt-in, experimental) runs the decode step through ``torch.compile``, one
+    graph per batch-size bucket compiled on first use (docs/kernels.md); refused with the
+    reason where inductor cannot compile for the device.
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -79,6 +82,7 @@ class Engine(AsyncTwins, ChatCalls):
         retain_decoded: bool = True,
         moe_weights: str | None = None,
         kv_dtype: str | None = None,
+        compile: bool = False,
     ) -> None:
         self.runtime, self.model_path = load_runtime(
             model,
@@ -91,6 +95,7 @@ class Engine(AsyncTwins, ChatCalls):
             retain_decoded=retain_decoded,
             moe_weights=moe_weights,
             kv_dtype=kv_dtype,
+            compile=compile,
         )
         self.config = self.runtime.config
         self.max_batch_size = max_batch_size

@@ -14,6 +14,7 @@ from kestrel.errors import InvalidInputError, ModelLoadError
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.weights import MOE_WEIGHT_MODES, load_kv_scales, resolve_checkpoint
+from kestrel.runtime.compiled import compile_unavailable_reason
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tiny import MODEL_DIR
 from kestrel_kernels.contract import KvScales
@@ -110,10 +111,20 @@ def load_runtime(
     retain_decoded: bool = True,
     moe_weights: str | None = None,
     kv_dtype: str | None = None,
+    compile: bool = False,
 ) -> tuple[MoondreamRuntime, str]:
-    """Load the checkpoint and build its runtime; returns (runtime, where it came from)."""
+    """Load the checkpoint and build its runtime; returns (runtime, where it came from).
+
+    ``compile``: run decode through ``torch.compile`` (``kestrel.runtime.compiled``); refused
+    up front, with the reason, where inductor cannot compile for the device."""
     source = _model_source(model)
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if not isinstance(compile, bool):
+        raise InvalidInputError(f"compile must be True or False, got {compile!r}")
+    if compile:
+        reason = compile_unavailable_reason(dev)
+        if reason is not None:
+            raise InvalidInputError(f"compile=True cannot work here: {reason}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
         raise InvalidInputError(f"max_batch_size must be an int, got {max_batch_size!r}")
     if max_batch_size < 1:
@@ -141,6 +152,7 @@ def load_runtime(
             enable_prefix_cache=enable_prefix_cache,
             attention_backend=attention_backend,
             retain_decoded=retain_decoded,
+            **({"compile": True} if compile else {}),  # the runtime's default is eager
         )
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model {str(source)!r}: {exc}") from exc

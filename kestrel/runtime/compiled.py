@@ -1,0 +1,263 @@
+"""Opt-in ``torch.compile`` (inductor) of the decode step and of bucketed prefill forwards.
+
+What compiles: ``decode.decode_static`` -- token embedding, every decoder layer, ``post_ln`` and
+the vocabulary head -- as one graph per batch-size bucket, with static shapes
+(``dynamic=False``) and no graph break (``fullgraph=True``). Inductor fuses the element-wise
+work around the GEMMs (RoPE, the K/V page write, LayerNorm, bias + GELU, residual adds), which
+eager mode launches op by op. Attention stays FlashAttention (or the torch reference): under
+``torch.compile`` ``kestrel_kernels.paged_attention`` is the opaque op
+``torch.ops.kestrel.paged_attention`` (``kestrel_kernels.compile_op``), one node per layer. The
+forward's attention plan is traced once per forward as plain tensor ops, and the backend is
+resolved while tracing, so no layer rebuilds it.
+
+The compiled step is a drop-in for ``decode_static``: ``cuda_graphs.DecodeGraphs`` calls it in
+its warm-up (where the compile happens, once per bucket) and captures it into its CUDA graph
+like the eager step, so inductor's own CUDA graphs (``mode="reduce-overhead"``) are not used.
+
+``CompiledPrefill`` pads a prefill group to a bucket shape (rows to a power of two, positions
+to a multiple of ``position_bucket``) so a few graphs serve every prompt length; a Python int
+that changes from call to call would otherwise recompile (see ``prefill_static``).
+
+Off by default (``Engine(compile=True)``, ``kestrel ... --compile``) until a GPU run proves it;
+the CPU tests prove the compiled step computes what the eager one does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+import kestrel_kernels.compile_op  # noqa: F401  (registers torch.ops.kestrel.paged_attention)
+from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.text import PagedKV, text_forward
+from kestrel.runtime.decode import decode_static
+from kestrel.runtime.prefill import PrefillItem, group_by_length, prefill_batch
+from kestrel_kernels.transfer import upload
+
+__all__ = [
+    "CompileUnavailableError",
+    "CompiledDecode",
+    "CompiledPrefill",
+    "check_compile",
+    "compile_unavailable_reason",
+    "prefill_static",
+]
+
+log = logging.getLogger("kestrel.runtime")
+
+# Graphs one compiled function may hold: one per bucket (and grad mode), with room to spare.
+RECOMPILE_LIMIT = 64
+
+
+class CompileUnavailableError(RuntimeError):
+    """``compile=True`` was asked for where ``torch.compile`` cannot build the step."""
+
+
+def compile_unavailable_reason(device: torch.device | str) -> str | None:
+    """Why inductor cannot compile for ``device`` here, or None when it can."""
+    dev = torch.device(device)
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile (dynamo) does not support this Python / platform"
+    if dev.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "inductor needs the triton package to compile for CUDA (pip install triton)"
+        return None
+    if dev.type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()
+        except Exception as exc:  # no compiler found raises; the type varies by version
+            return f"inductor needs a C++ compiler for CPU code ({type(exc).__name__}: {exc})"
+        return None
+    return f"compile is supported on cpu and cuda devices, not {dev.type}"
+
+
+def check_compile(device: torch.device | str) -> None:
+    """Raise ``CompileUnavailableError`` saying why, unless ``device`` can compile."""
+    reason = compile_unavailable_reason(device)
+    if reason is not None:
+        raise CompileUnavailableError(f"compile=True cannot work here: {reason}")
+
+
+class CompiledDecode:
+    """``decode_static`` compiled by inductor, one graph per batch-size bucket.
+
+    Called exactly like ``decode_static``; returns (hidden before post_ln [B, C], logits
+    [B, V]). The first call of a bucket compiles (seconds for a tiny model, about a minute
+    for Moondream 2); later calls run the compiled graph. ``compiler``: a dynamo backend
+    (tests pass a recording one; serving keeps "inductor").
+    """
+
+    def __init__(
+        self,
+        step: Callable[..., tuple[Tensor, Tensor]] = decode_static,
+        *,
+        compiler: str | Callable = "inductor",
+        fullgraph: bool = True,
+    ) -> None:
+        self._compiled = torch.compile(step, backend=compiler, dynamic=False, fullgraph=fullgraph)
+        self._shapes: set[int] = set()
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Batch sizes this step has been called with (each is one compiled graph)."""
+        return tuple(sorted(self._shapes))
+
+    def __call__(
+        self,
+        model: MoondreamModel,
+        kv: PagedKV,
+        page_table_RP: Tensor,
+        rows_B: Tensor,
+        lengths_B: Tensor,
+        ids_B: Tensor,
+        override_B: Tensor,
+        override_BC: Tensor,
+        backend: str,
+    ) -> tuple[Tensor, Tensor]:
+        size = int(rows_B.shape[0])
+        if size not in self._shapes:
+            log.info("compiling the decode step for batch %d (torch.compile, inductor)", size)
+            self._shapes.add(size)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return self._compiled(
+                model, kv, page_table_RP, rows_B, lengths_B, ids_B, override_B, override_BC,
+                backend,
+            )  # fmt: skip
+
+
+def prefill_static(
+    model: MoondreamModel,
+    kv: PagedKV,
+    page_table_RP: Tensor,
+    x_BTC: Tensor,
+    meta_4B: Tensor,
+    bidir_regions: Tensor | None,
+    backend: str,
+) -> Tensor:
+    """One padded prefill forward as a pure function of tensors with static shapes.
+
+    ``x_BTC``: the rows' new embeddings, zero-padded; ``meta_4B``: int64 ``[4, B]`` -- real new
+    positions ``n``, reused positions ``skip``, batch row, prompt length -- per row (a padding
+    row has ``n = 0``, batch row 0 and prompt length 0: it writes no page and sees no key).
+    Returns the hidden state (before post_ln) of each row's last real position, ``[B, C]``.
+    Unlike ``prefill._forward``, the page table is not cut to the longest prompt (a Python int
+    that would recompile per prompt length): every row keeps its full width.
+    """
+    n_B, skip_B, rows_B, prompt_B = meta_4B.unbind(0)
+    B, T, _ = x_BTC.shape
+    t_1T = torch.arange(T, device=x_BTC.device)[None]
+    real_BT = t_1T < n_B[:, None]
+    positions_BT = torch.where(real_BT, skip_B[:, None] + t_1T, 0)  # padding: position 0
+    pages_BP = page_table_RP.index_select(0, rows_B)
+    slots = torch.where(real_BT, pages_BP.gather(1, positions_BT), -1).reshape(-1)
+    hidden_BTC = text_forward(
+        x_BTC, model.text, model.config.text, positions_BT=positions_BT, kv=kv,
+        slot_mapping=slots, page_table=pages_BP, seqused_k=prompt_B.to(torch.int32),
+        seqused_q=n_B.to(torch.int32), bidir_regions=bidir_regions, backend=backend,
+    )  # fmt: skip
+    last_B = (n_B - 1).clamp(min=0)
+    return hidden_BTC[torch.arange(B, device=x_BTC.device), last_B]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class CompiledPrefill:
+    """``prefill.prefill_batch`` over ``prefill_static`` compiled by inductor, per bucket.
+
+    Each length group (``prefill.group_by_length``) is padded to a bucket -- rows to a power of
+    two, positions to a multiple of ``position_bucket`` -- so one graph serves every prompt of
+    similar length; a bucket compiles on first use. Groups with a LoRA adapter run the eager
+    ``prefill_batch`` (adapters are host-side lists the compiled graph does not take).
+    """
+
+    def __init__(
+        self,
+        *,
+        position_bucket: int = 64,
+        compiler: str | Callable = "inductor",
+        fullgraph: bool = True,
+    ) -> None:
+        if position_bucket < 1:
+            raise ValueError(f"position_bucket must be >= 1, got {position_bucket}")
+        self.position_bucket = position_bucket
+        self._compiled = torch.compile(
+            prefill_static, backend=compiler, dynamic=False, fullgraph=fullgraph
+        )
+        self._shapes: set[tuple[int, int, int]] = set()
+
+    @property
+    def buckets(self) -> tuple[tuple[int, int, int], ...]:
+        """(rows, positions, regions) shapes compiled so far (regions: -1 = none)."""
+        return tuple(sorted(self._shapes))
+
+    def bucket(self, rows: int, positions: int) -> tuple[int, int]:
+        """The padded (rows, positions) shape a group of ``rows`` x ``positions`` runs in."""
+        return _pow2(rows), _round_up(positions, self.position_bucket)
+
+    def prefill_batch(
+        self,
+        model: MoondreamModel,
+        kv: PagedKV,
+        page_table_RP: Tensor,
+        items: Sequence[PrefillItem],
+        backend: str,
+    ) -> Tensor:
+        """What ``prefill.prefill_batch`` returns, for the same arguments."""
+        if not items or any(it.adapter is not None for it in items):
+            return prefill_batch(model, kv, page_table_RP, items, backend)  # its checks, eagerly
+        for it in items:
+            if it.n < 1 or it.skip + it.n != it.prompt_length:
+                raise ValueError(f"prefill covers {it.skip}+{it.n} != prompt {it.prompt_length}")
+        out = items[0].x_TC.new_empty(len(items), items[0].x_TC.shape[1])
+        for group in group_by_length([it.n for it in items]):
+            out[group] = self._forward([items[i] for i in group], model, kv, page_table_RP, backend)
+        return out
+
+    def _forward(
+        self, items: Sequence[PrefillItem], model, kv, page_table_RP: Tensor, backend: str
+    ) -> Tensor:
+        dev, dim = items[0].x_TC.device, items[0].x_TC.shape[1]
+        B, T = self.bucket(len(items), max(it.n for it in items))
+        pad = [0] * (B - len(items))
+        meta_4B = upload(
+            [[it.n for it in items] + pad, [it.skip for it in items] + pad,
+             [it.row for it in items] + pad, [it.prompt_length for it in items] + pad],
+            torch.int64, dev,
+        )  # fmt: skip
+        x_BTC = items[0].x_TC.new_zeros(B, T, dim)
+        for b, it in enumerate(items):
+            x_BTC[b, : it.n] = it.x_TC
+        bidir = _padded_regions(items, B, dev)
+        self._note((B, T, -1 if bidir is None else bidir.dim()))
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            hidden_BC = self._compiled(model, kv, page_table_RP, x_BTC, meta_4B, bidir, backend)
+        return hidden_BC[: len(items)]
+
+    def _note(self, shape: tuple[int, int, int]) -> None:
+        if shape not in self._shapes:
+            log.info("compiling prefill for %d rows x %d positions (torch.compile)", *shape[:2])
+            self._shapes.add(shape)
+
+
+def _padded_regions(items: Sequence[PrefillItem], rows: int, dev: torch.device) -> Tensor | None:
+    """``prefill._regions`` for ``rows`` rows (padding rows have none)."""
+    most = max(len(it.regions) for it in items)
+    if most == 0:
+        return None
+    table = [list(it.regions) + [(0, 0)] * (most - len(it.regions)) for it in items]
+    table += [[(0, 0)] * most] * (rows - len(items))
+    out = upload(table, torch.int32, dev)
+    return out[:, 0] if most == 1 else out

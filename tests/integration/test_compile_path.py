@@ -1,0 +1,195 @@
+"""The opt-in ``torch.compile`` path (``kestrel.runtime.compiled``) on CPU, on the fixture model.
+
+The compiled decode step stands in for ``decode_static`` inside ``DecodeGraphs`` (which is what
+the runtime's ``compile=True`` does) and must give the eager step's logits; the compiled prefill
+stands in for ``prefill_batch``. Structure checks use a recording dynamo backend: one graph, no
+break, one opaque attention op per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import kestrel.runtime.cuda_graphs as graphs_mod
+import kestrel.runtime.runtime as runtime_mod
+from kestrel import Engine
+from kestrel.cli import common
+from kestrel.engine import setup
+from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.region import coord_token, size_token
+from kestrel.runtime.compiled import (
+    CompiledDecode,
+    CompiledPrefill,
+    CompileUnavailableError,
+    check_compile,
+    compile_unavailable_reason,
+)
+from kestrel.runtime.cuda_graphs import DecodeGraphs
+from kestrel.runtime.decode import decode_static
+from kestrel.tokens import TextToken
+from tests.conftest import FIXTURES
+from tests.integration.test_batched_prefill import _batched, _greedy, _requests
+
+ATTENTION_OP = (torch.ops.kestrel.paged_attention, torch.ops.kestrel.paged_attention.default)
+pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:
+    """Equal up to summation order: a bound that scales with the values' magnitude."""
+    bound = rel * max(1.0, float(want.abs().max()))
+    torch.testing.assert_close(got, want, atol=bound, rtol=rel)
+
+
+class Recorder:
+    """A dynamo backend that keeps each FX graph and runs it as traced (no codegen)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> object:
+        self.graphs.append(gm)
+        return gm.forward
+
+    def count(self, targets) -> int:
+        return sum(n.target in targets for g in self.graphs for n in g.graph.nodes)
+
+
+def _prompts(model: MoondreamModel, lengths=(5, 8, 3)) -> list[list[TextToken]]:
+    g = torch.Generator().manual_seed(5)
+    bos = TextToken(model.config.tokenizer.bos_id)
+    top = min(model.config.text.vocab_size, 700)
+    return [[bos, *(TextToken(int(i)) for i in torch.randint(10, top, (n,), generator=g))]
+            for n in lengths]  # fmt: skip
+
+
+def _decode_run(rt, model, feeds) -> list[torch.Tensor]:
+    """Three sequences (a 4-row bucket with one padding row), one step per feed."""
+    rt.decode_graphs = DecodeGraphs(
+        model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend="torch", capture=False
+    )
+    states = [rt.start_sequence(p, max_new_tokens=len(feeds) + 1)[0] for p in _prompts(model)]
+    out = [rt.decode_step(states, f) for f in feeds]
+    assert torch.count_nonzero(rt.kv.k[0][0]) == 0, "padding rows must not write page 0"
+    for s in states:
+        rt.release_sequence(s)
+    return out
+
+
+def test_compiled_decode_equals_eager(make_runtime, model, monkeypatch) -> None:
+    """Inductor's decode step gives the eager step's logits (coordinate / size override rows
+    and a padding row included), and new lengths reuse the bucket's graph (no recompile)."""
+    region = model.config.region
+    feeds = [[TextToken(11), TextToken(12), TextToken(13)],
+             [coord_token(300, region), TextToken(14), size_token(500, 600, region)],
+             [TextToken(15), TextToken(16), TextToken(17)]]  # fmt: skip
+    make = lambda: make_runtime(kv_cache_pages=300, max_batch_size=4, attention_backend="torch")  # noqa: E731
+    eager = _decode_run(make(), model, feeds)
+    step = CompiledDecode()
+    monkeypatch.setattr(graphs_mod, "decode_static", step)  # what DecodeGraphs(compile=True) does
+    before = counters["stats"]["unique_graphs"]
+    compiled = _decode_run(make(), model, feeds)
+    assert counters["stats"]["unique_graphs"] - before == 1, "one graph for three steps"
+    assert step.buckets == (4,)
+    for got, want in zip(compiled, eager, strict=True):
+        close(got, want)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("fixture", ["md2-tiny-a", "md3-tiny-a"])
+def test_decode_step_is_one_graph_with_one_attention_op_per_layer(fixture, make_runtime) -> None:
+    """fullgraph=True: any graph break raises. Moondream 3's MoE layers trace in their static
+    form; the KV write stays in the graph and reaches the pages."""
+    model = MoondreamModel.from_pretrained(FIXTURES / fixture, device="cpu", dtype=torch.float32)
+    rt = runtime_mod.MoondreamRuntime(
+        model, kv_cache_pages=300, max_batch_size=2, attention_backend="torch"
+    )
+    states = [rt.start_sequence(p, max_new_tokens=3)[0] for p in _prompts(model, (4, 6))]
+    rows = torch.tensor([s.batch_idx for s in states])
+    lengths = torch.tensor([s.length for s in states])
+    ids, flags = torch.tensor([11, 12]), torch.zeros(2, dtype=torch.bool)
+    override = torch.zeros(2, model.config.text.dim)
+    args = (model, rt.kv, rt.page_table.page_table, rows, lengths, ids, flags, override, "torch")
+    slots = rt.page_table.page_table[rows, lengths].long()
+    recorder = Recorder()
+    with torch.inference_mode():
+        got = CompiledDecode(compiler=recorder)(*args)
+        written = rt.kv.k[0][slots].clone()
+        rt.kv.k[0][slots] = 0
+        want = decode_static(*args)
+    assert len(recorder.graphs) == 1
+    assert recorder.count(ATTENTION_OP) == model.config.text.n_layers
+    close(got[1], want[1])
+    close(written, rt.kv.k[0][slots])
+    assert bool(written.abs().sum() > 0), "the compiled step wrote the new keys"
+    for s in states:
+        rt.release_sequence(s)
+    rt.check_integrity()
+
+
+@pytest.mark.slow  # ~25 s: three prefill buckets compiled by inductor
+def test_compiled_prefill_equals_eager(make_runtime, model, images, monkeypatch) -> None:
+    """Misses (two images and a text prompt) then hits, through the runtime, with
+    ``CompiledPrefill`` in place of ``prefill_batch``: the same logits and the same greedy
+    continuations."""
+    first, hits = _requests(model.config, images)
+    runs = {}
+    for how in ("eager", "compiled"):
+        rt = make_runtime(attention_backend="torch")
+        if how == "compiled":
+            prefill = CompiledPrefill()
+            monkeypatch.setattr(runtime_mod, "prefill_batch", prefill.prefill_batch)
+        states, miss = _batched(rt, first)
+        for s in states:
+            rt.release_sequence(s)
+        states, hit = _batched(rt, hits)
+        runs[how] = (miss, hit, _greedy(rt, states, hit, 2))
+        for s in states:
+            rt.release_sequence(s)
+    (miss, hit, tokens), (miss_c, hit_c, tokens_c) = runs["eager"], runs["compiled"]
+    close(miss_c, miss)
+    close(hit_c, hit)
+    assert tokens_c == tokens
+    # positions padded to multiples of 64, rows to a power of two; misses carry image regions
+    assert all(t % 64 == 0 and b in (1, 2, 4) for b, t, _ in prefill.buckets)
+    assert any(r >= 2 for *_, r in prefill.buckets) and any(r == -1 for *_, r in prefill.buckets)
+
+
+def test_compile_is_opt_in(make_runtime, model) -> None:
+    """By default nothing is compiled: a runtime decodes and prefills eagerly, the Engine's and
+    the command line's compile option default to off, and ``--compile`` turns it on."""
+    before = counters["stats"]["unique_graphs"]
+    rt = make_runtime(kv_cache_pages=300, max_batch_size=2)
+    state, logits = rt.start_sequence(_prompts(model, (4,))[0], max_new_tokens=3)
+    rt.decode_step([state], [TextToken(int(logits.argmax()))])
+    rt.release_sequence(state)
+    assert counters["stats"]["unique_graphs"] == before
+    assert inspect.signature(Engine).parameters["compile"].default is False
+    assert inspect.signature(setup.load_runtime).parameters["compile"].default is False
+    parser = argparse.ArgumentParser()
+    common.add_engine_options(parser)
+    assert common.engine_kwargs(parser.parse_args([]))["compile"] is False
+    assert common.engine_kwargs(parser.parse_args(["--compile"]))["compile"] is True
+
+
+def test_compile_refused_with_its_reason(monkeypatch) -> None:
+    assert compile_unavailable_reason("cpu") is None  # this machine has a C++ compiler
+    with pytest.raises(CompileUnavailableError, match="cpu and cuda devices, not meta"):
+        check_compile("meta")
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr("torch._inductor.cpp_builder.get_cpp_compiler", no_compiler)
+    with pytest.raises(CompileUnavailableError, match="needs a C\\+\\+ compiler"):
+        check_compile("cpu")
+    options = dict(device="cpu", dtype=None, kv_cache_pages=None, max_batch_size=1,
+                   enable_prefix_cache=True, attention_backend="torch")  # fmt: skip
+    with pytest.raises(setup.InvalidInputError, match="C\\+\\+ compiler"):
+        setup.load_runtime(None, **options, compile=True)  # refused before any loading
+    with pytest.raises(setup.InvalidInputError, match="True or False"):
+        setup.load_runtime(None, **options, compile="yes")
