@@ -4,10 +4,11 @@ Dynamo cannot trace the attention backends: the FlashAttention binding is a CuTe
 compiled at first use, and the torch reference reads ``max(seqused_k)`` on the host (and, on a
 CPU, checks every length). Under ``torch.compile`` ``kestrel_kernels.paged_attention`` therefore
 calls ``torch.ops.kestrel.paged_attention``: inductor sees one node per layer whose output is a
-fresh ``[B, Lq, Hq, D]`` tensor like ``q`` (the fake implementation), and at run time the op
-runs the eager ``paged_attention`` -- validation, backend and all. The forward's attention plan
-(``plan_attention``: the resolved backend and, for ``fa``, the segment plan) is traced as plain
-tensor ops, once per forward; its tensors are passed to the op so no layer rebuilds them.
+fresh ``[B, Lq, Hq, D]`` tensor like ``q`` (the fake implementation), and at run time the op does
+what the eager ``paged_attention`` does with a plan: validation, then the backend. The forward's
+attention plan (``plan_attention``: the resolved backend and, for ``fa``, the segment plan) is
+traced as plain tensor ops, once per forward; its tensors are passed to the op so no layer
+rebuilds them.
 
 The backend is resolved while tracing (``resolved_backend``) and baked into the graph as a
 constant, like a CUDA graph bakes in its kernels.
@@ -18,8 +19,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kestrel_kernels.contract import KvScales
+from kestrel_kernels.contract import KvScales, validate_attention_inputs
+from kestrel_kernels.fa_backend import paged_attention_fa
 from kestrel_kernels.segments import SegmentPlan
+from kestrel_kernels.torch_backend import paged_attention_scaled_torch, paged_attention_torch
 
 __all__ = ["OP_NAME", "attention_op"]
 
@@ -56,23 +59,34 @@ def _paged_attention_op(
     k_scale: Tensor | None,
     v_scale: Tensor | None,
 ) -> Tensor:
-    """The eager ``paged_attention`` with the plan rebuilt from its tensors (every device)."""
-    import kestrel_kernels  # the package imports this module: import it at call time
-
-    segments = None
-    if cu_seqlens_q is not None:
-        segments = SegmentPlan(
-            segs_per_row, cu_seqlens_q, causal_k, noncausal_k, inside_BL, valid_BL
-        )
-    plan = kestrel_kernels.AttentionPlan(
-        backend, q.shape[1], causal, page_table, seqused_k, seqused_q, bidir_regions,
-        segments, segment_pages,
-    )  # fmt: skip
+    """What the eager ``paged_attention`` does with a plan (every device): validate, then
+    run ``backend`` ("torch" or "fa", resolved while tracing) with the forward's segments."""
     scales = None if k_scale is None or v_scale is None else KvScales(k_scale, v_scale)
-    out = kestrel_kernels.paged_attention(
-        q, k_cache, v_cache, page_table, seqused_k, seqused_q=seqused_q, causal=causal,
-        bidir_regions=bidir_regions, softmax_scale=softmax_scale, plan=plan, kv_scales=scales,
+    shape = validate_attention_inputs(
+        q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions, scales
+    )
+    kwargs = dict(
+        seqused_q=seqused_q, causal=causal, bidir_regions=bidir_regions,
+        softmax_scale=softmax_scale,
     )  # fmt: skip
+    if scales is not None:
+        out = paged_attention_scaled_torch(
+            q, k_cache, v_cache, page_table, seqused_k, shape, scales=scales, **kwargs
+        )
+    elif backend == "fa" and q.numel() > 0:
+        segments = None
+        if cu_seqlens_q is not None:
+            segments = SegmentPlan(
+                segs_per_row, cu_seqlens_q, causal_k, noncausal_k, inside_BL, valid_BL
+            )
+        out = paged_attention_fa(
+            q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs, segments=segments,
+            segment_pages=segment_pages,
+        )  # fmt: skip
+    elif backend == "fa":
+        out = torch.zeros_like(q)
+    else:
+        out = paged_attention_torch(q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs)
     return out.contiguous()  # the fake promises a fresh contiguous tensor
 
 
