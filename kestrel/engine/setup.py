@@ -6,6 +6,7 @@ Every failure here is a :class:`~kestrel.errors.ModelLoadError` (or an
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -123,6 +124,8 @@ def load_runtime(
         raise InvalidInputError(f"compile must be True or False, got {compile!r}")
     if compile:
         reason = compile_unavailable_reason(dev)
+        if reason is None and "compile" not in inspect.signature(MoondreamRuntime).parameters:
+            reason = "this MoondreamRuntime has no compile option"
         if reason is not None:
             raise InvalidInputError(f"compile=True cannot work here: {reason}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
