@@ -193,3 +193,24 @@ def test_compile_refused_with_its_reason(monkeypatch) -> None:
         setup.load_runtime(None, **options, compile=True)  # refused before any loading
     with pytest.raises(setup.InvalidInputError, match="True or False"):
         setup.load_runtime(None, **options, compile="yes")
+
+
+@pytest.mark.slow  # ~20 s: a decode bucket and two prefill buckets compiled by inductor
+@pytest.mark.skipif(
+    "compile" not in inspect.signature(runtime_mod.MoondreamRuntime).parameters,
+    reason="MoondreamRuntime has no compile option yet (docs/kernels.md, torch.compile path)",
+)
+def test_engine_compile_answers_as_eager(make_engine, images) -> None:
+    """``Engine(compile=True)`` end to end: the runtime decodes through ``CompiledDecode`` and
+    prefills through ``CompiledPrefill``, and the answers equal the eager engine's."""
+    settings = {"temperature": 0.0, "max_tokens": 6}
+    image = images["shapes_378"]
+    answers = {}
+    for compile_ in (False, True):
+        engine = make_engine(max_batch_size=1, compile=compile_)
+        rt = engine.runtime
+        assert isinstance(getattr(rt.decode_graphs, "compiled", None), CompiledDecode) is compile_
+        assert isinstance(rt.compiled_prefill, CompiledPrefill) is compile_
+        answers[compile_] = [engine.query(image, q, settings=settings).answer
+                             for q in ("what is this?", "which colour?")]  # fmt: skip
+    assert answers[True] == answers[False]
