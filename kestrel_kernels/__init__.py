@@ -23,7 +23,7 @@ from kestrel_kernels.contract import (
     validate_attention_inputs,
     validate_write_kv_inputs,
 )
-from kestrel_kernels.segments import SegmentPlan, build_segment_plan
+from kestrel_kernels.segments import SegmentPlan, choose_segment_plan
 
 __all__ = [
     "AttentionPlan",
@@ -158,17 +158,23 @@ def plan_attention(
     bidir_regions: Tensor | None = None,
     dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
+    causal_rows: int | None = None,
 ) -> AttentionPlan:
     """Build once per forward what every layer's ``paged_attention`` call would rebuild.
 
     No host synchronisation (the segment plan is computed on the device), so a forward that
-    CUDA graphs capture records these few kernels once, not once per layer.
+    CUDA graphs capture records these few kernels once, not once per layer. ``causal_rows``:
+    a host-known bound on each row's real queries outside ``bidir_regions`` (None = ``q_len``);
+    with regions and a bound of at most ``segments.SINGLE_CALL_MAX_CAUSAL_ROWS``, ``fa`` makes
+    one attention call per layer instead of two.
     """
     resolve = _traced_resolve if torch.compiler.is_compiling() else _resolve_for
     resolved = resolve(backend, page_table.device, dtype)
     segments = pages = None
     if resolved == "fa":
-        segments = build_segment_plan(q_len, seqused_k, seqused_q, bidir_regions, causal)
+        segments = choose_segment_plan(
+            q_len, seqused_k, seqused_q, bidir_regions, causal, causal_rows
+        )
         pages = fa_backend.pages_per_segment(page_table.contiguous(), segments.segs_per_row)
     return AttentionPlan(resolved, q_len, causal, page_table, seqused_k, seqused_q,
                          bidir_regions, segments, pages)  # fmt: skip

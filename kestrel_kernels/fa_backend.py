@@ -10,11 +10,13 @@ The package is imported only when a CUDA sm90 device asks for it (``import kestr
 never imports it); ``load_binding`` is the single import point, which is also where the CPU
 contract test substitutes a recording fake.
 
-The bidirectional region needs no mask function: ``segments.build_segment_plan`` turns the masking
-rule into varlen sequences that are plain right-aligned causal or non-causal attention, and
-``segments.run_segmented`` makes one causal call and, only when regions are given, one non-causal
-call. A miss with an image is therefore one non-causal pass over BOS + image and one causal pass
-over the text; an append or a decode step (no region reaches their queries) is one causal call.
+The bidirectional region needs no mask function: ``segments`` turns the masking rule into varlen
+sequences that are plain right-aligned causal or non-causal attention, and
+``segments.run_segmented`` calls the kernel over them. A miss with an image and a short question
+is one non-causal call (BOS + image as one sequence, each text query a one-row sequence,
+``segments.build_single_call_plan``); with a long text suffix, one non-causal pass over BOS +
+image and one causal pass over the text; an append or a decode step (no region reaches their
+queries) is one causal call.
 
 ``KESTREL_FA_PAGED=0`` switches to a fallback that gathers each row's pages into contiguous K/V
 first and addresses them with ``cu_seqlens_k`` offsets (for builds whose paged path misbehaves).
@@ -35,7 +37,7 @@ from kestrel_kernels.contract import (
     AttentionShape,
     BackendUnavailableError,
 )
-from kestrel_kernels.segments import SegmentPlan, build_segment_plan, run_segmented
+from kestrel_kernels.segments import SegmentPlan, choose_segment_plan, run_segmented
 
 __all__ = ["INSTALL_HINT", "PACKAGE", "FaProbe", "load_binding", "paged_attention_fa", "probe"]
 
@@ -216,11 +218,12 @@ def paged_attention_fa(
     """
     check_fa_inputs(q, shape)
     if segments is None:
-        segments = build_segment_plan(shape.q_len, seqused_k, seqused_q, bidir_regions, causal)
-    page_table = page_table.contiguous()
+        segments = choose_segment_plan(shape.q_len, seqused_k, seqused_q, bidir_regions, causal)
     kernel: Callable[..., Tensor] = _gather_kernel
     if _paged_enabled():
         if segment_pages is None:
-            segment_pages = pages_per_segment(page_table, segments.segs_per_row)
+            segment_pages = pages_per_segment(page_table.contiguous(), segments.segs_per_row)
         kernel = functools.partial(_paged_kernel, pages_SP=segment_pages)
+    else:
+        page_table = page_table.contiguous()
     return run_segmented(q, k_cache, v_cache, page_table, segments, kernel, softmax_scale)

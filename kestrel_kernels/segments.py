@@ -7,19 +7,43 @@ run is a varlen "sequence" whose right-aligned causal mask, with the right key l
 contract's masking rule (``kestrel_kernels.contract``). ``build_segment_plan`` computes the runs
 on the device (no host syncs) and ``run_segmented`` drives any varlen paged kernel over them:
 one causal call and, only with regions, one non-causal call.
+
+``build_single_call_plan`` needs only the non-causal call: each region's queries stay one
+sequence, and every query outside the regions becomes a one-row sequence whose key count is its
+position + 1 (for one row, non-causal over ``0..p`` is causal). The number of sequences must be
+fixed on the host, so the caller gives a host-known bound on a row's queries outside the
+regions; one-row sequences read their keys once per row, so ``choose_segment_plan`` takes this
+form only while that bound is at most ``SINGLE_CALL_MAX_CAUSAL_ROWS`` (a miss prefill: BOS +
+image and a short question), and the two-call form otherwise (long text suffixes).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from kestrel_kernels.contract import regions_BR2
+from kestrel_kernels.contract import KernelInputError, regions_BR2
+from kestrel_kernels.counting import active_counter
 
-__all__ = ["SegmentPlan", "VarlenPagedKernel", "build_segment_plan", "run_segmented"]
+__all__ = [
+    "SINGLE_CALL_MAX_CAUSAL_ROWS",
+    "SegmentPlan",
+    "VarlenPagedKernel",
+    "build_segment_plan",
+    "build_single_call_plan",
+    "choose_segment_plan",
+    "run_segmented",
+]
+
+# Most queries outside the bidirectional regions (per batch row) that the single-call plan
+# turns into one-row sequences. Each re-reads the row's keys, where a causal sequence reads
+# them once per 128-query tile: a question after an image (~10-40 tokens) pays for itself in
+# launches (two per layer), a long text suffix would not.
+SINGLE_CALL_MAX_CAUSAL_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +112,82 @@ def build_segment_plan(
     causal_k = torch.stack([*causal_runs, k_len, zeros], 1).reshape(-1)  # after the last: causal
     noncausal_k = torch.stack([*inside_runs, zeros, zeros], 1).reshape(-1)
     return SegmentPlan(len(cols) + 1, cu, causal_k, noncausal_k, inside, valid)
+
+
+def build_single_call_plan(
+    q_len: int,
+    seqused_k: Tensor,
+    seqused_q: Tensor | None,
+    bidir_regions: Tensor,
+    causal_rows: int,
+) -> SegmentPlan:
+    """The causal-with-regions rule as ONE non-causal varlen call (see the module doc).
+
+    ``causal_rows``: a bound, known on the host, on each row's real queries outside every
+    region. A row gets ``R + causal_rows + 1`` sequences: in query order, one per region run
+    (keys ``[0, min(e, K))``) and one per other query (keys ``0..p``), then empty ones, the
+    last of which holds the padding rows. Built on the device without host syncs; a bound that
+    is too small is caught on CPU tensors only (``KernelInputError``).
+    """
+    k_len, device, batch = seqused_k, seqused_k.device, seqused_k.shape[0]
+    regions = regions_BR2(bidir_regions)
+    segs = regions.shape[1] + causal_rows + 1
+    rows = torch.arange(q_len, device=device, dtype=torch.int32)[None, :]  # [1, L]
+    q_used = q_len if seqused_q is None else seqused_q[:, None]
+    real = None if seqused_q is None else rows < q_used
+    pos = (k_len[:, None] - q_used) + rows  # absolute position of each query, [B, L]
+    # a query inside region r sees keys [0, min(e_r, K)); any other sees [0, p]; the larger
+    # of the two is right for both (min(e_r, K) > p inside r), and it names the sequence: it
+    # is one value along a region's run and new at every other query
+    ends = regions[:, :, 1].minimum(k_len[:, None])[:, :, None]  # [B, R, 1]
+    inside = (pos[:, None] >= regions[:, :, 0, None]) & (pos[:, None] < ends)  # [B, R, L]
+    keys_BL = (pos + 1).maximum((inside * ends).amax(1))
+    first_BL = keys_BL != torch.nn.functional.pad(keys_BL[:, :-1], (1, 0))
+    if real is not None:  # padding rows start nothing and add no keys
+        first_BL &= real
+        keys_BL = keys_BL * real
+    seq_BL = torch.cumsum(first_BL, 1) - 1  # the sequence of each query (padding: the last)
+    if device.type == "cpu":
+        _check_bound(seq_BL, causal_rows, segs)
+    seq_BL = seq_BL.clamp(0, segs - 1)
+    # each sequence begins at its first query's packed row; unused ones at the padding rows
+    base = torch.arange(0, (batch + 1) * q_len, q_len, device=device, dtype=torch.int32)
+    fill_BS = (base[:-1, None] + q_used).expand(batch, segs)
+    begin_BS = fill_BS.scatter_reduce(1, seq_BL, base[:-1, None] + rows, "amin")
+    k_BS = torch.zeros_like(begin_BS).scatter_reduce_(1, seq_BL, keys_BL, "amax")
+    cu = torch.cat([begin_BS.reshape(-1), base[-1:]])
+    return SegmentPlan(segs, cu, None, k_BS.reshape(-1), None, real)
+
+
+def _check_bound(seq_BL: Tensor, causal_rows: int, segs: int) -> None:
+    """Every row's sequences fit the ``segs - 1`` it is given (CPU tensors only: a host read,
+    which the GPU path skips, so a launch counter does not count it)."""
+    counter = active_counter()
+    with counter.paused() if counter is not None else contextlib.nullcontext():
+        most = int(seq_BL[:, -1].max()) + 1 if seq_BL.numel() else 0
+    if most > segs - 1:
+        raise KernelInputError(
+            f"a row has more than causal_rows={causal_rows} queries outside its regions"
+        )
+
+
+def choose_segment_plan(
+    q_len: int,
+    seqused_k: Tensor,
+    seqused_q: Tensor | None,
+    bidir_regions: Tensor | None,
+    causal: bool,
+    causal_rows: int | None = None,
+) -> SegmentPlan:
+    """The single-call plan where it pays (regions, and at most
+    ``SINGLE_CALL_MAX_CAUSAL_ROWS`` queries outside them per row), else the two-call one.
+
+    ``causal_rows``: the host's bound on a row's queries outside the regions (None: ``q_len``).
+    """
+    bound = q_len if causal_rows is None else min(max(causal_rows, 0), q_len)
+    if causal and bidir_regions is not None and bound <= SINGLE_CALL_MAX_CAUSAL_ROWS:
+        return build_single_call_plan(q_len, seqused_k, seqused_q, bidir_regions, bound)
+    return build_segment_plan(q_len, seqused_k, seqused_q, bidir_regions, causal)
 
 
 class VarlenPagedKernel(Protocol):

@@ -286,13 +286,15 @@ def paged_attention_segmented(
     causal: bool,
     bidir_regions: Tensor | None,
     softmax_scale: float,
+    segments: SegmentPlan | None = None,
 ) -> Tensor:
     """``paged_attention`` via the ``fa`` backend's segment decomposition, on torch kernels.
 
     Not a user-facing backend: it exists so CPU tests can check the decomposition the FlashAttention
-    path relies on against the explicit mask.
+    path relies on against the explicit mask. ``segments``: the plan to run (default: the
+    two-call ``build_segment_plan``; ``segments.build_single_call_plan`` is the other form).
     """
-    plan: SegmentPlan = build_segment_plan(q.shape[1], seqused_k, seqused_q, bidir_regions, causal)
+    plan = segments or build_segment_plan(q.shape[1], seqused_k, seqused_q, bidir_regions, causal)
     return run_segmented(
         q, k_cache, v_cache, page_table, plan, varlen_paged_attention_torch, softmax_scale
     )

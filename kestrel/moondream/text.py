@@ -106,6 +106,7 @@ def text_forward(
     backend: str = "auto",
     routing_sink: RoutingSink | None = None,
     moe_static: bool = False,
+    causal_rows: int | None = None,
 ) -> Tensor:
     """Run the decoder over T new positions per row; return hidden states BEFORE post_ln.
 
@@ -117,7 +118,8 @@ def text_forward(
     lora: None or one ``LoraAdapter | None`` per row. K/V of every layer are written to ``kv``.
     routing_sink: called with (layer, Routing) for each MoE layer (Moondream 3), or None.
     moe_static: run the MoE layers in their static-shape, sync-free form (``moe.moe_mlp_static``,
-    for decode on CUDA) instead of grouped by expert.
+    for decode on CUDA) instead of grouped by expert. causal_rows: a host-known bound on each
+    row's real queries outside bidir_regions (``kestrel_kernels.plan_attention``), or None.
     """
     B, T, C = x_BTC.shape
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -125,7 +127,7 @@ def text_forward(
     plan = LoraBatch.plan(lora, B, x_BTC.device)
     attn_plan = kestrel_kernels.plan_attention(
         T, page_table, seqused_k, seqused_q=seqused_q, causal=True,
-        bidir_regions=bidir_regions, dtype=x_BTC.dtype, backend=backend,
+        bidir_regions=bidir_regions, dtype=x_BTC.dtype, backend=backend, causal_rows=causal_rows,
     )  # fmt: skip
     kv_scales = getattr(kv, "kv_scales", None)  # per-layer scales of FP8 KV pages, or None
     x, blocks = x_BTC, w.blocks

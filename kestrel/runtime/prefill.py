@@ -86,8 +86,11 @@ def prefill_batch(
     for it in items:
         if it.n < 1 or it.skip + it.n != it.prompt_length:
             raise ValueError(f"prefill covers {it.skip}+{it.n} != prompt {it.prompt_length}")
+    groups = group_by_length([it.n for it in items])
+    if len(groups) == 1:  # one forward: its rows in item order, nothing to scatter
+        return _forward(items, model, kv, page_table_RP, backend)
     out = items[0].x_TC.new_empty(len(items), items[0].x_TC.shape[1])
-    for group in group_by_length([it.n for it in items]):
+    for group in groups:
         out[group] = _forward([items[i] for i in group], model, kv, page_table_RP, backend)
     return out
 
@@ -99,25 +102,26 @@ def _forward(
     """One padded forward over ``items``: the last real position's hidden state per row."""
     dev = items[0].x_TC.device
     B, T = len(items), max(it.n for it in items)
-    # one non-blocking upload: real positions, skip, batch row, prompt length per row
-    meta_4B = upload([[it.n for it in items], [it.skip for it in items],
-                      [it.row for it in items], [it.prompt_length for it in items]],
-                     torch.int64, dev)  # fmt: skip
-    n_B, skip_B, rows_B, prompt_B = meta_4B.unbind(0)
+    padded = any(it.n < T for it in items)
+    meta = _Metadata.upload(items, T, padded, dev)
     if B == 1:
         x_BTC = items[0].x_TC[None]
     else:
         x_BTC = items[0].x_TC.new_zeros(B, T, items[0].x_TC.shape[1])
         for b, it in enumerate(items):
             x_BTC[b, : it.n] = it.x_TC
-    t_1T = torch.arange(T, device=dev)[None]
-    real_BT = t_1T < n_B[:, None]
-    positions_BT = torch.where(real_BT, skip_B[:, None] + t_1T, 0)  # padding: position 0
     max_k = max(it.prompt_length for it in items)
-    pages_BK = page_table_RP.index_select(0, rows_B)[:, :max_k]
-    slots_BT = pages_BK.gather(1, positions_BT)
-    slots = torch.where(real_BT, slots_BT, -1).reshape(-1)
-    bidir = _regions(items, dev)
+    rows = [it.row for it in items]
+    if rows == list(range(rows[0], rows[0] + B)):  # consecutive rows: a view, no gather
+        pages_BK = page_table_RP[rows[0] : rows[0] + B, :max_k]
+    else:
+        pages_BK = page_table_RP[:, :max_k].index_select(0, meta.rows_B)
+    positions_BT = meta.positions_BT.long()  # padding: -1
+    if padded:  # padding computes at position 0 and writes no K/V (slot -1)
+        real_BT, positions_BT = positions_BT >= 0, positions_BT.clamp(min=0)
+        slots = torch.where(real_BT, pages_BK.gather(1, positions_BT), -1)
+    else:
+        slots = pages_BK.gather(1, positions_BT)
     adapters = [it.adapter for it in items]
     hidden_BTC = text_forward(
         x_BTC,
@@ -125,25 +129,78 @@ def _forward(
         model.config.text,
         positions_BT=positions_BT,
         kv=kv,
-        slot_mapping=slots,
+        slot_mapping=slots.reshape(-1),
         page_table=pages_BK,
-        seqused_k=prompt_B.to(torch.int32),
-        seqused_q=None if all(it.n == T for it in items) else n_B.to(torch.int32),
-        bidir_regions=bidir,
+        seqused_k=meta.seqused_k,
+        seqused_q=meta.seqused_q,
+        bidir_regions=meta.regions,
         lora=adapters if any(a is not None for a in adapters) else None,
         backend=backend,
+        causal_rows=None if meta.regions is None else max(_causal_rows(it) for it in items),
     )
-    return hidden_BTC[torch.arange(B, device=dev), n_B - 1]
+    if meta.last_B is None:  # every row ends at T - 1
+        return hidden_BTC[:, -1]
+    return hidden_BTC.reshape(B * T, -1).index_select(0, meta.last_B)
 
 
-def _regions(items: Sequence[PrefillItem], dev: torch.device) -> Tensor | None:
-    """int32 ``[B, 2]`` (at most one block per row) or ``[B, R, 2]``; ``(0, 0)`` = none."""
-    most = max(len(it.regions) for it in items)
-    if most == 0:
-        return None
-    rows = [list(it.regions) + [(0, 0)] * (most - len(it.regions)) for it in items]
-    out = upload(rows, torch.int32, dev)
-    return out[:, 0] if most == 1 else out
+@dataclass(frozen=True, slots=True)
+class _Metadata:
+    """A forward's int32 metadata, made on the host and uploaded in one non-blocking copy.
+
+    ``positions_BT``: each query's absolute position (-1 on padding); ``seqused_q`` and
+    ``last_B`` (the packed row of each row's last real query) only when rows are padded;
+    ``regions``: ``[B, 2]`` or ``[B, R, 2]`` bidirectional blocks, ``(0, 0)`` = none."""
+
+    seqused_k: Tensor
+    rows_B: Tensor
+    positions_BT: Tensor
+    seqused_q: Tensor | None
+    last_B: Tensor | None
+    regions: Tensor | None
+
+    @classmethod
+    def upload(
+        cls, items: Sequence[PrefillItem], T: int, padded: bool, dev: torch.device
+    ) -> _Metadata:
+        B, most = len(items), max(len(it.regions) for it in items)
+        parts = [[it.prompt_length for it in items], [it.row for it in items]]
+        parts += [
+            [p for it in items for p in [*range(it.skip, it.prompt_length), *[-1] * (T - it.n)]]
+        ]
+        if padded:
+            parts += [[it.n for it in items], [b * T + it.n - 1 for b, it in enumerate(items)]]
+        if most:
+            parts += [
+                [
+                    v
+                    for it in items
+                    for r in [*it.regions, *[(0, 0)] * (most - len(it.regions))]
+                    for v in r
+                ]
+            ]
+        flat = upload([v for part in parts for v in part], torch.int32, dev)
+        views, at = [], 0
+        for part in parts:
+            views.append(flat[at : at + len(part)])
+            at += len(part)
+        regions = views.pop().view(B, most, 2) if most else None
+        seqused_q, last = (views[3], views[4]) if padded else (None, None)
+        return cls(
+            seqused_k=views[0],
+            rows_B=views[1],
+            positions_BT=views[2].view(B, T),
+            seqused_q=seqused_q,
+            last_B=last,
+            regions=None if regions is None else regions[:, 0] if most == 1 else regions,
+        )
+
+
+def _causal_rows(item: PrefillItem) -> int:
+    """The item's computed positions outside its bidirectional blocks (the host's count, which
+    lets the attention plan take its one-call form for a short question after an image)."""
+    lo, hi = item.skip, item.prompt_length
+    inside = sum(max(0, min(e, hi) - max(s, lo)) for s, e in item.regions)
+    return item.n - inside
 
 
 def prefill_item(

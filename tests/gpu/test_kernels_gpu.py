@@ -135,3 +135,39 @@ def test_write_kv_on_cuda_skips_padding() -> None:
     assert torch.equal(k_cache[3], k[0]) and torch.equal(v_cache[9], v[2])
     rest = [p for p in range(16) if p not in (3, 9)]
     assert torch.equal(k_cache[rest], before_k[rest])
+
+
+def test_fa_single_call_plan_matches_torch(fa_ready) -> None:
+    """The one-call plan (``plan_attention(causal_rows=)``) on Moondream 2's heads: an image miss
+    with a 20-token question, a hit of 9 text positions (no block) and a row with two images and
+    text between them, padded into one forward."""
+    k_lens, q_lens, q_len = [750, 770, 300], [750, 9, 300], 750
+    regions = [[(0, 730), (0, 0)], [(0, 0), (0, 0)], [(0, 131), (140, 271)]]
+    bound = 9 + 29  # the two-image row: 9 text queries between its images and 29 after them
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n_pages = sum(k_lens) + 8
+    page_table = torch.zeros(3, max(k_lens) + 4, dtype=I32, device="cuda")
+    perm = torch.randperm(n_pages - 1, device="cuda", generator=g).int() + 1
+    used = 0
+    for b, k in enumerate(k_lens):
+        page_table[b, :k] = perm[used : used + k]
+        used += k
+    meta = dict(
+        page_table=page_table,
+        seqused_k=torch.tensor(k_lens, dtype=I32, device="cuda"),
+        seqused_q=torch.tensor(q_lens, dtype=I32, device="cuda"),
+        bidir_regions=torch.tensor(regions, dtype=I32, device="cuda"),
+    )
+    args = dict(
+        q=torch.randn(3, q_len, 32, 64, generator=g, device="cuda").bfloat16(),
+        k_cache=torch.randn(n_pages, 32, 64, generator=g, device="cuda").bfloat16(),
+        v_cache=torch.randn(n_pages, 32, 64, generator=g, device="cuda").bfloat16(),
+        **meta,
+    )
+    plan = kk.plan_attention(q_len, **meta, backend="fa", causal_rows=bound)
+    assert plan.segments is not None and plan.segments.causal_k is None, "one call per layer"
+    ref = kk.paged_attention(**args, backend="torch")
+    out = kk.paged_attention(**args, plan=plan)
+    torch.cuda.synchronize()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= 2e-2, f"fa single-call plan vs torch max abs error {err:.3g}"

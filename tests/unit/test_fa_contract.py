@@ -26,6 +26,7 @@ from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
+from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
 from kestrel_kernels.torch_backend import varlen_paged_attention_torch
 from tests.conftest import fixture_dir
 
@@ -150,15 +151,28 @@ def test_append_is_one_causal_call_right_aligned(fake) -> None:
     assert ints(call.cu_seqlens_q) == [0, 4] and ints(call.seqused_k) == [10]
 
 
-def test_full_prefill_with_image_block(fake) -> None:
+def test_full_prefill_with_image_block_is_one_call(fake) -> None:
     args = make_inputs([12], q_len=12, regions=[(0, 5)])  # BOS + a 4-position "image"
+    run_both(args)
+    (call,) = fake.calls
+    # sequences: the block (keys 0..4), one per text query (keys 0..p), then empty ones up
+    # to the bound (12 queries outside the block at most) and the padding one
+    check_common(call, args, rows=1 + 12 + 1)
+    assert call.causal is False
+    assert ints(call.cu_seqlens_q) == [0, *range(5, 13), *[12] * 6]
+    assert ints(call.seqused_k) == [5, *range(6, 13), *[0] * 6]
+
+
+def test_long_text_after_image_block_is_two_calls(fake) -> None:
+    q_len = 5 + SINGLE_CALL_MAX_CAUSAL_ROWS + 1  # past the bound: one-row sequences would not pay
+    args = make_inputs([q_len], q_len=q_len, regions=[(0, 5)])
     run_both(args)
     causal, noncausal = fake.calls
     for call in (causal, noncausal):
         check_common(call, args, rows=4)
         # segments per row: before the block, inside it, after it, padding
-        assert ints(call.cu_seqlens_q) == [0, 0, 5, 12, 12]
-    assert causal.causal is True and ints(causal.seqused_k) == [0, 0, 12, 0]
+        assert ints(call.cu_seqlens_q) == [0, 0, 5, q_len, q_len]
+    assert causal.causal is True and ints(causal.seqused_k) == [0, 0, q_len, 0]
     assert noncausal.causal is False and ints(noncausal.seqused_k) == [0, 5, 0, 0]
 
 
@@ -188,14 +202,14 @@ def test_one_plan_serves_every_layer_and_guards_its_metadata(fake, monkeypatch) 
     from kestrel_kernels import segments
 
     builds = []
-    original = segments.build_segment_plan
+    original = segments.choose_segment_plan
 
     def counting(*a, **k):
         builds.append(1)
         return original(*a, **k)
 
-    monkeypatch.setattr(kk, "build_segment_plan", counting)
-    monkeypatch.setattr(fa_backend, "build_segment_plan", counting)
+    monkeypatch.setattr(kk, "choose_segment_plan", counting)
+    monkeypatch.setattr(fa_backend, "choose_segment_plan", counting)
     args = make_inputs([12, 9], q_len=12, q_lens=[12, 9], regions=[(0, 5), (0, 5)])
     meta = {n: args[n] for n in ("page_table", "seqused_k", "seqused_q", "bidir_regions")}
     with torch.inference_mode():
@@ -268,9 +282,13 @@ def test_runtime_logits_match_torch_path(fake, bf16_model) -> None:
         fake.calls.clear()
         runs[backend] = _generate(rt, prompts, image, steps=4)
     n_layers, prefix = cfg.text.n_layers, cfg.prefix_len
-    # miss: 2 calls per layer (non-causal image block + causal text); hit: 1; 3 decode steps: 1
-    assert len(fake.calls) == n_layers * (2 + 1 + 3)
-    hit = fake.calls[2 * n_layers]
+    # miss: 1 call per layer (the image block and each text query one sequence: 1 + 9 + 1);
+    # hit: 1 (causal); 3 decode steps: 1
+    assert len(fake.calls) == n_layers * (1 + 1 + 3)
+    miss = fake.calls[0]
+    assert not miss.causal and len(miss.seqused_k) == 1 + 9 + 1
+    assert ints(miss.seqused_k) == [prefix, *range(prefix + 1, prefix + 10), 0]
+    hit = fake.calls[n_layers]
     assert hit.causal and ints(hit.seqused_k) == [prefix + 6] and ints(hit.cu_seqlens_q) == [0, 6]
     step = fake.calls[-1]
     assert ints(step.cu_seqlens_q) == [0, 1, 2] and ints(step.seqused_k) == [
@@ -316,3 +334,37 @@ def test_static_decode_step_matches_eager() -> None:
         rt.check_integrity()
     for eager, static in zip(*runs, strict=True):
         torch.testing.assert_close(static, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_padded_mixed_prefill_matches_torch_path(fake, bf16_model, monkeypatch) -> None:
+    """One padded forward of an image miss (one call per layer: the single-call plan), a
+    text-only prompt and a second image beside them (rows of different lengths, padding)."""
+    import kestrel.runtime.prefill as prefill_mod
+
+    monkeypatch.setattr(prefill_mod, "group_by_length", lambda n: [list(range(len(n)))])
+    cfg = bf16_model.config
+    g = torch.Generator().manual_seed(4)
+    images = [torch.randint(0, 256, (378, 378, 3), generator=g, dtype=torch.uint8).numpy()
+              for _ in range(2)]  # fmt: skip
+    bos = TextToken(cfg.tokenizer.bos_id)
+    texts = [[bos, *(TextToken(int(i)) for i in torch.randint(10, 900, (n,), generator=g))]
+             for n in (7, 12, 3)]  # fmt: skip
+    requests = [(texts[0], images[0]), (texts[1], None), (texts[2], images[1])]
+    runs = {}
+    for backend in ("torch", "fa"):
+        rt = MoondreamRuntime(bf16_model, kv_cache_pages=4000, max_batch_size=4,
+                              attention_backend=backend)  # fmt: skip
+        fake.calls.clear()
+        states = [rt.prepare_sequence(t, img, max_new_tokens=2) for t, img in requests]
+        _hidden, runs[backend] = rt.prefill_sequences(states)
+        for s in states:
+            rt.abort_sequence(s)
+    n_layers = cfg.text.n_layers
+    assert len(fake.calls) == n_layers, "one padded forward, one attention call per layer"
+    call = fake.calls[0]
+    # per row: 1 region + up to 13 queries outside it (the text-only prompt: BOS + 12) + the
+    # padding sequence; the image rows end on their last text query's keys
+    assert not call.causal and len(call.seqused_k) == 3 * (1 + 13 + 1)
+    prefix = cfg.prefix_len
+    assert ints(call.seqused_k[:9]) == [*range(prefix, prefix + 8), 0]
+    torch.testing.assert_close(runs["fa"].float(), runs["torch"].float(), atol=5e-2, rtol=2e-2)
