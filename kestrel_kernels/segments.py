@@ -20,6 +20,7 @@ image and a short question), and the two-call form otherwise (long text suffixes
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,13 +38,17 @@ __all__ = [
     "build_single_call_plan",
     "choose_segment_plan",
     "run_segmented",
+    "single_call_max_rows",
 ]
 
 # Most queries outside the bidirectional regions (per batch row) that the single-call plan
-# turns into one-row sequences. Each re-reads the row's keys, where a causal sequence reads
-# them once per 128-query tile: a question after an image (~10-40 tokens) pays for itself in
-# launches (two per layer), a long text suffix would not.
+# turns into one-row sequences. Each is a query tile of its own over all its keys (one row of
+# it useful), where a causal sequence shares a tile among up to 128 queries: a question after
+# an image (~10-40 tokens) trades that for two launches per layer, a long text suffix would
+# not. ``KESTREL_FA_SINGLE_CALL_ROWS`` overrides it (0 = always the two-call plan), so that a
+# GPU can measure the trade without a code change.
 SINGLE_CALL_MAX_CAUSAL_ROWS = 64
+_ROWS_ENV = "KESTREL_FA_SINGLE_CALL_ROWS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +176,20 @@ def _check_bound(seq_BL: Tensor, causal_rows: int, segs: int) -> None:
         )
 
 
+def single_call_max_rows() -> int:
+    """``SINGLE_CALL_MAX_CAUSAL_ROWS``, or ``KESTREL_FA_SINGLE_CALL_ROWS`` when set."""
+    raw = os.environ.get(_ROWS_ENV)
+    if raw is None:
+        return SINGLE_CALL_MAX_CAUSAL_ROWS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise KernelInputError(f"{_ROWS_ENV} must be a whole number >= 0, got {raw!r}")
+    return value
+
+
 def choose_segment_plan(
     q_len: int,
     seqused_k: Tensor,
@@ -185,7 +204,7 @@ def choose_segment_plan(
     ``causal_rows``: the host's bound on a row's queries outside the regions (None: ``q_len``).
     """
     bound = q_len if causal_rows is None else min(max(causal_rows, 0), q_len)
-    if causal and bidir_regions is not None and bound <= SINGLE_CALL_MAX_CAUSAL_ROWS:
+    if causal and bidir_regions is not None and bound <= single_call_max_rows():
         return build_single_call_plan(q_len, seqused_k, seqused_q, bidir_regions, bound)
     return build_segment_plan(q_len, seqused_k, seqused_q, bidir_regions, causal)
 

@@ -80,6 +80,7 @@ def fake(monkeypatch) -> RecordingBinding:
     monkeypatch.setattr(fa_backend, "probe", lambda device=None: fa_backend.FaProbe(True, "fake"))
     monkeypatch.setattr(fa_backend, "load_binding", lambda: binding)
     monkeypatch.delenv("KESTREL_FA_PAGED", raising=False)
+    monkeypatch.delenv("KESTREL_FA_SINGLE_CALL_ROWS", raising=False)
     return binding
 
 

@@ -149,7 +149,8 @@ def test_too_small_bound_is_refused_on_cpu() -> None:
     assert build_single_call_plan(20, k, None, regions, causal_rows=6).segs_per_row == 8
 
 
-def test_choice_between_the_two_forms() -> None:
+def test_choice_between_the_two_forms(monkeypatch) -> None:
+    monkeypatch.delenv("KESTREL_FA_SINGLE_CALL_ROWS", raising=False)
     k, q_len = torch.tensor([760], dtype=I32), 760
     regions = torch.tensor([[0, 730]], dtype=I32)
     miss = choose_segment_plan(q_len, k, None, regions, True, causal_rows=30)
@@ -163,6 +164,18 @@ def test_choice_between_the_two_forms() -> None:
     assert short.causal_k is None, "12 queries bound themselves"
     assert choose_segment_plan(q_len, k, None, None, True).noncausal_k is None
     assert choose_segment_plan(q_len, k, None, regions, False, 3).causal_k is None
+
+
+def test_environment_sets_the_bound(monkeypatch) -> None:
+    k, regions = torch.tensor([20], dtype=I32), torch.tensor([[0, 14]], dtype=I32)
+    monkeypatch.setenv("KESTREL_FA_SINGLE_CALL_ROWS", "0")  # always the two-call plan
+    assert choose_segment_plan(20, k, None, regions, True, 6).causal_k is not None
+    monkeypatch.setenv("KESTREL_FA_SINGLE_CALL_ROWS", "6")
+    assert choose_segment_plan(20, k, None, regions, True, 6).causal_k is None
+    assert choose_segment_plan(20, k, None, regions, True, 7).causal_k is not None
+    monkeypatch.setenv("KESTREL_FA_SINGLE_CALL_ROWS", "many")
+    with pytest.raises(kk.KernelInputError, match="KESTREL_FA_SINGLE_CALL_ROWS"):
+        choose_segment_plan(20, k, None, regions, True, 6)
 
 
 def counting_binding(q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k, page_table,
@@ -183,6 +196,7 @@ def test_one_launch_per_layer(monkeypatch) -> None:
     monkeypatch.setattr(contract, "_check_values", lambda *a, **k: None)  # CPU-only host reads
     monkeypatch.setattr(contract, "_check_regions", lambda *a, **k: None)
     monkeypatch.delenv("KESTREL_FA_PAGED", raising=False)
+    monkeypatch.delenv("KESTREL_FA_SINGLE_CALL_ROWS", raising=False)
     layers, per_layer = 3, {}
     # BOS + image then 20 text positions (one call), or then 67 (past the bound: two calls)
     for image_end in (60, 13):
