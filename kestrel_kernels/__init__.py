@@ -34,6 +34,7 @@ __all__ = [
     "get_default_backend",
     "paged_attention",
     "plan_attention",
+    "prepare_compile",
     "resolve_backend",
     "set_default_backend",
     "write_kv",
@@ -98,10 +99,17 @@ def _backend_for(backend: str, q: Tensor) -> str:
     return _resolve_for(backend, q.device, q.dtype)
 
 
-@torch.compiler.assume_constant_result
 def _traced_resolve(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``_resolve_for`` run once while dynamo traces; the graph keeps the answer as a constant."""
+    """``_resolve_for`` as dynamo sees it: after :func:`prepare_compile`, run once while tracing
+    and kept in the graph as a constant."""
     return _resolve_for(backend, device, dtype)
+
+
+def prepare_compile() -> None:
+    """Call before ``torch.compile`` traces code that calls these kernels: the backend choice
+    becomes a constant of the graph (probing FlashAttention is not traceable on CUDA). Kept out
+    of import time because marking the function imports dynamo (about a second)."""
+    torch.compiler.assume_constant_result(_traced_resolve)
 
 
 def _resolve_for(backend: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-import kestrel_kernels.compile_op  # noqa: F401  (registers torch.ops.kestrel.paged_attention)
+import kestrel_kernels
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, text_forward
 from kestrel.runtime.decode import decode_static
@@ -101,6 +101,7 @@ class CompiledDecode:
         compiler: str | Callable = "inductor",
         fullgraph: bool = True,
     ) -> None:
+        kestrel_kernels.prepare_compile()
         self._compiled = torch.compile(step, backend=compiler, dynamic=False, fullgraph=fullgraph)
         self._shapes: set[int] = set()
 
@@ -193,6 +194,7 @@ class CompiledPrefill:
         if position_bucket < 1:
             raise ValueError(f"position_bucket must be >= 1, got {position_bucket}")
         self.position_bucket = position_bucket
+        kestrel_kernels.prepare_compile()
         self._compiled = torch.compile(
             prefill_static, backend=compiler, dynamic=False, fullgraph=fullgraph
         )

@@ -7,6 +7,9 @@ fake binding of ``test_fa_contract`` (the CUDA code path, on CPU).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -29,10 +32,17 @@ class Recorder:
         return [n for g in self.graphs for n in g.graph.nodes if n.target in OPS]
 
 
+def untraceable_probe(device=None) -> fa_backend.FaProbe:
+    """Like the real probe on CUDA, dynamo cannot trace it (fullgraph would fail): the backend
+    must be resolved by running it, not by tracing it."""
+    torch._dynamo.graph_break()
+    return fa_backend.FaProbe(True, "fake")
+
+
 @pytest.fixture
 def fake(monkeypatch) -> RecordingBinding:
     binding = RecordingBinding()
-    monkeypatch.setattr(fa_backend, "probe", lambda device=None: fa_backend.FaProbe(True, "fake"))
+    monkeypatch.setattr(fa_backend, "probe", untraceable_probe)
     monkeypatch.setattr(fa_backend, "load_binding", lambda: binding)
     monkeypatch.delenv("KESTREL_FA_PAGED", raising=False)
     return binding
@@ -99,6 +109,7 @@ def test_fa_path_under_compile_passes_the_forwards_plan(fake, regions) -> None:
     forward, args = _two_layers(a, "fa")
     want, _ = _two_layers(a, "torch")
     recorder = Recorder()
+    kk.prepare_compile()
     got = torch.compile(forward, backend=recorder, fullgraph=True, dynamic=False)(*args)
     nodes = recorder.op_nodes()
     assert len(recorder.graphs) == 1 and len(nodes) == 2
@@ -106,3 +117,11 @@ def test_fa_path_under_compile_passes_the_forwards_plan(fake, regions) -> None:
         assert node.args[9] == "fa" and node.args[11] is not None, "backend and plan passed in"
     assert len(fake.calls) == 2 * (1 if regions is None else 2)
     torch.testing.assert_close(got.float(), want(*args).float(), atol=5e-2, rtol=2e-2)
+
+
+def test_import_does_not_load_dynamo() -> None:
+    """Registering the op costs nothing at import; marking the resolver (``prepare_compile``)
+    imports dynamo, so it waits until something compiles."""
+    code = "import sys, kestrel, kestrel.runtime.compiled; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
