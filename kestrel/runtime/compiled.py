@@ -35,6 +35,7 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, text_forward
 from kestrel.runtime.decode import decode_static
 from kestrel.runtime.prefill import PrefillItem, group_by_length, prefill_batch
+from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
 from kestrel_kernels.transfer import upload
 
 __all__ = [
@@ -141,6 +142,7 @@ def prefill_static(
     meta_4B: Tensor,
     bidir_regions: Tensor | None,
     backend: str,
+    causal_rows: int | None = None,
 ) -> Tensor:
     """One padded prefill forward as a pure function of tensors with static shapes.
 
@@ -149,7 +151,9 @@ def prefill_static(
     row has ``n = 0``, batch row 0 and prompt length 0: it writes no page and sees no key).
     Returns the hidden state (before post_ln) of each row's last real position, ``[B, C]``.
     Unlike ``prefill._forward``, the page table is not cut to the longest prompt (a Python int
-    that would recompile per prompt length): every row keeps its full width.
+    that would recompile per prompt length): every row keeps its full width. ``causal_rows``:
+    ``text_forward``'s bound on each row's queries outside its regions, None or
+    ``SINGLE_CALL_MAX_CAUSAL_ROWS`` only (two graphs at most, not one per question length).
     """
     n_B, skip_B, rows_B, prompt_B = meta_4B.unbind(0)
     B, T, _ = x_BTC.shape
@@ -162,6 +166,7 @@ def prefill_static(
         x_BTC, model.text, model.config.text, positions_BT=positions_BT, kv=kv,
         slot_mapping=slots, page_table=pages_BP, seqused_k=prompt_B.to(torch.int32),
         seqused_q=n_B.to(torch.int32), bidir_regions=bidir_regions, backend=backend,
+        causal_rows=causal_rows,
     )  # fmt: skip
     last_B = (n_B - 1).clamp(min=0)
     return hidden_BTC[torch.arange(B, device=x_BTC.device), last_B]
@@ -243,15 +248,26 @@ class CompiledPrefill:
         for b, it in enumerate(items):
             x_BTC[b, : it.n] = it.x_TC
         bidir = _padded_regions(items, B, dev)
+        bound = None  # the single-call attention plan, where every row's text after its image
+        if bidir is not None and max(map(_outside_regions, items)) <= SINGLE_CALL_MAX_CAUSAL_ROWS:
+            bound = SINGLE_CALL_MAX_CAUSAL_ROWS  # fits (one fixed bound: one graph)
         self._note((B, T, -1 if bidir is None else bidir.dim()))
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            hidden_BC = self._compiled(model, kv, page_table_RP, x_BTC, meta_4B, bidir, backend)
+            hidden_BC = self._compiled(
+                model, kv, page_table_RP, x_BTC, meta_4B, bidir, backend, bound
+            )
         return hidden_BC[: len(items)]
 
     def _note(self, shape: tuple[int, int, int]) -> None:
         if shape not in self._shapes:
             log.info("compiling prefill for %d rows x %d positions (torch.compile)", *shape[:2])
             self._shapes.add(shape)
+
+
+def _outside_regions(item: PrefillItem) -> int:
+    """The item's new positions outside its bidirectional blocks."""
+    lo, hi = item.skip, item.prompt_length
+    return item.n - sum(max(0, min(e, hi) - max(s, lo)) for s, e in item.regions)
 
 
 def _padded_regions(items: Sequence[PrefillItem], rows: int, dev: torch.device) -> Tensor | None:

@@ -32,8 +32,12 @@ from kestrel.runtime.compiled import (
 from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.decode import decode_static
 from kestrel.tokens import TextToken
-from tests.conftest import FIXTURES
+from kestrel_kernels import fa_backend
+from tests.conftest import FIXTURES, fixture_dir
 from tests.integration.test_batched_prefill import _batched, _greedy, _requests
+from tests.integration.test_runtime_cache import query_prompt
+from tests.unit.test_compile_op import untraceable_probe
+from tests.unit.test_fa_contract import RecordingBinding
 
 ATTENTION_OP = (torch.ops.kestrel.paged_attention, torch.ops.kestrel.paged_attention.default)
 pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
@@ -214,3 +218,33 @@ def test_engine_compile_answers_as_eager(make_engine, images) -> None:
         answers[compile_] = [engine.query(image, q, settings=settings).answer
                              for q in ("what is this?", "which colour?")]  # fmt: skip
     assert answers[True] == answers[False]
+
+
+def test_fa_prefill_under_compile_takes_the_single_call_plan(monkeypatch, images) -> None:
+    """The CUDA prefill path on CPU: the ``fa`` backend through the recording fake binding
+    (bf16), traced by dynamo. A miss with an image and a short question makes one attention
+    call per layer, like the eager prefill, with the same logits."""
+    binding = RecordingBinding()
+    monkeypatch.setattr(fa_backend, "probe", untraceable_probe)
+    monkeypatch.setattr(fa_backend, "load_binding", lambda: binding)
+    model = MoondreamModel.from_pretrained(fixture_dir(), device="cpu", dtype=torch.bfloat16)
+    request = [(query_prompt(model.config, [302, 303]), images["shapes_378"])]
+    runs = {}
+    for how in ("eager", "compiled"):
+        rt = runtime_mod.MoondreamRuntime(
+            model, kv_cache_pages=2000, max_batch_size=2, attention_backend="fa"
+        )
+        if how == "compiled":
+            recorder = Recorder()
+            prefill = CompiledPrefill(compiler=recorder)
+            monkeypatch.setattr(runtime_mod, "prefill_batch", prefill.prefill_batch)
+        binding.calls.clear()
+        states, logits = _batched(rt, request)
+        runs[how] = (logits.float(), [c.causal for c in binding.calls])
+        for s in states:
+            rt.release_sequence(s)
+        rt.check_integrity()
+    (want, eager_calls), (got, compiled_calls) = runs["eager"], runs["compiled"]
+    assert compiled_calls == eager_calls == [False] * model.config.text.n_layers
+    assert len(recorder.graphs) == 1 and recorder.count(ATTENTION_OP) == model.config.text.n_layers
+    torch.testing.assert_close(got, want, atol=5e-2 * max(1.0, float(want.abs().max())), rtol=2e-2)
