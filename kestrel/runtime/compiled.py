@@ -185,8 +185,10 @@ class CompiledPrefill:
 
     Each length group (``prefill.group_by_length``) is padded to a bucket -- rows to a power of
     two, positions to a multiple of ``position_bucket`` -- so one graph serves every prompt of
-    similar length; a bucket compiles on first use. Groups with a LoRA adapter run the eager
-    ``prefill_batch`` (adapters are host-side lists the compiled graph does not take).
+    similar length; a bucket compiles on first use. A group with image blocks whose text after
+    them fits the single-call attention plan gets it, with the bound fixed at its maximum.
+    Groups with a LoRA adapter run the eager ``prefill_batch`` (adapters are host-side lists
+    the compiled graph does not take).
     """
 
     def __init__(
