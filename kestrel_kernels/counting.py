@@ -16,6 +16,11 @@ FlashAttention binding) but runs as many torch ops on the CPU stand-in: it count
 counting inside. ``sites`` names the source line (outside torch and this module) of every sync
 and upload, for ``scripts/count_kernels.py --sites``.
 
+A read of a device-to-host copy started earlier (``transfer.Readback``) is a sync only if
+nothing was launched after the copy: then the host waits for an empty queue. With more work
+queued behind it (the next decode step), the device stays busy while the host reads, and the
+read counts as ``deferred_reads`` instead.
+
 The counts describe the CUDA code path only when the code takes it: the caller runs the model
 with the branches a GPU would take (the static decode step, the ``fa`` backend with a stand-in
 binding); see ``scripts/count_kernels.py``.
@@ -115,6 +120,7 @@ class LaunchCounter(TorchDispatchMode):
         self.syncs = 0
         self.uploads_blocking = 0
         self.uploads_nonblocking = 0
+        self.deferred_reads = 0
         self.replays = 0
         self.by_op: collections.Counter[str] = collections.Counter()
         self.sites: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -140,6 +146,18 @@ class LaunchCounter(TorchDispatchMode):
         if self._record_sites:
             kind = "upload (blocking)" if blocking else "upload (non-blocking)"
             self.sites[(kind, _site())] += 1
+
+    def readback(self, launches_at_start: int) -> None:
+        """A read of a copy started when ``launches`` was ``launches_at_start``: deferred if
+        work was launched since, else a sync (see the module doc)."""
+        if self._paused:
+            return
+        if self.launches > launches_at_start:
+            self.deferred_reads += 1
+            if self._record_sites:
+                self.sites[("read (deferred)", _site())] += 1
+        else:
+            self._sync("readback")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -180,6 +198,7 @@ class LaunchCounter(TorchDispatchMode):
             "syncs": self.syncs,
             "uploads_blocking": self.uploads_blocking,
             "uploads_nonblocking": self.uploads_nonblocking,
+            "deferred_reads": self.deferred_reads,
             "replays": self.replays,
         }
 

@@ -134,7 +134,7 @@ def build(max_batch: int):
         backend="fa",
         capture=False,
     )
-    runner = MoondreamRunner(rt)
+    runner = MoondreamRunner(rt, lookahead=True)  # as on CUDA
     factory = RequestFactory(ModelHeads(model, rt.tokenizer), cfg)
     return rt, runner, Scheduler(runner), factory
 
@@ -215,6 +215,7 @@ def decode_rows(batch: int, settings: dict, sites: bool) -> dict:
         "graph_body": c.graph_body,
         "outside": c.launches - c.graph_body,
         "syncs": c.syncs,
+        "deferred": c.deferred_reads,
         "uploads_blocking": c.uploads_blocking,
         "uploads_nonblocking": c.uploads_nonblocking,
         "replays": c.replays,
@@ -260,7 +261,10 @@ def host_us(batch: int, settings: dict, steps: int = 30) -> float:
     logits = torch.randn(batch, STUB_VOCAB, generator=gen).to(rt.dtype)
     logits[:, rt.config.tokenizer.eos_id] = -1e4  # keep every row running
     hidden = torch.zeros(batch, dim, dtype=rt.dtype)
-    rt._decode_forward = lambda states, tokens: (hidden[: len(states)], logits[: len(states)])
+    rt._decode_forward = lambda states, tokens, ids_B=None: (
+        hidden[: len(states)],
+        logits[: len(states)],
+    )
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -284,7 +288,7 @@ def main() -> None:
                 rows.append((f"decode b{batch} {name}", r))
                 all_sites[f"decode b{batch} {name}"] = r.pop("sites")
         pre = prefill_rows(args.sites)
-    table = [("row", "graph body", "outside", "syncs", "blocking up", "async up")]
+    table = [("row", "graph body", "outside", "syncs", "deferred reads", "blocking up", "async up")]
     for name, r in rows:
         table.append(
             (
@@ -292,13 +296,15 @@ def main() -> None:
                 r["graph_body"],
                 r["outside"],
                 r["syncs"],
+                r["deferred"],
                 r["uploads_blocking"],
                 r["uploads_nonblocking"],
             )
         )
     for key in ("prefill_hit", "prefill_miss", "vision_9"):
         c = pre[key]
-        table.append((key, c.launches, 0, c.syncs, c.uploads_blocking, c.uploads_nonblocking))
+        up = (c.uploads_blocking, c.uploads_nonblocking)
+        table.append((key, c.launches, 0, c.syncs, c.deferred_reads, *up))
         all_sites[key] = c.sites
     widths = [max(len(str(r[i])) for r in table) for i in range(len(table[0]))]
     for r in table:

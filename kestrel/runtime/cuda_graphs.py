@@ -98,14 +98,22 @@ class DecodeGraphs:
         return tuple(sorted(s for s, b in self._buckets.items() if b.graph is not None))
 
     def run(
-        self, rows: Sequence[int], lengths: Sequence[int], tokens: Sequence[Token]
+        self,
+        rows: Sequence[int],
+        lengths: Sequence[int],
+        tokens: Sequence[Token] | None,
+        ids_B: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Decode ``len(rows)`` rows; returns fresh (hidden [n, C], logits [n, V]) tensors."""
+        """Decode ``len(rows)`` rows fed ``tokens``, or the text ids ``ids_B`` (int64, on the
+        device: a look-ahead step); returns fresh (hidden [n, C], logits [n, V]) tensors."""
         n = len(rows)
         bucket = self._bucket(next(s for s in self.sizes if s >= n))
         pad = [0] * (bucket.size - n)
-        is_text = [isinstance(t, TextToken) for t in tokens]
-        ids = [t.token_id if text else 0 for t, text in zip(tokens, is_text, strict=True)]
+        if tokens is None:
+            is_text, ids = [True] * n, [0] * n
+        else:
+            is_text = [isinstance(t, TextToken) for t in tokens]
+            ids = [t.token_id if text else 0 for t, text in zip(tokens, is_text, strict=True)]
         flags = [0 if text else 1 for text in is_text]
         host = torch.tensor(
             [[*rows, *pad], [*lengths, *pad], [*ids, *pad], [*flags, *pad]], dtype=torch.int64
@@ -114,7 +122,10 @@ class DecodeGraphs:
             host = host.pin_memory()  # lets the upload run without blocking the host
         count_upload(blocking=False)
         bucket.index_4B.copy_(host, non_blocking=True)
-        if not all(is_text):
+        if ids_B is not None:
+            bucket.index_4B[2, :n].copy_(ids_B)  # device to device, after the upload
+        elif not all(is_text):
+            assert tokens is not None
             bucket.override_BC[:n].copy_(embed_tokens(list(tokens), self.model))
         if bucket.graph is not None:
             bucket.graph.replay()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,65 +19,113 @@ from kestrel.moondream.region import (
     size_token,
     spatial_ref_tokens,
 )
-from kestrel.moondream.sampling import greedy, sample_rows, suppress
+from kestrel.moondream.sampling import greedy, sample_rows, suppress, suppress_rows
 from kestrel.skills.base import Draw
 from kestrel.tokens import CoordToken, SizeToken
-from kestrel_kernels.transfer import upload
+from kestrel_kernels.transfer import Readback, upload
 
-__all__ = ["ModelHeads", "RowLogits", "batch_rows"]
+__all__ = ["BatchChoice", "ModelHeads", "RowLogits", "batch_rows", "choose"]
 
 
 @dataclass(frozen=True, slots=True)
 class RowLogits:
     """One row of a batch's logits [V], with what was read back for the whole batch at once:
-    its argmax and, when the row's skill announced its draw (``Skill.next_draw``), the token
-    that draw chose (sampled on the device with the rest of the batch).
+    the token its announced draw chose (``Skill.next_draw``; sampled on the device with the
+    rest of the batch) and its plain argmax, where known.
 
-    A greedy decision whose argmax is not a suppressed id needs nothing more from the device
-    either: suppressing other ids cannot change the first maximum. So a batch costs one
-    device-to-host transfer per step, not one per row.
+    A row without a draw gets its argmax as ``chosen``. ``argmax`` is None for a greedy row
+    whose draw suppressed ids (only the suppressed argmax was computed). A decision the batch
+    did not foresee is computed from ``logits_V`` (one more transfer); a greedy decision whose
+    argmax is not a suppressed id needs nothing more: suppressing other ids cannot change the
+    first maximum. So a batch costs one device-to-host transfer per step, not one per row.
     """
 
     logits_V: Tensor
-    argmax: int
+    argmax: int | None
     draw: Draw | None = None
     chosen: int | None = None
+
+
+@functools.lru_cache(maxsize=32)
+def _banned_table(banned: tuple[tuple[int, ...], ...], device: torch.device) -> Tensor:
+    """Suppressed ids per row (-1 = unused), uploaded once per distinct set (greedy batches
+    repeat the same sets step after step)."""
+    width = max(len(b) for b in banned)
+    return upload([[*b, *([-1] * (width - len(b)))] for b in banned], torch.int64, device)
 
 
 def _draw_table(draws: Sequence[Draw | None], device) -> tuple[Tensor, ...]:
     """Per-row temperature, top-p, top-k, u and suppressed ids, in one non-blocking upload
     (float32 holds every token id exactly: they are below 2**24)."""
     width = max((len(d.banned) for d in draws if d is not None), default=0)
-    rows = []
-    for d in draws:
-        if d is None:
-            rows.append([0.0, 1.0, 0.0, 0.0] + [-1.0] * width)
-        else:
-            pad = [-1.0] * (width - len(d.banned))
-            rows.append([d.temperature, d.top_p, float(d.top_k), d.u, *d.banned, *pad])
+    none = [0.0, 1.0, 0.0, 0.0] + [-1.0] * width
+    rows = [
+        none
+        if d is None
+        else [d.temperature, d.top_p, float(d.top_k), d.u, *d.banned]
+        + [-1.0] * (width - len(d.banned))
+        for d in draws
+    ]
     table = upload(rows, torch.float32, device)
     banned = table[:, 4:].to(torch.int64) if width else None
     return table[:, 0], table[:, 1], table[:, 2].to(torch.int64), table[:, 3], banned
 
 
+@dataclass(frozen=True, slots=True)
+class BatchChoice:
+    """A step's tokens, chosen on the device (``choose``) and on their way to the host.
+
+    ``chosen_B``: int64 [B] on the device, row ``b``'s token under its draw (its argmax when it
+    has none) -- what a look-ahead step feeds before the host has read it. ``rows()`` reads the
+    batch back (one transfer, started when the choice was made).
+    """
+
+    logits_BV: Tensor
+    draws: tuple[Draw | None, ...]
+    chosen_B: Tensor
+    sampled: bool  # whether ``values`` holds the plain argmaxes too (row 1)
+    values: Readback
+
+    def rows(self) -> list[RowLogits]:
+        got = self.values.tolist()
+        picks = got[0]
+        rows = self.logits_BV.unbind(0)  # one call for every row's view
+        if self.sampled:
+            best = got[1]
+        else:  # greedy: the pick is the argmax where nothing was suppressed
+            pairs = zip(picks, self.draws, strict=True)
+            best = [p if d is None or not d.banned else None for p, d in pairs]
+        return [
+            RowLogits(row, a, d, p)
+            for row, a, d, p in zip(rows, best, self.draws, picks, strict=True)
+        ]
+
+
+def choose(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) -> BatchChoice:
+    """Every row's token under its draw, in one set of device ops, the transfer started."""
+    batch = logits_BV.shape[0]
+    draws = (None,) * batch if draws is None else tuple(draws)
+    if len(draws) != batch:
+        raise ValueError(f"{len(draws)} draws for {batch} rows of logits")
+    if not any(d is not None and d.temperature > 0 for d in draws):
+        # every row greedy: the (suppressed) argmaxes alone, no sampling ops
+        banned = tuple(() if d is None else d.banned for d in draws)
+        if any(banned):
+            logits = suppress_rows(logits_BV, _banned_table(banned, logits_BV.device))
+        else:
+            logits = logits_BV
+        chosen = greedy(logits)
+        return BatchChoice(logits_BV, draws, chosen, False, Readback(chosen[None]))
+    temp, top_p, top_k, u, banned_BN = _draw_table(draws, logits_BV.device)
+    chosen = sample_rows(logits_BV, temp, top_p, top_k, u, banned_BN)
+    values = Readback(torch.stack([chosen, greedy(logits_BV)]))
+    return BatchChoice(logits_BV, draws, chosen, True, values)
+
+
 def batch_rows(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) -> list[RowLogits]:
     """The rows of a batch's logits with their argmax and, for rows with a draw, the chosen
     token: one set of device ops for the batch and one transfer back."""
-    rows = logits_BV.unbind(0)  # one call for every row's view
-    if draws is not None and len(draws) != logits_BV.shape[0]:
-        raise ValueError(f"{len(draws)} draws for {logits_BV.shape[0]} rows of logits")
-    if draws is None or not any(d is not None and d.temperature > 0 for d in draws):
-        # every row greedy: the argmaxes alone (a row whose argmax it suppresses is decided
-        # again from its own logits, which is rare)
-        ids = greedy(logits_BV).tolist()  # the one transfer
-        return [RowLogits(row, i) for row, i in zip(rows, ids, strict=True)]
-    temp, top_p, top_k, u, banned = _draw_table(draws, logits_BV.device)
-    chosen = sample_rows(logits_BV, temp, top_p, top_k, u, banned)
-    argmax, picks = torch.stack([greedy(logits_BV), chosen]).tolist()  # the one transfer
-    return [
-        RowLogits(row, best, d, None if d is None else pick)
-        for row, best, d, pick in zip(rows, argmax, draws, picks, strict=True)
-    ]
+    return choose(logits_BV, draws).rows()
 
 
 class _NoStream:
@@ -146,8 +195,9 @@ class ModelHeads:
                 and d == Draw(temperature, top_p, banned, d.u if u is None else u, top_k)
             ):
                 return logits_V.chosen  # chosen with the batch, on the device
-            if temperature == 0.0 and logits_V.argmax not in banned:
-                return logits_V.argmax
+            best = logits_V.argmax
+            if temperature == 0.0 and best is not None and best not in banned:
+                return best
             logits_V = logits_V.logits_V
         if temperature == 0.0:
             return int(greedy(suppress(logits_V[None], banned))[0])

@@ -12,11 +12,13 @@ import torch
 
 from kestrel.kv.page_table import BatchSlotsExhausted, PagePoolExhausted
 from kestrel.prefix_cache.node import token_kv_length
-from kestrel.runtime.heads import RowLogits, batch_rows
+from kestrel.runtime.heads import RowLogits, batch_rows, choose
+from kestrel.runtime.lookahead import AheadStep, LookaheadCounters, settle
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.runtime.sequence import SequenceState
 from kestrel.scheduler.protocol import Capacity, Request, RunnerOverloaded, Started
 from kestrel.skills.base import Draw, PromptToken, Skill
+from kestrel_kernels.transfer import upload
 
 __all__ = ["DEFER_MIN_POSITIONS", "MoondreamRunner", "PageCounts"]
 
@@ -57,9 +59,14 @@ class MoondreamRunner:
     sampled on the device together and read back once (``heads.batch_rows``).
     """
 
-    def __init__(self, runtime: MoondreamRuntime) -> None:
+    def __init__(self, runtime: MoondreamRuntime, *, lookahead: bool | None = None) -> None:
         self.runtime = runtime
+        # look ahead where the device runs beside the host (CUDA): on a CPU the host computes
+        # the step itself, and a wasted look-ahead row is work, not idle time
+        self.lookahead = runtime.device.type == "cuda" if lookahead is None else lookahead
         self._skills: dict[int, Skill] = {}  # batch row -> the skill of its request
+        self._ahead: AheadStep | None = None
+        self.lookahead_counters = LookaheadCounters()
 
     def capacity(self) -> Capacity:
         rt = self.runtime
@@ -169,13 +176,57 @@ class MoondreamRunner:
         return done
 
     def decode(
-        self, handles: Sequence[SequenceState], tokens: Sequence[PromptToken]
+        self,
+        handles: Sequence[SequenceState],
+        tokens: Sequence[PromptToken],
+        *,
+        lookahead: bool = False,
     ) -> tuple[list[RowLogits], list[Any]]:
-        """Logits per row, each row's token chosen with the batch's (one transfer), hiddens."""
+        """Logits per row, each row's token chosen with the batch's (one transfer), hiddens.
+
+        ``lookahead``: the caller plans no admission before the next step, so this one may
+        queue the next step before reading its tokens (``lookahead.py``; only if the runner
+        looks ahead at all)."""
         draws = [self._draw(h) for h in handles]
         with torch.inference_mode():
-            logits_BV = self.runtime.decode_step(handles, tokens)
-            return batch_rows(logits_BV, draws), [h.last_hidden for h in handles]
+            logits_BV, hidden = self._forward(handles, tokens)
+            choice = choose(logits_BV, draws)
+            ahead = None
+            if lookahead and self.lookahead and self._may_look_ahead(handles, draws):
+                h_BC, l_BV = self.runtime.decode_ahead(handles, choice.chosen_B)
+                ahead = AheadStep(list(handles), h_BC, l_BV, [])
+                self.lookahead_counters.steps += 1
+                self.lookahead_counters.rows += len(handles)
+            rows = choice.rows()  # the one read (deferred when a look-ahead step is queued)
+        if ahead is not None:
+            ahead.fed_ids = [r.chosen for r in rows]
+            self._ahead = ahead
+        return rows, hidden
+
+    def _forward(
+        self, handles: Sequence[SequenceState], tokens: Sequence[PromptToken]
+    ) -> tuple[torch.Tensor, list[Any]]:
+        """This step's logits [B, V] and hidden states: from the queued look-ahead step where
+        it guessed right, from a fresh forward for every other row."""
+        rt, ahead, self._ahead = self.runtime, self._ahead, None
+        if ahead is None:
+            return rt.decode_step(handles, tokens), [h.last_hidden for h in handles]
+        used = settle(rt, ahead, handles, tokens, self.lookahead_counters)
+        fresh = [i for i, j in enumerate(used) if j < 0]
+        if not fresh and used == list(range(len(ahead.states))):
+            return ahead.logits_BV, [h.last_hidden for h in handles]
+        parts = [ahead.logits_BV]
+        if fresh:
+            parts.append(rt.decode_step([handles[i] for i in fresh], [tokens[i] for i in fresh]))
+        base = iter(range(len(ahead.states), len(ahead.states) + len(fresh)))
+        order = [j if j >= 0 else next(base) for j in used]
+        index = upload(order, torch.int64, ahead.logits_BV.device)
+        return torch.cat(parts).index_select(0, index), [h.last_hidden for h in handles]
+
+    @staticmethod
+    def _may_look_ahead(handles: Sequence[SequenceState], draws: Sequence[Draw | None]) -> bool:
+        """Every row samples its next token from the logits and has a page left for it."""
+        return all(d is not None for d in draws) and all(h.length < h.max_length for h in handles)
 
     def _draw(self, handle: SequenceState) -> Draw | None:
         skill = self._skills.get(handle.batch_idx)
@@ -183,7 +234,10 @@ class MoondreamRunner:
 
     def release(self, handle: SequenceState) -> None:
         self._skills.pop(handle.batch_idx, None)
-        self.runtime.release_sequence(handle)
+        self.runtime.release_sequence(handle)  # rolls back a look-ahead position
+        if self._ahead is not None and not self._ahead.live:  # every row of it retired
+            self.lookahead_counters.rolled_back += len(self._ahead.states)
+            self._ahead = None
 
     def check_integrity(self) -> None:
         self.runtime.check_integrity()

@@ -47,7 +47,7 @@ from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
-from kestrel.moondream.text import lm_head
+from kestrel.moondream.text import embed_text, lm_head
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.vision import encode_image
 from kestrel.moondream.weights import resolve_checkpoint
@@ -61,6 +61,7 @@ from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport
 from kestrel.runtime.decode import decode_eager
 from kestrel.runtime.prefill import prefill_batch, prefill_item
 from kestrel.runtime.sequence import (
+    PENDING,
     PromptToken,
     RuntimeCounters,
     SequenceError,
@@ -72,6 +73,7 @@ from kestrel.runtime.sequence import (
     image_regions,
     validate_image_regions,
 )
+from kestrel.tokens import TextToken
 from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
@@ -321,19 +323,56 @@ class MoondreamRuntime:
             s.last_hidden = h
         return logits_BV
 
-    def _decode_forward(
-        self, states: Sequence[SequenceState], tokens: Sequence[PromptToken]
+    def decode_ahead(
+        self, states: Sequence[SequenceState], ids_B: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model work of one decode step: (hidden before post_ln [B, C], logits [B, V])."""
+        """A look-ahead step: feed each sequence the text token whose id is ``ids_B[b]`` (int64,
+        on the device; the host has not read it yet). Returns (hidden [B, C], logits [B, V]).
+
+        Each position stays pending until ``settle_ahead`` confirms its token (the host read
+        the same id and the skill fed it) or rolls it back (the next write goes there again).
+        """
+        check_decode_batch(states, [TextToken(0)] * len(states), self._active)
+        hidden_BC, logits_BV = self._decode_forward(states, None, ids_B)
+        for s in states:
+            s.length += 1
+            s.fed.append(PENDING)
+            s.ahead = True
+        return hidden_BC, logits_BV
+
+    def settle_ahead(
+        self, state: SequenceState, token: PromptToken | None, hidden_C: torch.Tensor | None
+    ) -> None:
+        """Confirm a look-ahead position with the ``token`` fed there and its hidden state, or
+        (``token`` None) roll it back."""
+        if not state.ahead:
+            raise SequenceError(f"sequence in batch row {state.batch_idx} has no look-ahead")
+        state.ahead = False
+        if token is None:
+            state.fed.pop()
+            state.length -= 1
+        else:
+            state.fed[-1] = token
+            state.last_hidden = hidden_C
+
+    def _decode_forward(
+        self,
+        states: Sequence[SequenceState],
+        tokens: Sequence[PromptToken] | None,
+        ids_B: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model work of one decode step, fed ``tokens`` or the text ids ``ids_B`` (on the
+        device): (hidden before post_ln [B, C], logits [B, V])."""
         adapters = [s.adapter for s in states]
+        rows, lengths = [s.batch_idx for s in states], [s.length for s in states]
         if self.decode_graphs is not None and all(a is None for a in adapters):
-            return self.decode_graphs.run(
-                [s.batch_idx for s in states], [s.length for s in states], tokens
-            )
-        x_BC = embed_tokens(list(tokens), self.model)
+            return self.decode_graphs.run(rows, lengths, tokens, ids_B)
+        if ids_B is not None:
+            x_BC = embed_text(ids_B, self.model.text)
+        else:
+            x_BC = embed_tokens(list(tokens), self.model)
         hidden_BC = decode_eager(
-            self.model, self.kv, self.page_table.page_table, x_BC,
-            [s.batch_idx for s in states], [s.length for s in states],
+            self.model, self.kv, self.page_table.page_table, x_BC, rows, lengths,
             adapters, self.attention_backend,
         )  # fmt: skip
         return hidden_BC, lm_head(hidden_BC, self.model.text)
@@ -343,6 +382,8 @@ class MoondreamRuntime:
         the row's private pages; cache-owned pages stay cached."""
         if state.released or self._active.get(state.batch_idx) is not state:
             raise SequenceError(f"sequence in batch row {state.batch_idx} was already released")
+        if state.ahead:  # a look-ahead step nobody will read
+            self.settle_ahead(state, None, None)
         state.released = True
         del self._active[state.batch_idx]
         fed, state.fed = state.fed, []

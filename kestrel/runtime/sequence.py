@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kestrel.prefix_cache.node import TreeNode
 
 __all__ = [
+    "PENDING",
     "PromptToken",
     "RuntimeCounters",
     "SequenceError",
@@ -37,6 +38,18 @@ __all__ = [
 ]
 
 PromptToken = TextToken | CoordToken | SizeToken
+
+
+class _Pending:
+    """The placeholder of a look-ahead position in ``SequenceState.fed``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "PENDING"
+
+
+PENDING = _Pending()
 
 
 class SequenceError(ValueError):
@@ -55,6 +68,9 @@ class SequenceState:
     when the cache is off). ``prompt`` and ``images`` are kept only until the prefill.
     ``fed`` lists the tokens fed by ``decode_step``, one per KV position written after the
     prompt (``len(fed) == length - prompt_length``); the release may retain them in the cache.
+    ``ahead``: the last position was fed by a look-ahead step (``decode_ahead``) with a token
+    the host has not read yet; ``fed`` ends with ``PENDING`` until it is confirmed or rolled
+    back.
     """
 
     lease: CacheLease
@@ -69,6 +85,7 @@ class SequenceState:
     fed: list[PromptToken] = field(default_factory=list)
     vision_encoded: bool = False
     released: bool = False
+    ahead: bool = False
 
     @property
     def batch_idx(self) -> int:
@@ -110,6 +127,12 @@ class SequenceState:
         if mapped != self.max_length:
             raise AssertionError(f"row {i} maps {mapped} != {self.max_length}")
         decoded = self.length - self.prompt_length
+        pending = [i for i, t in enumerate(self.fed) if t is PENDING]
+        if pending != ([len(self.fed) - 1] if self.ahead else []):
+            raise AssertionError(
+                f"row {i} has look-ahead placeholders at {pending} (ahead={self.ahead}): only "
+                "the last fed position may wait for its token"
+            )
         if len(self.fed) != decoded:
             raise AssertionError(
                 f"row {i} recorded {len(self.fed)} fed tokens for {decoded} decoded positions "
@@ -254,6 +277,10 @@ def check_decode_batch(
             raise SequenceError(
                 f"sequence in batch row {s.batch_idx} has used all "
                 f"{s.max_length - s.prompt_length} new-token pages (max_new_tokens reached)"
+            )
+        if s.ahead:
+            raise SequenceError(
+                f"sequence in batch row {s.batch_idx} has an unsettled look-ahead position"
             )
         if not isinstance(t, _TOKEN_TYPES):
             raise SequenceError(f"decode_step tokens must be cache tokens, got {t!r}")

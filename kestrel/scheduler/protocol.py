@@ -83,8 +83,12 @@ class ModelRunner(Protocol):
         that did not start."""
         ...
 
-    def decode(self, handles: Sequence[Any], tokens: Sequence[PromptToken]) -> tuple[Any, list]:
-        """Feed one token per sequence in one batched step: (logits [B, V], hidden per row)."""
+    def decode(
+        self, handles: Sequence[Any], tokens: Sequence[PromptToken], *, lookahead: bool = False
+    ) -> tuple[Any, list]:
+        """Feed one token per sequence in one batched step: (logits [B, V], hidden per row).
+        ``lookahead``: no admission is due before the next step, so the runner may queue it
+        before this one is read back (it guesses each row's token; the guess is checked)."""
         ...
 
     def release(self, handle: Any) -> None: ...

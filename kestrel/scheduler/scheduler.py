@@ -121,6 +121,7 @@ class Scheduler:
         self.waiting = WaitQueue()
         self.running = RunningSet()
         self.counters = SchedulerCounters()
+        self._retired = 0  # sequences retired since the last decode step
 
     # ------------------------------------------------------------------ public
     def submit(self, request: Request) -> None:
@@ -217,8 +218,15 @@ class Scheduler:
             return
         self.counters.decode_steps += 1
         tokens = [r.next_token for r in batch]
+        # The runner may queue the next step before reading this one's tokens. Rows admitted
+        # before that step would miss it and cost a second forward, so not while requests wait
+        # or rows have just retired (their replacements are on the way).
+        lookahead = not self.waiting and not self._retired
+        self._retired = 0
         try:
-            logits_BV, hidden = self.runner.decode([r.handle for r in batch], tokens)
+            logits_BV, hidden = self.runner.decode(
+                [r.handle for r in batch], tokens, lookahead=lookahead
+            )
         except Exception as exc:
             log.exception("decode step failed; failing its %d sequences", len(batch))
             for run in batch:
@@ -261,6 +269,7 @@ class Scheduler:
     ) -> None:
         """Release the sequence, then tell its caller (result, error, or nothing if cancelled)."""
         self.running.remove(run)
+        self._retired += 1
         try:
             self.runner.release(run.handle)
         except Exception as exc:

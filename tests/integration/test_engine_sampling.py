@@ -39,9 +39,9 @@ def test_decode_steps_read_the_batch_back_once(make_engine, images) -> None:
 
     engine.runtime.decode_step = model_only
 
-    def counted(handles, tokens):
+    def counted(handles, tokens, **kw):
         with LaunchCounter() as c:
-            out = original(handles, tokens)
+            out = original(handles, tokens, **kw)
         steps.append(c.syncs)
         return out
 

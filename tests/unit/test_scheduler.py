@@ -46,6 +46,7 @@ class FakeRunner:
         self.overload: set[int] = set()  # request ids refused as overloaded (once)
         self.fail_decode_call: int | None = None
         self.decode_calls = 0
+        self.lookaheads: list[bool] = []
         self.decode_batches: list[list[int]] = []
         self.start_calls: list[list[int]] = []
         self._next = 0
@@ -80,8 +81,9 @@ class FakeRunner:
                 out.append(exc)
         return out
 
-    def decode(self, handles, tokens):
+    def decode(self, handles, tokens, *, lookahead=False):
         self.decode_calls += 1
+        self.lookaheads.append(lookahead)
         assert all(h in self.held for h in handles) and len(handles) == len(tokens)
         self.decode_batches.append(list(handles))
         if self.decode_calls == self.fail_decode_call:
@@ -138,6 +140,28 @@ def test_batches_and_results() -> None:
     # the four requests admitted in the first step reach the runner in one call, in order
     assert runner.start_calls[0] == [r.request_id for r in reqs[:4]]
     assert sorted(i for call in runner.start_calls for i in call) == [r.request_id for r in reqs]
+
+
+def test_lookahead_only_when_no_admission_is_likely() -> None:
+    """The runner may queue the next step early only when nothing waits and no row retired
+    since the last step (a retired row's replacement is likely to arrive next)."""
+    runner = FakeRunner(rows=2)
+    s = Scheduler(runner)
+    long, short = make_request(8), make_request(2)
+    s.submit(long)
+    s.submit(short)
+    s.step()  # both admitted, nothing waiting
+    assert runner.lookaheads == [True]
+    s.submit(make_request(2))  # waits for a row
+    s.step()
+    assert runner.lookaheads[-1] is False
+    while len(s.running) == 2:  # until `short` retires and the waiting one is admitted
+        s.step()
+    s.step()  # the step after the retirement admitted the waiting one
+    s.step()
+    assert runner.lookaheads[-1] is True and not s.waiting
+    drain(s)
+    assert runner.held == {} and long.future.result()[0] == (1,) * 8
 
 
 def test_head_of_line_waits_for_pages_and_never_fitting_fails_alone() -> None:
