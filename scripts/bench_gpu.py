@@ -203,6 +203,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="direct,cot", help="direct, cot or both")
     p.add_argument("--sampling", default="greedy,default", help="greedy, default or both")
     p.add_argument("--cot-tokens", type=int, help="cot answers' max_tokens (default 128; smoke 8)")
+    p.add_argument("--compile", action="store_true",
+                   help="Engine(compile=True): decode and prefill through torch.compile "
+                   "(the warm-up compiles most shapes: use --rounds 3)")  # fmt: skip
     harness.add_arguments(p, rounds=2)
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     source = args.model or (None if args.smoke else random_md2_checkpoint(args.model_dir))
     device = "cpu" if args.smoke else "cuda"
-    engine = Engine(source, device=device, max_batch_size=max(args.batches))
+    engine = Engine(source, device=device, max_batch_size=max(args.batches), compile=args.compile)
     try:
         encode = engine.runtime.tokenizer.encode
         n_tokens = lambda text: len(encode(text))  # noqa: E731
@@ -262,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                    f"question tokens {min(lengths)}-{max(lengths)} (mean "
                    f"{statistics.mean(lengths):.1f}); {QUESTIONS_PER_IMAGE} questions per "
                    f"chart; direct max {DIRECT_TOKENS} tokens, cot max "
-                   f"{args.cot_tokens}")  # fmt: skip
+                   f"{args.cot_tokens}; torch.compile "
+                   f"{'on' if args.compile else 'off'}")  # fmt: skip
         for b in args.batches:  # warm: CUDA graphs for each batch size, allocator, kernels
             measure(engine, sample[:b], b, {"temperature": 0.0, "max_tokens": 2}, False)
         runs = bench.run(variants(engine, args, n_tokens))

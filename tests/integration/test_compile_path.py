@@ -40,7 +40,10 @@ from tests.unit.test_compile_op import untraceable_probe
 from tests.unit.test_fa_contract import RecordingBinding
 
 ATTENTION_OP = (torch.ops.kestrel.paged_attention, torch.ops.kestrel.paged_attention.default)
-pytestmark = pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+pytestmark = [  # torch's own notices while dynamo and inductor load
+    pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),
+]
 
 
 def close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4) -> None:
