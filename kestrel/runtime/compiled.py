@@ -35,7 +35,7 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, text_forward
 from kestrel.runtime.decode import decode_static
 from kestrel.runtime.prefill import PrefillItem, group_by_length, prefill_batch
-from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
+from kestrel_kernels.segments import single_call_max_rows
 from kestrel_kernels.transfer import upload
 
 __all__ = [
@@ -152,8 +152,8 @@ def prefill_static(
     Returns the hidden state (before post_ln) of each row's last real position, ``[B, C]``.
     Unlike ``prefill._forward``, the page table is not cut to the longest prompt (a Python int
     that would recompile per prompt length): every row keeps its full width. ``causal_rows``:
-    ``text_forward``'s bound on each row's queries outside its regions, None or
-    ``SINGLE_CALL_MAX_CAUSAL_ROWS`` only (two graphs at most, not one per question length).
+    ``text_forward``'s bound on each row's queries outside its regions: None or
+    ``segments.single_call_max_rows()`` only (two graphs at most, not one per question length).
     """
     n_B, skip_B, rows_B, prompt_B = meta_4B.unbind(0)
     B, T, _ = x_BTC.shape
@@ -250,9 +250,9 @@ class CompiledPrefill:
         for b, it in enumerate(items):
             x_BTC[b, : it.n] = it.x_TC
         bidir = _padded_regions(items, B, dev)
-        bound = None  # the single-call attention plan, where every row's text after its image
-        if bidir is not None and max(map(_outside_regions, items)) <= SINGLE_CALL_MAX_CAUSAL_ROWS:
-            bound = SINGLE_CALL_MAX_CAUSAL_ROWS  # fits (one fixed bound: one graph)
+        bound, limit = None, single_call_max_rows()  # the single-call attention plan, where
+        if bidir is not None and max(map(_outside_regions, items)) <= limit:
+            bound = limit  # every row's text after its image fits (one fixed bound: one graph)
         self._note((B, T, -1 if bidir is None else bidir.dim()))
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             hidden_BC = self._compiled(

@@ -230,6 +230,7 @@ def test_fa_prefill_under_compile_takes_the_single_call_plan(monkeypatch, images
     binding = RecordingBinding()
     monkeypatch.setattr(fa_backend, "probe", untraceable_probe)
     monkeypatch.setattr(fa_backend, "load_binding", lambda: binding)
+    monkeypatch.delenv("KESTREL_FA_SINGLE_CALL_ROWS", raising=False)  # the default bound
     model = MoondreamModel.from_pretrained(fixture_dir(), device="cpu", dtype=torch.bfloat16)
     request = [(query_prompt(model.config, [302, 303]), images["shapes_378"])]
     runs = {}
