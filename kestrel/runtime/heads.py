@@ -27,7 +27,6 @@ from kestrel_kernels.transfer import Readback, upload
 __all__ = ["BatchChoice", "ModelHeads", "RowLogits", "batch_rows", "choose"]
 
 
-@dataclass(frozen=True, slots=True)
 class RowLogits:
     """One row of a batch's logits [V], with what was read back for the whole batch at once:
     the token its announced draw chose (``Skill.next_draw``; sampled on the device with the
@@ -38,12 +37,25 @@ class RowLogits:
     did not foresee is computed from ``logits_V`` (one more transfer); a greedy decision whose
     argmax is not a suppressed id needs nothing more: suppressing other ids cannot change the
     first maximum. So a batch costs one device-to-host transfer per step, not one per row.
+
+    A value (never changed after it is made), written as a plain slotted class rather than a
+    frozen dataclass: one is built for every row of every step, and a frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``.
     """
 
-    logits_V: Tensor
-    argmax: int | None
-    draw: Draw | None = None
-    chosen: int | None = None
+    __slots__ = ("argmax", "chosen", "draw", "logits_V")
+
+    def __init__(
+        self,
+        logits_V: Tensor,
+        argmax: int | None,
+        draw: Draw | None = None,
+        chosen: int | None = None,
+    ) -> None:
+        self.logits_V, self.argmax, self.draw, self.chosen = logits_V, argmax, draw, chosen
+
+    def __repr__(self) -> str:
+        return f"RowLogits(argmax={self.argmax}, draw={self.draw}, chosen={self.chosen})"
 
 
 @functools.lru_cache(maxsize=32)
@@ -189,10 +201,14 @@ class ModelHeads:
         banned = tuple(banned)
         if isinstance(logits_V, RowLogits):
             d = logits_V.draw
-            if (
+            if (  # field by field: this runs for every row of every step
                 d is not None
                 and logits_V.chosen is not None
-                and d == Draw(temperature, top_p, banned, d.u if u is None else u, top_k)
+                and d.temperature == temperature
+                and d.top_p == top_p
+                and d.banned == banned
+                and (u is None or d.u == u)
+                and d.top_k == top_k
             ):
                 return logits_V.chosen  # chosen with the batch, on the device
             best = logits_V.argmax

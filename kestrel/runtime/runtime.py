@@ -355,6 +355,20 @@ class MoondreamRuntime:
             state.fed[-1] = token
             state.last_hidden = hidden_C
 
+    def confirm_ahead(
+        self,
+        states: Sequence[SequenceState],
+        tokens: Sequence[PromptToken],
+        hidden_BC: torch.Tensor,
+    ) -> None:
+        """``settle_ahead`` confirming every row of a look-ahead step at once."""
+        for s, t, h in zip(states, tokens, hidden_BC.unbind(0), strict=True):
+            if not s.ahead:
+                raise SequenceError(f"sequence in batch row {s.batch_idx} has no look-ahead")
+            s.ahead = False
+            s.fed[-1] = t
+            s.last_hidden = h
+
     def _decode_forward(
         self,
         states: Sequence[SequenceState],

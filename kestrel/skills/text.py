@@ -68,15 +68,19 @@ class TextPhase:
         self.first_hidden: Any = None
         self.finish_reason: str | None = None
         self._draw: Draw | None = None
+        self._greedy: Draw | None = None
 
     def next_draw(self) -> Draw:
         """The next decision's settings and uniform number (taken once per decision)."""
         if self._draw is None:
             s = self.settings
             banned = () if self.first_logits is None else self.banned
-            hot = s.temperature > 0 and self.rng is not None
-            u = self.rng.random() if hot else 0.0
-            self._draw = Draw(s.temperature, s.top_p, banned, u)
+            if s.temperature > 0 and self.rng is not None:
+                self._draw = Draw(s.temperature, s.top_p, banned, self.rng.random())
+            else:  # greedy: the same draw every step after the first
+                if self._greedy is None or self._greedy.banned != banned:
+                    self._greedy = Draw(s.temperature, s.top_p, banned, 0.0)
+                self._draw = self._greedy
         return self._draw
 
     def decide(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
