@@ -6,7 +6,6 @@ Every failure here is a :class:`~kestrel.errors.ModelLoadError` (or an
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import torch
@@ -124,8 +123,6 @@ def load_runtime(
         raise InvalidInputError(f"compile must be True or False, got {compile!r}")
     if compile:
         reason = compile_unavailable_reason(dev)
-        if reason is None and "compile" not in inspect.signature(MoondreamRuntime).parameters:
-            reason = "this MoondreamRuntime has no compile option"
         if reason is not None:
             raise InvalidInputError(f"compile=True cannot work here: {reason}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
@@ -155,7 +152,7 @@ def load_runtime(
             enable_prefix_cache=enable_prefix_cache,
             attention_backend=attention_backend,
             retain_decoded=retain_decoded,
-            **({"compile": True} if compile else {}),  # the runtime's default is eager
+            compile=compile,
         )
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model {str(source)!r}: {exc}") from exc

@@ -28,6 +28,7 @@ import kestrel_kernels
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import PagedKV
+from kestrel.runtime.compiled import CompiledDecode
 from kestrel.runtime.decode import decode_static
 from kestrel.tokens import CoordToken, SizeToken, TextToken
 from kestrel_kernels.counting import count_upload
@@ -83,10 +84,13 @@ class DecodeGraphs:
         max_batch_size: int,
         backend: str,
         capture: bool = True,
+        compile: bool = False,
     ) -> None:
         self.model, self.kv, self.page_table_RP = model, kv, page_table_RP
         self.backend = backend
         self.capture = capture
+        # compile: the step built by torch.compile (compiled.py), once per bucket in the warm-up
+        self.compiled = CompiledDecode() if compile else None
         self.sizes = bucket_sizes(max_batch_size)
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None
@@ -143,7 +147,8 @@ class DecodeGraphs:
     # ------------------------------------------------------------------ internals
     def _step(self, bucket: _Bucket) -> tuple[Tensor, Tensor]:
         rows, lengths, ids, flags = bucket.index_4B.unbind(0)
-        return decode_static(
+        step = decode_static if self.compiled is None else self.compiled
+        return step(
             self.model, self.kv, self.page_table_RP, rows, lengths, ids, flags > 0,
             bucket.override_BC, self.backend,
         )  # fmt: skip

@@ -46,8 +46,7 @@ from kestrel.kv.page_table import PagedKVCache, PageTable
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.region import embed_tokens
-from kestrel.moondream.text import embed_text, lm_head
+from kestrel.moondream.text import lm_head
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.vision import encode_image
 from kestrel.moondream.weights import resolve_checkpoint
@@ -55,25 +54,23 @@ from kestrel.prefix_cache.lease import CacheLease, LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.prefix_cache.node import token_kv_length
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
+from kestrel.runtime.compiled import CompiledPrefill, check_compile
 from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
 from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
-from kestrel.runtime.decode import decode_eager
+from kestrel.runtime.decode_steps import DecodeSteps
 from kestrel.runtime.prefill import prefill_batch, prefill_item
 from kestrel.runtime.sequence import (
-    PENDING,
     PromptToken,
     RuntimeCounters,
     SequenceError,
     SequenceState,
     build_cache_tokens,
     cacheable_prefix,
-    check_decode_batch,
     check_request,
     image_regions,
     validate_image_regions,
 )
-from kestrel.tokens import TextToken
 from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
@@ -91,7 +88,7 @@ def _prepared(image: object) -> tuple[PreparedImage, ...]:
     return tuple(im if isinstance(im, PreparedImage) else prepare_image(im) for im in items)
 
 
-class MoondreamRuntime:
+class MoondreamRuntime(DecodeSteps):
     """Cached prefill, batched decode and release over one KV pool (see the module doc).
 
     ``kv_cache_pages=None`` sizes the pool: on CUDA from the memory free after a warm-up,
@@ -101,6 +98,8 @@ class MoondreamRuntime:
     a finished sequence's decoded tokens in the cache under its prompt (module doc, step 5).
     ``kv_scales``: one ``KvScales`` per layer stores K/V as FP8 pages (opt-in; the scaled-KV
     case runs the torch attention reference, so decode steps are not graph-captured).
+    ``compile``: decode and prefill through ``torch.compile`` (``compiled.py``; opt-in). The
+    decode steps (a known token, or a look-ahead id on the device) are in ``decode_steps.py``.
     """
 
     def __init__(
@@ -116,6 +115,7 @@ class MoondreamRuntime:
         cuda_graphs: bool = True,
         retain_decoded: bool = True,
         kv_scales: Sequence[KvScales] | None = None,
+        compile: bool = False,
     ) -> None:
         self.model = model
         self.retain_decoded = retain_decoded
@@ -163,11 +163,16 @@ class MoondreamRuntime:
         self.page_table.set_prefix_cache(self.prefix_cache)
         self.counters = RuntimeCounters()
         self._active: dict[int, SequenceState] = {}
+        compile = compile and kv_scales is None  # FP8 pages: eager (not compiled yet)
+        if compile:
+            check_compile(self.device)
+        self.compiled_prefill = CompiledPrefill() if compile else None
         self.decode_graphs: DecodeGraphs | None = None
-        if kv_scales is None and graphs_supported(model, attention_backend):
+        graphs = graphs_supported(model, attention_backend)
+        if kv_scales is None and (graphs or compile):
             self.decode_graphs = DecodeGraphs(
                 model, self.kv, self.page_table.page_table, max_batch_size=max_batch_size,
-                backend=attention_backend, capture=cuda_graphs,
+                backend=attention_backend, capture=cuda_graphs and graphs, compile=compile,
             )  # fmt: skip
 
     @classmethod
@@ -256,7 +261,9 @@ class MoondreamRuntime:
         with self.crops.hold(self._images_to_encode(states)):  # all of them start at once
             items = [prefill_item(s, self.model, self.dtype, self._encode_images(s))
                      for s in states]  # fmt: skip
-        hidden_BC = prefill_batch(
+        compiled = self.compiled_prefill
+        run = prefill_batch if compiled is None else compiled.prefill_batch
+        hidden_BC = run(
             self.model, self.kv, self.page_table.page_table, items, self.attention_backend
         )
         return hidden_BC, lm_head(hidden_BC, self.model.text)
@@ -306,90 +313,6 @@ class MoondreamRuntime:
             self.abort_sequence(state)
             raise
         return state, logits_V
-
-    def decode_step(
-        self, states: Sequence[SequenceState], tokens: Sequence[PromptToken]
-    ) -> torch.Tensor:
-        """Feed one token per sequence in one batched forward; returns logits [B, V].
-
-        Each new K/V goes to that sequence's private page at its current length. Coordinate and
-        size tokens are embedded through the region encoders.
-        """
-        check_decode_batch(states, tokens, self._active)
-        hidden_BC, logits_BV = self._decode_forward(states, tokens)
-        for s, t, h in zip(states, tokens, hidden_BC.unbind(0), strict=True):
-            s.length += 1
-            s.fed.append(t)
-            s.last_hidden = h
-        return logits_BV
-
-    def decode_ahead(
-        self, states: Sequence[SequenceState], ids_B: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A look-ahead step: feed each sequence the text token whose id is ``ids_B[b]`` (int64,
-        on the device; the host has not read it yet). Returns (hidden [B, C], logits [B, V]).
-
-        Each position stays pending until ``settle_ahead`` confirms its token (the host read
-        the same id and the skill fed it) or rolls it back (the next write goes there again).
-        """
-        check_decode_batch(states, [TextToken(0)] * len(states), self._active)
-        hidden_BC, logits_BV = self._decode_forward(states, None, ids_B)
-        for s in states:
-            s.length += 1
-            s.fed.append(PENDING)
-            s.ahead = True
-        return hidden_BC, logits_BV
-
-    def settle_ahead(
-        self, state: SequenceState, token: PromptToken | None, hidden_C: torch.Tensor | None
-    ) -> None:
-        """Confirm a look-ahead position with the ``token`` fed there and its hidden state, or
-        (``token`` None) roll it back."""
-        if not state.ahead:
-            raise SequenceError(f"sequence in batch row {state.batch_idx} has no look-ahead")
-        state.ahead = False
-        if token is None:
-            state.fed.pop()
-            state.length -= 1
-        else:
-            state.fed[-1] = token
-            state.last_hidden = hidden_C
-
-    def confirm_ahead(
-        self,
-        states: Sequence[SequenceState],
-        tokens: Sequence[PromptToken],
-        hidden_BC: torch.Tensor,
-    ) -> None:
-        """``settle_ahead`` confirming every row of a look-ahead step at once."""
-        for s, t, h in zip(states, tokens, hidden_BC.unbind(0), strict=True):
-            if not s.ahead:
-                raise SequenceError(f"sequence in batch row {s.batch_idx} has no look-ahead")
-            s.ahead = False
-            s.fed[-1] = t
-            s.last_hidden = h
-
-    def _decode_forward(
-        self,
-        states: Sequence[SequenceState],
-        tokens: Sequence[PromptToken] | None,
-        ids_B: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model work of one decode step, fed ``tokens`` or the text ids ``ids_B`` (on the
-        device): (hidden before post_ln [B, C], logits [B, V])."""
-        adapters = [s.adapter for s in states]
-        rows, lengths = [s.batch_idx for s in states], [s.length for s in states]
-        if self.decode_graphs is not None and all(a is None for a in adapters):
-            return self.decode_graphs.run(rows, lengths, tokens, ids_B)
-        if ids_B is not None:
-            x_BC = embed_text(ids_B, self.model.text)
-        else:
-            x_BC = embed_tokens(list(tokens), self.model)
-        hidden_BC = decode_eager(
-            self.model, self.kv, self.page_table.page_table, x_BC, rows, lengths,
-            adapters, self.attention_backend,
-        )  # fmt: skip
-        return hidden_BC, lm_head(hidden_BC, self.model.text)
 
     def release_sequence(self, state: SequenceState) -> None:
         """Retain the decoded tokens (``retain_decoded``), then exactly one unlock, then free

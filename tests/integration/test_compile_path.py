@@ -203,10 +203,6 @@ def test_compile_refused_with_its_reason(monkeypatch) -> None:
 
 
 @pytest.mark.slow  # ~20 s: a decode bucket and two prefill buckets compiled by inductor
-@pytest.mark.skipif(
-    "compile" not in inspect.signature(runtime_mod.MoondreamRuntime).parameters,
-    reason="MoondreamRuntime has no compile option yet (docs/kernels.md, torch.compile path)",
-)
 def test_engine_compile_answers_as_eager(make_engine, images) -> None:
     """``Engine(compile=True)`` end to end: the runtime decodes through ``CompiledDecode`` and
     prefills through ``CompiledPrefill``, and the answers equal the eager engine's."""
