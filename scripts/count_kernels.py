@@ -18,7 +18,7 @@ Rows: a decode step at batch 1 and 64, greedy and with Moondream's default sampl
 uploads; a hit prefill (13 new positions after a cached image), a miss prefill (9 crops and
 ~743 positions: vision encoder included), the vision encoder alone on 9 crops, and the host
 microseconds of one scheduler decode step at batch 64 with the model math stubbed (fixed logits
-over 64 ids stand in for the forward, so the sampler's ops pay their per-op host cost but no
+over 16 ids stand in for the forward, so the sampler's ops pay their per-op host cost but no
 arithmetic to speak of; everything else -- sampling, skills, streams, bookkeeping -- runs). The
 host time is a timing figure: take it on an idle machine.
 """
@@ -62,7 +62,7 @@ from kestrel_kernels.torch_backend import varlen_paged_attention_torch  # noqa: 
 FIXTURE = REPO / "tests" / "fixtures" / "md2-tiny-a"
 SAMPLED = {"temperature": 0.5, "top_p": 0.3, "max_tokens": 48}
 GREEDY = {"temperature": 0.0, "max_tokens": 48}
-STUB_VOCAB = 64
+STUB_VOCAB = 16
 
 
 def fake_binding(
@@ -254,7 +254,7 @@ def host_us(batch: int, settings: dict, steps: int = 30) -> float:
         submit(sched, factory, image, f"{QUESTION} {i}", {**settings, "max_tokens": 400})
     while sched.waiting or len(sched.running) < batch:
         sched.step()
-    # The stand-in logits cover 64 ids (every id the skills ban or stop on is below 64): the
+    # The stand-in logits cover 16 ids (every id the skills ban or stop on is below 10): the
     # sampler's ops still pay their per-op host cost, its arithmetic (device work) is negligible.
     dim = rt.config.text.dim
     gen = torch.Generator().manual_seed(0)

@@ -19,6 +19,7 @@ Which ids are suppressed when is skill logic and lives in ``kestrel.skills.text`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -30,8 +31,10 @@ __all__ = [
     "greedy",
     "sample",
     "sample_rows",
+    "sample_table",
     "suppress",
     "suppress_rows",
+    "table_row",
 ]
 
 
@@ -62,6 +65,65 @@ def suppress_rows(logits_BV: Tensor, banned_BN: Tensor) -> Tensor:
     return logits_BV.scatter_reduce(1, banned_BN.clamp(min=0), value_BN, reduce="amin")
 
 
+@functools.lru_cache(maxsize=8)
+def _ranks(vocab: int, device: torch.device) -> Tensor:
+    """float32 [1, V]: 0, 1, ... V-1 (kept, not rebuilt every step)."""
+    return torch.arange(vocab, dtype=torch.float32, device=device)[None]
+
+
+@functools.lru_cache(maxsize=256)
+def _suppressed_columns(banned: tuple[int, ...], width: int) -> tuple[float, ...]:
+    pad = width - len(banned)
+    return (
+        *map(float, banned),
+        *([0.0] * pad),
+        *([float("-inf")] * len(banned)),
+        *([float("inf")] * pad),
+    )
+
+
+def table_row(
+    temperature: float, top_p: float, top_k: int, u: float, banned: Sequence[int], width: int
+) -> tuple[float, ...]:
+    """One row of a ``sample_table`` table (host values; float32 holds every id exactly, they
+    are below 2**24): 1/T, top-p, u, the top-k bound (0 = off; a greedy row keeps 1), then
+    ``width`` suppressed ids (0 where unused) and their fill values (-inf, or +inf unused)."""
+    tail = _suppressed_columns(tuple(banned), width)
+    if temperature > 0:
+        return (1.0 / temperature, top_p, u, float(top_k) if top_k > 0 else _INF, *tail)
+    return (1.0, 1.0, 0.0, 1.0, *tail)
+
+
+_INF = float("inf")
+
+
+def sample_table(logits_BV: Tensor, table_BW: Tensor) -> Tensor:
+    """One token per row, int64 [B], under each row's ``table_row`` (float32 [B, 4 + 2N], on
+    the logits' device): one fixed set of tensor ops for the batch, no host synchronisation.
+
+    Greedy rows keep one token (their first maximum: the sort is stable) with ``u`` 0; a
+    sampled row's kept tokens are those of its top-k whose mass before them is within top-p.
+    """
+    vocab = logits_BV.shape[-1]
+    logits = logits_BV.float()
+    width = (table_BW.shape[1] - 4) // 2
+    if width:  # suppressed ids: a -inf minimum; unused entries aim +inf at id 0
+        ids_BN = table_BW[:, 4 : 4 + width].to(torch.int64)
+        logits = logits.scatter_reduce(1, ids_BN, table_BW[:, 4 + width :], reduce="amin")
+    scaled = logits * table_BW[:, 0:1]
+    s_sorted, idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    p_sorted = torch.softmax(s_sorted, dim=-1)
+    cdf = torch.cumsum(p_sorted, dim=-1)
+    in_top_k = _ranks(vocab, logits.device) < table_BW[:, 3:4]
+    keep = ((cdf - p_sorted) <= table_BW[:, 1:2]) & in_top_k
+    kept_cdf = torch.cumsum(p_sorted * keep, dim=-1)
+    target_B1 = table_BW[:, 2:3] * kept_cdf[:, -1:]
+    # the first kept token whose cumulative mass reaches the target (past the nucleus the mass
+    # is flat at the total, which the target never exceeds)
+    pos_B1 = (kept_cdf < target_B1).sum(dim=-1, keepdim=True)
+    return idx.gather(1, pos_B1)[:, 0]
+
+
 def sample_rows(
     logits_BV: Tensor,
     temperature_B: Tensor,
@@ -76,26 +138,26 @@ def sample_rows(
 
     ``temperature_B`` / ``top_p_B`` / ``u_B`` float [B], ``top_k_B`` int [B] (0 = off),
     ``banned_BN`` int [B, N] ids suppressed per row (-1 = unused) or None. No host sync;
-    ``any_sampled=False`` (every row greedy) skips the sampling ops.
+    ``any_sampled=False`` (every row greedy) skips the sampling ops. The settings as tensors;
+    ``sample_table`` takes them as one table built on the host.
     """
     logits = logits_BV.float()
-    if banned_BN is not None:
-        logits = suppress_rows(logits, banned_BN)
-    best_B = greedy(logits)
     if not any_sampled:
-        return best_B
+        return greedy(logits if banned_BN is None else suppress_rows(logits, banned_BN))
     hot_B = temperature_B > 0
-    scaled = logits / torch.where(hot_B, temperature_B, 1.0)[:, None]
-    p_sorted, idx = torch.sort(torch.softmax(scaled, dim=-1), dim=-1, descending=True)
-    cdf = torch.cumsum(p_sorted, dim=-1)
-    rank_1V = torch.arange(logits.shape[-1], device=logits.device)[None]
-    k_B = torch.where(top_k_B > 0, top_k_B, logits.shape[-1])
-    keep = ((cdf - p_sorted) <= top_p_B[:, None]) & (rank_1V < k_B[:, None])
-    cdf = torch.cumsum(p_sorted * keep, dim=-1)
-    target_B1 = (u_B * cdf[:, -1])[:, None]
-    pos_B1 = torch.searchsorted(cdf, target_B1, right=True).clamp(max=logits.shape[-1] - 1)
-    drawn_B = idx.gather(1, pos_B1)[:, 0]
-    return torch.where(hot_B, drawn_B, best_B)
+    one = torch.ones_like(top_p_B)
+    bound_B = torch.where(top_k_B > 0, top_k_B.to(torch.float32), float("inf"))
+    cols = [
+        torch.where(hot_B, 1.0 / torch.where(hot_B, temperature_B, 1.0), 1.0),
+        torch.where(hot_B, top_p_B, one),
+        torch.where(hot_B, u_B, 0.0),
+        torch.where(hot_B, bound_B, 1.0),
+    ]
+    if banned_BN is not None and banned_BN.numel():
+        cols += [*banned_BN.clamp(min=0).to(torch.float32).unbind(1)]
+        fill = torch.where(banned_BN >= 0, float("-inf"), float("inf"))
+        cols += [*fill.unbind(1)]
+    return sample_table(logits, torch.stack(cols, dim=1))
 
 
 def _per_row(value: float | Sequence[float] | Tensor, batch: int, device, name: str) -> Tensor:

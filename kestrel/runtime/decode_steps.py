@@ -22,7 +22,6 @@ from kestrel.runtime.sequence import (
     SequenceState,
     check_decode_batch,
 )
-from kestrel.tokens import TextToken
 
 __all__ = ["DecodeSteps"]
 
@@ -55,7 +54,7 @@ class DecodeSteps:
         Each position stays pending until ``settle_ahead`` confirms its token (the host read
         the same id and the skill fed it) or rolls it back (the next write goes there again).
         """
-        check_decode_batch(states, [TextToken(0)] * len(states), self._active)
+        check_decode_batch(states, None, self._active)
         hidden_BC, logits_BV = self._decode_forward(states, None, ids_B)
         for s in states:
             s.length += 1

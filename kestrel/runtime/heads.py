@@ -19,7 +19,7 @@ from kestrel.moondream.region import (
     size_token,
     spatial_ref_tokens,
 )
-from kestrel.moondream.sampling import greedy, sample_rows, suppress, suppress_rows
+from kestrel.moondream.sampling import greedy, sample_table, suppress, suppress_rows, table_row
 from kestrel.skills.base import Draw
 from kestrel.tokens import CoordToken, SizeToken
 from kestrel_kernels.transfer import Readback, upload
@@ -43,16 +43,26 @@ class RowLogits:
     ``__init__`` sets each field through ``object.__setattr__``.
     """
 
-    __slots__ = ("argmax", "chosen", "draw", "logits_V")
+    __slots__ = ("_batch_BV", "_index", "chosen", "draw")
 
     def __init__(
-        self,
-        logits_V: Tensor,
-        argmax: int | None,
-        draw: Draw | None = None,
-        chosen: int | None = None,
+        self, logits_BV: Tensor, index: int, draw: Draw | None, chosen: int | None
     ) -> None:
-        self.logits_V, self.argmax, self.draw, self.chosen = logits_V, argmax, draw, chosen
+        self._batch_BV, self._index, self.draw, self.chosen = logits_BV, index, draw, chosen
+
+    @property
+    def logits_V(self) -> Tensor:
+        """The row's logits [V] (a view, made when asked for: most decisions never ask)."""
+        return self._batch_BV[self._index]
+
+    @property
+    def argmax(self) -> int | None:
+        """The plain argmax, where the pick is one (no draw, or greedy with nothing
+        suppressed); else None."""
+        d = self.draw
+        if d is None or (d.temperature == 0 and not d.banned):
+            return self.chosen
+        return None
 
     def __repr__(self) -> str:
         return f"RowLogits(argmax={self.argmax}, draw={self.draw}, chosen={self.chosen})"
@@ -66,21 +76,16 @@ def _banned_table(banned: tuple[tuple[int, ...], ...], device: torch.device) -> 
     return upload([[*b, *([-1] * (width - len(b)))] for b in banned], torch.int64, device)
 
 
-def _draw_table(draws: Sequence[Draw | None], device) -> tuple[Tensor, ...]:
-    """Per-row temperature, top-p, top-k, u and suppressed ids, in one non-blocking upload
-    (float32 holds every token id exactly: they are below 2**24)."""
+def _draw_table(draws: Sequence[Draw | None], device) -> Tensor:
+    """Every row's ``sampling.table_row`` in one non-blocking upload (a row without a draw
+    is greedy)."""
     width = max((len(d.banned) for d in draws if d is not None), default=0)
-    none = [0.0, 1.0, 0.0, 0.0] + [-1.0] * width
+    none = table_row(0.0, 1.0, 0, 0.0, (), width)
     rows = [
-        none
-        if d is None
-        else [d.temperature, d.top_p, float(d.top_k), d.u, *d.banned]
-        + [-1.0] * (width - len(d.banned))
+        none if d is None else table_row(d.temperature, d.top_p, d.top_k, d.u, d.banned, width)
         for d in draws
     ]
-    table = upload(rows, torch.float32, device)
-    banned = table[:, 4:].to(torch.int64) if width else None
-    return table[:, 0], table[:, 1], table[:, 2].to(torch.int64), table[:, 3], banned
+    return upload(rows, torch.float32, device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,21 +100,18 @@ class BatchChoice:
     logits_BV: Tensor
     draws: tuple[Draw | None, ...]
     chosen_B: Tensor
-    sampled: bool  # whether ``values`` holds the plain argmaxes too (row 1)
     values: Readback
 
+    @property
+    def picks(self) -> list[int]:
+        """Every row's chosen id (the one read: waits for the copy)."""
+        return self.values.tolist()[0]
+
     def rows(self) -> list[RowLogits]:
-        got = self.values.tolist()
-        picks = got[0]
-        rows = self.logits_BV.unbind(0)  # one call for every row's view
-        if self.sampled:
-            best = got[1]
-        else:  # greedy: the pick is the argmax where nothing was suppressed
-            pairs = zip(picks, self.draws, strict=True)
-            best = [p if d is None or not d.banned else None for p, d in pairs]
+        picks, logits = self.picks, self.logits_BV
         return [
-            RowLogits(row, a, d, p)
-            for row, a, d, p in zip(rows, best, self.draws, picks, strict=True)
+            RowLogits(logits, i, d, p)
+            for i, (p, d) in enumerate(zip(picks, self.draws, strict=True))
         ]
 
 
@@ -127,11 +129,9 @@ def choose(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) -> Bat
         else:
             logits = logits_BV
         chosen = greedy(logits)
-        return BatchChoice(logits_BV, draws, chosen, False, Readback(chosen[None]))
-    temp, top_p, top_k, u, banned_BN = _draw_table(draws, logits_BV.device)
-    chosen = sample_rows(logits_BV, temp, top_p, top_k, u, banned_BN)
-    values = Readback(torch.stack([chosen, greedy(logits_BV)]))
-    return BatchChoice(logits_BV, draws, chosen, True, values)
+        return BatchChoice(logits_BV, draws, chosen, Readback(chosen[None]))
+    chosen = sample_table(logits_BV, _draw_table(draws, logits_BV.device))
+    return BatchChoice(logits_BV, draws, chosen, Readback(chosen[None]))
 
 
 def batch_rows(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) -> list[RowLogits]:

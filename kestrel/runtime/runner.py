@@ -199,7 +199,7 @@ class MoondreamRunner:
                 self.lookahead_counters.rows += len(handles)
             rows = choice.rows()  # the one read (deferred when a look-ahead step is queued)
         if ahead is not None:
-            ahead.fed_ids = [r.chosen for r in rows]
+            ahead.fed_ids = choice.picks
             self._ahead = ahead
         return rows, hidden
 

@@ -86,15 +86,13 @@ class SequenceState:
     vision_encoded: bool = False
     released: bool = False
     ahead: bool = False
+    # the lease's row and length budget, fixed once prepared; plain fields, read every step
+    batch_idx: int = field(init=False)
+    max_length: int = field(init=False)  # pages mapped for this row: prompt + max_new_tokens
 
-    @property
-    def batch_idx(self) -> int:
-        return self.lease.row
-
-    @property
-    def max_length(self) -> int:
-        """Pages mapped for this row: prompt + max_new_tokens."""
-        return self.lease.max_length
+    def __post_init__(self) -> None:
+        self.batch_idx = self.lease.row
+        self.max_length = self.lease.max_length
 
     @property
     def prompt_length(self) -> int:
@@ -260,11 +258,16 @@ _TOKEN_TYPES = (TextToken, CoordToken, SizeToken)
 
 
 def check_decode_batch(
-    states: Sequence[SequenceState], tokens: Sequence, active: Mapping[int, SequenceState]
+    states: Sequence[SequenceState],
+    tokens: Sequence | None,
+    active: Mapping[int, SequenceState],
 ) -> None:
     """Refuse a decode step unless every sequence is running (``active`` maps batch rows to
-    running sequences), has a page left, appears once, and is fed a cache token. One pass of
-    plain attribute checks: it runs on every step."""
+    running sequences), has a page left, appears once, and is fed a cache token (``tokens``
+    None: text ids on the device, a look-ahead step). One pass of plain attribute checks: it
+    runs on every step."""
+    if tokens is None:
+        tokens = (TextToken(0),) * len(states)
     if len(states) != len(tokens) or not states:
         raise SequenceError(
             f"decode_step needs one token per sequence, got {len(states)} states and "

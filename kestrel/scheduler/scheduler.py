@@ -232,10 +232,10 @@ class Scheduler:
             for run in batch:
                 self._retire(run, error=as_request_error(exc))
             return
-        for i, run in enumerate(batch):
+        for run, logits_V, hidden_C in zip(batch, logits_BV, hidden, strict=True):
             run.fed += 1
             run.next_token = None
-            self._advance(run, logits_BV[i], hidden[i])
+            self._advance(run, logits_V, hidden_C)
 
     # ------------------------------------------------------------------ postprocess
     def _advance(self, run: SequenceRun, logits_V: Any, hidden_C: Any) -> None:
@@ -247,7 +247,8 @@ class Scheduler:
             return
         if run.first_token_at is None:
             run.first_token_at = self.clock()
-        self._stream(run)
+        if run.request.on_text is not None:
+            self._stream(run)
         if fed is None:
             self._retire(run)
         else:

@@ -123,7 +123,11 @@ class Skill(ABC):
 
     def next_draw(self) -> Draw | None:
         """How the next :meth:`advance` will choose its token, if it samples one from the
-        logits (None: it reads the logits otherwise, e.g. a region skill's decoders)."""
+        logits (None: it reads the logits otherwise, e.g. a region skill's decoders).
+
+        A driver that chose the token itself may hand :meth:`advance` a logits object with
+        ``draw`` (the very object returned here) and ``chosen`` (the id) attributes: the skill
+        then takes ``chosen`` as its draw's outcome."""
         return None
 
     @abstractmethod

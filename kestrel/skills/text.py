@@ -84,13 +84,18 @@ class TextPhase:
         return self._draw
 
     def decide(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
-        draw, self._draw = self.next_draw(), None
+        draw = self._draw if self._draw is not None else self.next_draw()
+        self._draw = None
         if self.first_logits is None:
             self.first_logits, self.first_hidden = logits_V, hidden_C
         if self.record:
             self.step_logits.append(logits_V)
         s = self.settings
-        tok = self.ops.sample(logits_V, s.temperature, s.top_p, draw.banned, self.rng, u=draw.u)
+        chosen = getattr(logits_V, "chosen", None)
+        if chosen is not None and getattr(logits_V, "draw", None) is draw:
+            tok = chosen  # the driver chose it under this very draw (see Skill.next_draw)
+        else:
+            tok = self.ops.sample(logits_V, s.temperature, s.top_p, draw.banned, self.rng, u=draw.u)
         if tok == self.stop_id:
             self.finish_reason = "stop"
         elif len(self.tokens) >= s.max_tokens:
@@ -208,8 +213,11 @@ class QuerySkill(_AnswerSkill):
         return None if phase is None else phase.next_draw()
 
     def advance(self, logits_V: Any, hidden_C: Any, budget: int) -> PromptToken | None:
-        if self._answering:
-            return self._answer_step(logits_V, hidden_C, budget)
+        if self._answering:  # _answer_step, inlined: this runs for every row of every step
+            fed = self.answer.decide(logits_V, hidden_C, budget)
+            if fed is None:
+                self._finish(_public_reason(self.answer.finish_reason))
+            return fed
         assert self.reasoning is not None
         fed = self.reasoning.decide(logits_V, hidden_C, budget)
         if fed is not None:

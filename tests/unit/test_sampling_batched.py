@@ -89,7 +89,9 @@ def test_batched_choice_equals_the_one_row_path() -> None:
     assert counter.syncs == 1
     heads = ModelHeads.__new__(ModelHeads)
     for i, (row, d) in enumerate(zip(rows, draws, strict=True)):
-        assert row.argmax == int(logits[i].argmax())
+        # the plain argmax is known where it is the pick: greedy with nothing suppressed
+        plain = d is None or (d.temperature == 0 and not d.banned)
+        assert row.argmax == (int(logits[i].argmax()) if plain else None)
         if d is None:  # no draw: its argmax, as a greedy decision
             assert row.chosen == row.argmax
             continue
@@ -126,3 +128,31 @@ def test_an_all_greedy_batch_reads_back_only_its_choices() -> None:
         assert heads.sample(rows[1], 0.0, 1.0, (), None) == 0
     assert c.syncs == 0
     assert heads.sample(rows[0], 0.0, 1.0, (), None) == 1  # unannounced: from the logits
+
+
+def test_table_rows_greedy_ties_top_k_off_and_u_near_one() -> None:
+    """``sample_table``: a greedy row takes the first maximum (ties and near-ties included,
+    as torch.argmax does); a row with top-k off keeps its whole nucleus; a uniform number that
+    rounds up to 1 in float32 still lands inside the nucleus."""
+    from kestrel.moondream.sampling import sample_table, table_row
+
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 0.0],  # tie: id 1
+            [1.0, 1.0 + 1e-7, 0.5, 1.0],  # near-tie in float32: id 1
+            [0.0, 2.0, 2.0, -1.0],  # sampled, top-k off, top-p keeps ids 1 and 2
+            [5.0, 0.0, 4.0, 0.0],  # sampled, u -> 1.0 in float32, top-p keeps 0 only
+            [9.0, 1.0, 2.0, 3.0],  # greedy, id 0 suppressed
+        ]
+    )
+    width = 1
+    rows = [
+        table_row(0.0, 1.0, 0, 0.0, (), width),
+        table_row(0.0, 1.0, 0, 0.0, (), width),
+        table_row(1.0, 0.9, 0, 0.99, (), width),
+        table_row(1.0, 0.5, 0, 1.0 - 1e-9, (), width),
+        table_row(0.0, 1.0, 0, 0.0, (0,), width),
+    ]
+    got = sample_table(logits, torch.tensor(rows, dtype=torch.float32)).tolist()
+    assert got[:2] == [1, 1] and got[3] == 0 and got[4] == 3
+    assert got[2] == 2  # u 0.99 of {1, 2}'s mass: the second kept token (stable order)
