@@ -5,7 +5,7 @@ All tensor work of the engine happens here, on the scheduler thread.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from kestrel.runtime.lookahead import AheadStep, LookaheadCounters, settle
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.runtime.sequence import SequenceState
 from kestrel.scheduler.protocol import Capacity, Request, RunnerOverloaded, Started
-from kestrel.skills.base import Draw, PromptToken, Skill
+from kestrel.skills.base import Draw, PromptToken
 from kestrel_kernels.transfer import upload
 
 __all__ = ["DEFER_MIN_POSITIONS", "MoondreamRunner", "PageCounts"]
@@ -64,7 +64,8 @@ class MoondreamRunner:
         # look ahead where the device runs beside the host (CUDA): on a CPU the host computes
         # the step itself, and a wasted look-ahead row is work, not idle time
         self.lookahead = runtime.device.type == "cuda" if lookahead is None else lookahead
-        self._skills: dict[int, Skill] = {}  # batch row -> the skill of its request
+        # batch row -> its request's ``skill.next_draw`` (bound once: called every step)
+        self._next_draw: dict[int, Callable[[], Draw | None]] = {}
         self._ahead: AheadStep | None = None
         self.lookahead_counters = LookaheadCounters()
 
@@ -136,7 +137,7 @@ class MoondreamRunner:
                     out[i] = exc
                     continue
                 image = requests[i].image
-                self._skills[s.batch_idx] = requests[i].skill
+                self._next_draw[s.batch_idx] = requests[i].skill.next_draw
                 out[i] = Started(
                     handle=s,
                     logits_V=logits,
@@ -187,7 +188,8 @@ class MoondreamRunner:
         ``lookahead``: the caller plans no admission before the next step, so this one may
         queue the next step before reading its tokens (``lookahead.py``; only if the runner
         looks ahead at all)."""
-        draws = [self._draw(h) for h in handles]
+        next_draw = self._next_draw
+        draws = [next_draw[h.batch_idx]() if h.batch_idx in next_draw else None for h in handles]
         with torch.inference_mode():
             logits_BV, hidden = self._forward(handles, tokens)
             choice = choose(logits_BV, draws)
@@ -228,12 +230,8 @@ class MoondreamRunner:
         """Every row samples its next token from the logits and has a page left for it."""
         return all(d is not None for d in draws) and all(h.length < h.max_length for h in handles)
 
-    def _draw(self, handle: SequenceState) -> Draw | None:
-        skill = self._skills.get(handle.batch_idx)
-        return None if skill is None else skill.next_draw()
-
     def release(self, handle: SequenceState) -> None:
-        self._skills.pop(handle.batch_idx, None)
+        self._next_draw.pop(handle.batch_idx, None)
         self.runtime.release_sequence(handle)  # rolls back a look-ahead position
         if self._ahead is not None and not self._ahead.live:  # every row of it retired
             self.lookahead_counters.rolled_back += len(self._ahead.states)

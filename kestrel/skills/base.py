@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kestrel.tokens import CoordToken, SizeToken, TextToken
 
@@ -35,13 +34,16 @@ __all__ = ["Draw", "PromptToken", "Skill", "SkillOps", "TextSink"]
 PromptToken = TextToken | CoordToken | SizeToken
 
 
-@dataclass(frozen=True, slots=True)
-class Draw:
+class Draw(NamedTuple):
     """How a skill's next token will be chosen, announced before the logits exist, so a driver
     can choose the tokens of a whole batch on the device at once (``Skill.next_draw``).
 
     ``temperature`` 0 is greedy; ``banned`` ids are suppressed first; ``u`` in [0, 1) is the
     uniform number of the draw, taken from the request's own random stream.
+
+    An immutable value, as a NamedTuple rather than a frozen dataclass: a sampled request
+    makes one per token, for every row of every step, and a tuple is several times cheaper to
+    build.
     """
 
     temperature: float

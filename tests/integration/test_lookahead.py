@@ -162,7 +162,7 @@ def test_a_wrong_guess_is_rolled_back_and_recomputed(make_runtime, model, static
     ref = [plain.start_sequence(p, max_new_tokens=6) for p in prompts]
     got = [rt.start_sequence(p, max_new_tokens=6) for p in prompts]
     for s, _ in got:
-        runner._skills[s.batch_idx] = _Greedy()
+        runner._next_draw[s.batch_idx] = _Greedy().next_draw
     states = [s for s, _ in got]
     first = [text_tokens([int(lg.argmax())])[0] for _, lg in got]
     rows, _ = runner.decode(states, first, lookahead=True)
