@@ -19,7 +19,7 @@ from kestrel.moondream.region import (
     size_token,
     spatial_ref_tokens,
 )
-from kestrel.moondream.sampling import greedy, sample_table, suppress, suppress_rows, table_row
+from kestrel.moondream.sampling import greedy, sample_table, suppress, table_row
 from kestrel.skills.base import Draw
 from kestrel.tokens import CoordToken, SizeToken
 from kestrel_kernels.transfer import Readback, upload
@@ -69,11 +69,19 @@ class RowLogits:
 
 
 @functools.lru_cache(maxsize=32)
-def _banned_table(banned: tuple[tuple[int, ...], ...], device: torch.device) -> Tensor:
-    """Suppressed ids per row (-1 = unused), uploaded once per distinct set (greedy batches
-    repeat the same sets step after step)."""
+def _banned_table(
+    banned: tuple[tuple[int, ...], ...], device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Suppressed ids per row and their fill values (``sampling.suppress_filled``), uploaded
+    once per distinct set: greedy batches repeat the same sets step after step."""
     width = max(len(b) for b in banned)
-    return upload([[*b, *([-1] * (width - len(b)))] for b in banned], torch.int64, device)
+    table = upload(
+        [[*b, *([0] * (width - len(b))), *([-1] * len(b)), *([1] * (width - len(b)))]
+         for b in banned],
+        torch.int64,
+        device,
+    )  # fmt: skip
+    return table[:, :width], table[:, width:].to(dtype) * float("inf")
 
 
 def _draw_table(draws: Sequence[Draw | None], device) -> Tensor:
@@ -125,7 +133,8 @@ def choose(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) -> Bat
         # every row greedy: the (suppressed) argmaxes alone, no sampling ops
         banned = tuple(() if d is None else d.banned for d in draws)
         if any(banned):
-            logits = suppress_rows(logits_BV, _banned_table(banned, logits_BV.device))
+            ids_BN, fill_BN = _banned_table(banned, logits_BV.device, logits_BV.dtype)
+            logits = logits_BV.scatter_reduce(1, ids_BN, fill_BN, reduce="amin")
         else:
             logits = logits_BV
         chosen = greedy(logits)

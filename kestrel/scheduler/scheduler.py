@@ -239,9 +239,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ postprocess
     def _advance(self, run: SequenceRun, logits_V: Any, hidden_C: Any) -> None:
-        skill = run.request.skill
         try:
-            fed = skill.advance(logits_V, hidden_C, run.budget)
+            fed = run.skill.advance(logits_V, hidden_C, run.budget_end - run.fed)
         except Exception as exc:
             self._retire(run, error=as_request_error(exc))
             return

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.results import RequestMetrics
 from kestrel.scheduler.protocol import Request
-from kestrel.skills.base import PromptToken
+from kestrel.skills.base import PromptToken, Skill
 
 __all__ = ["RunningSet", "SequenceRun"]
 
@@ -28,10 +28,16 @@ class SequenceRun:
     next_token: PromptToken | None = None
     fed: int = 0  # tokens fed after the prompt
     first_token_at: float | None = None
+    skill: Skill = field(init=False)  # the request's, read on every step
+    budget_end: int = field(init=False)  # the request's max_new_tokens
+
+    def __post_init__(self) -> None:
+        self.skill = self.request.skill
+        self.budget_end = self.request.max_new_tokens
 
     @property
     def budget(self) -> int:
-        return self.request.max_new_tokens - self.fed
+        return self.budget_end - self.fed
 
     def metrics(self, output_tokens: int) -> RequestMetrics:
         now = time.perf_counter()
