@@ -206,6 +206,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="Engine(compile=True): decode and prefill through torch.compile "
                    "(the warm-up compiles most shapes: use --rounds 3)")  # fmt: skip
+    p.add_argument("--no-lookahead", action="store_true",
+                   help="Engine(lookahead=False): read each decode step back before queueing "
+                   "the next (the default on CUDA queues it first)")  # fmt: skip
     harness.add_arguments(p, rounds=2)
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
@@ -253,7 +256,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     source = args.model or (None if args.smoke else random_md2_checkpoint(args.model_dir))
     device = "cpu" if args.smoke else "cuda"
-    engine = Engine(source, device=device, max_batch_size=max(args.batches), compile=args.compile)
+    engine = Engine(
+        source,
+        device=device,
+        max_batch_size=max(args.batches),
+        compile=args.compile,
+        lookahead=False if args.no_lookahead else None,
+    )
     try:
         encode = engine.runtime.tokenizer.encode
         n_tokens = lambda text: len(encode(text))  # noqa: E731
@@ -266,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
                    f"{statistics.mean(lengths):.1f}); {QUESTIONS_PER_IMAGE} questions per "
                    f"chart; direct max {DIRECT_TOKENS} tokens, cot max "
                    f"{args.cot_tokens}; torch.compile "
-                   f"{'on' if args.compile else 'off'}")  # fmt: skip
+                   f"{'on' if args.compile else 'off'}; decode look-ahead "
+                   f"{'on' if engine._runner.lookahead else 'off'}")  # fmt: skip
         for b in args.batches:  # warm: CUDA graphs for each batch size, allocator, kernels
             measure(engine, sample[:b], b, {"temperature": 0.0, "max_tokens": 2}, False)
         runs = bench.run(variants(engine, args, n_tokens))

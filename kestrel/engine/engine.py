@@ -25,7 +25,7 @@ from kestrel.engine.replies import ReplyMemory
 from kestrel.engine.requests import Draft, RequestFactory, salted
 from kestrel.engine.setup import load_runtime
 from kestrel.engine.streams import AsyncTextStream, TextStream
-from kestrel.errors import EngineClosedError
+from kestrel.errors import EngineClosedError, InvalidInputError
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.results import EngineStats
@@ -62,6 +62,8 @@ class Engine(AsyncTwins, ChatCalls):
     ``compile=True`` (opt-in, experimental) runs the decode step through ``torch.compile``, one
     graph per batch-size bucket compiled on first use (docs/kernels.md); refused with the
     reason where inductor cannot compile for the device.
+    ``lookahead``: queue each decode step before the previous one's tokens are read (the device
+    never waits on the host; docs/kernels.md); None (default) turns it on for CUDA only.
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -83,7 +85,10 @@ class Engine(AsyncTwins, ChatCalls):
         moe_weights: str | None = None,
         kv_dtype: str | None = None,
         compile: bool = False,
+        lookahead: bool | None = None,
     ) -> None:
+        if lookahead is not None and not isinstance(lookahead, bool):
+            raise InvalidInputError(f"lookahead must be True, False or None, got {lookahead!r}")
         self.runtime, self.model_path = load_runtime(
             model,
             device=device,
@@ -103,7 +108,7 @@ class Engine(AsyncTwins, ChatCalls):
         self._factory = RequestFactory(
             ModelHeads(self.runtime.model, self.runtime.tokenizer), self.config
         )
-        self._runner = MoondreamRunner(self.runtime)
+        self._runner = MoondreamRunner(self.runtime, lookahead=lookahead)
         self._scheduler = Scheduler(self._runner)
         self._adapters = AdapterRegistry(self.runtime.model, max_adapters)
         self._ids = itertools.count(1)

@@ -9,6 +9,7 @@ import contextlib
 import pytest
 import torch
 
+from kestrel.errors import InvalidInputError
 from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.runner import MoondreamRunner
 from kestrel.runtime.sequence import PENDING
@@ -55,9 +56,10 @@ def _answers(engine, images) -> list:
 
 def test_lookahead_changes_no_answer_and_leaks_nothing(make_engine, images) -> None:
     plain = make_engine()
-    ahead = make_engine()
-    ahead._runner.lookahead = True
+    ahead = make_engine(lookahead=True)
     assert plain._runner.lookahead is False  # a CPU engine does not look ahead by default
+    with pytest.raises(InvalidInputError, match="lookahead"):
+        make_engine(lookahead="yes")
     want = _answers(plain, images)
     got = _answers(ahead, images)
     assert got == want
