@@ -73,6 +73,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "size compiles on first use, about a minute per shape for Moondream 2)",
     )  # fmt: skip
     group.add_argument(
+        "--no-lookahead", action="store_true",
+        help="read each decode step's tokens before queueing the next (on CUDA the next step "
+        "is queued first by default; docs/kernels.md)",
+    )  # fmt: skip
+    group.add_argument(
         "--keep-exif-orientation", action="store_true",
         help="read images in their stored orientation instead of turning them upright by their "
         "EXIF orientation tag (coordinates then refer to the stored pixels)",
@@ -158,6 +163,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_cache": not args.no_prefix_cache,
         "attention_backend": args.attention_backend,
         "compile": args.compile,
+        "lookahead": False if args.no_lookahead else None,
         "exif_orientation": not args.keep_exif_orientation,
     }
 

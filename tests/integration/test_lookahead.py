@@ -202,3 +202,16 @@ def test_a_wrong_guess_is_rolled_back_and_recomputed(make_runtime, model, static
         runner.release(s)
     for r, _ in ref:
         plain.release_sequence(r)
+
+
+def test_cli_no_lookahead_flag() -> None:
+    """``--no-lookahead`` on every engine command turns it off; without it the Engine decides
+    (on for CUDA)."""
+    import argparse
+
+    from kestrel.cli import common
+
+    parser = argparse.ArgumentParser()
+    common.add_engine_options(parser)
+    assert common.engine_kwargs(parser.parse_args([]))["lookahead"] is None
+    assert common.engine_kwargs(parser.parse_args(["--no-lookahead"]))["lookahead"] is False
