@@ -92,6 +92,7 @@ _NO_LAUNCH = {
 }
 _SYNC_OPS = {"_local_scalar_dense", "nonzero", "equal"}
 _HERE = str(Path(__file__).resolve())
+_SKIP = {_HERE, str(Path(__file__).resolve().with_name("transfer.py"))}  # name their callers
 
 _local = threading.local()
 
@@ -102,10 +103,11 @@ def active_counter() -> LaunchCounter | None:
 
 
 def _site() -> str:
-    """The innermost stack frame outside torch and this module: ``path:line (function)``."""
+    """The innermost stack frame outside torch, this module and ``transfer.py``:
+    ``path:line (function)``."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         name = frame.filename
-        if name == _HERE or "/torch/" in name or name.startswith("<"):
+        if name in _SKIP or "/torch/" in name or name.startswith("<"):
             continue
         return f"{Path(name).name}:{frame.lineno} ({frame.name})"
     return "?"
