@@ -23,6 +23,7 @@ from kestrel_kernels.contract import (
     validate_attention_inputs,
     validate_write_kv_inputs,
 )
+from kestrel_kernels.dispatch import run_attention
 from kestrel_kernels.segments import SegmentPlan, choose_segment_plan
 
 __all__ = [
@@ -226,27 +227,16 @@ def paged_attention(
     shape = validate_attention_inputs(
         q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions, kv_scales
     )
-    scale = default_scale(shape.head_dim, softmax_scale)
-    kwargs = dict(
-        seqused_q=seqused_q, causal=causal, bidir_regions=bidir_regions, softmax_scale=scale
-    )
     if plan is not None:
         plan.check(q, page_table, seqused_k, seqused_q, bidir_regions, causal)
-    if kv_scales is not None:
-        return torch_backend.paged_attention_scaled_torch(
-            q, k_cache, v_cache, page_table, seqused_k, shape, scales=kv_scales, **kwargs
-        )
-    if (plan.backend if plan is not None else _backend_for(backend, q)) == "fa":
-        if q.numel() == 0:
-            return torch.zeros_like(q)
-        return fa_backend.paged_attention_fa(
-            q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs,
-            segments=None if plan is None else plan.segments,
-            segment_pages=None if plan is None else plan.segment_pages,
-        )  # fmt: skip
-    return torch_backend.paged_attention_torch(
-        q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs
-    )
+    return run_attention(
+        q, k_cache, v_cache, page_table, seqused_k, shape,
+        backend=plan.backend if plan is not None else _backend_for(backend, q),
+        seqused_q=seqused_q, causal=causal, bidir_regions=bidir_regions,
+        softmax_scale=default_scale(shape.head_dim, softmax_scale),
+        segments=None if plan is None else plan.segments,
+        segment_pages=None if plan is None else plan.segment_pages, kv_scales=kv_scales,
+    )  # fmt: skip
 
 
 def _traced_attention(

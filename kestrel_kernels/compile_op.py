@@ -20,9 +20,8 @@ import torch
 from torch import Tensor
 
 from kestrel_kernels.contract import KvScales, validate_attention_inputs
-from kestrel_kernels.fa_backend import paged_attention_fa
+from kestrel_kernels.dispatch import run_attention
 from kestrel_kernels.segments import SegmentPlan
-from kestrel_kernels.torch_backend import paged_attention_scaled_torch, paged_attention_torch
 
 __all__ = ["OP_NAME", "attention_op"]
 
@@ -65,28 +64,16 @@ def _paged_attention_op(
     shape = validate_attention_inputs(
         q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions, scales
     )
-    kwargs = dict(
-        seqused_q=seqused_q, causal=causal, bidir_regions=bidir_regions,
-        softmax_scale=softmax_scale,
-    )  # fmt: skip
-    if scales is not None:
-        out = paged_attention_scaled_torch(
-            q, k_cache, v_cache, page_table, seqused_k, shape, scales=scales, **kwargs
+    segments = None
+    if cu_seqlens_q is not None:
+        segments = SegmentPlan(
+            segs_per_row, cu_seqlens_q, causal_k, noncausal_k, inside_BL, valid_BL
         )
-    elif backend == "fa" and q.numel() > 0:
-        segments = None
-        if cu_seqlens_q is not None:
-            segments = SegmentPlan(
-                segs_per_row, cu_seqlens_q, causal_k, noncausal_k, inside_BL, valid_BL
-            )
-        out = paged_attention_fa(
-            q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs, segments=segments,
-            segment_pages=segment_pages,
-        )  # fmt: skip
-    elif backend == "fa":
-        out = torch.zeros_like(q)
-    else:
-        out = paged_attention_torch(q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs)
+    out = run_attention(
+        q, k_cache, v_cache, page_table, seqused_k, shape, backend=backend, seqused_q=seqused_q,
+        causal=causal, bidir_regions=bidir_regions, softmax_scale=softmax_scale,
+        segments=segments, segment_pages=segment_pages, kv_scales=scales,
+    )  # fmt: skip
     return out.contiguous()  # the fake promises a fresh contiguous tensor
 
 

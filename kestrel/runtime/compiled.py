@@ -34,7 +34,7 @@ import kestrel_kernels
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, text_forward
 from kestrel.runtime.decode import decode_static
-from kestrel.runtime.prefill import PrefillItem, group_by_length, prefill_batch
+from kestrel.runtime.prefill import PrefillItem, check_items, group_by_length, prefill_batch
 from kestrel_kernels.segments import single_call_max_rows
 from kestrel_kernels.transfer import upload
 
@@ -227,9 +227,7 @@ class CompiledPrefill:
         """What ``prefill.prefill_batch`` returns, for the same arguments."""
         if not items or any(it.adapter is not None for it in items):
             return prefill_batch(model, kv, page_table_RP, items, backend)  # its checks, eagerly
-        for it in items:
-            if it.n < 1 or it.skip + it.n != it.prompt_length:
-                raise ValueError(f"prefill covers {it.skip}+{it.n} != prompt {it.prompt_length}")
+        check_items(items)
         out = items[0].x_TC.new_empty(len(items), items[0].x_TC.shape[1])
         for group in group_by_length([it.n for it in items]):
             out[group] = self._forward([items[i] for i in group], model, kv, page_table_RP, backend)

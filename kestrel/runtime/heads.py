@@ -72,7 +72,8 @@ class RowLogits:
 def _banned_table(
     banned: tuple[tuple[int, ...], ...], device: torch.device, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """Suppressed ids per row and their fill values (``sampling.suppress_filled``), uploaded
+    """Suppressed ids per row (0 where unused) and their fill values (-inf, or +inf unused: the
+    ``amin`` scatter leaves those alone), the form ``sampling.sample_table`` uses too; uploaded
     once per distinct set: greedy batches repeat the same sets step after step."""
     width = max(len(b) for b in banned)
     table = upload(

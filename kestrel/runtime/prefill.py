@@ -27,7 +27,14 @@ from kestrel.runtime.sequence import SequenceError, SequenceState
 from kestrel.tokens import ImageToken
 from kestrel_kernels.transfer import upload
 
-__all__ = ["MAX_PADDING", "PrefillItem", "group_by_length", "prefill_batch", "prefill_item"]
+__all__ = [
+    "MAX_PADDING",
+    "PrefillItem",
+    "check_items",
+    "group_by_length",
+    "prefill_batch",
+    "prefill_item",
+]
 
 # A group's padded size may exceed its real positions by at most this fraction.
 MAX_PADDING = 0.25
@@ -72,6 +79,15 @@ def group_by_length(lengths: Sequence[int], max_padding: float = MAX_PADDING) ->
     return groups
 
 
+def check_items(items: Sequence[PrefillItem]) -> None:
+    """Refuse an empty prefill or an item whose positions do not end its prompt."""
+    if not items:
+        raise ValueError("prefill_batch needs at least one item")
+    for it in items:
+        if it.n < 1 or it.skip + it.n != it.prompt_length:
+            raise ValueError(f"prefill covers {it.skip}+{it.n} != prompt {it.prompt_length}")
+
+
 def prefill_batch(
     model: MoondreamModel,
     kv: PagedKV,
@@ -81,11 +97,7 @@ def prefill_batch(
 ) -> Tensor:
     """Compute every item's positions into its row's pages; returns the hidden state (before
     post_ln) of each item's last prompt position, ``[len(items), dim]``, in item order."""
-    if not items:
-        raise ValueError("prefill_batch needs at least one item")
-    for it in items:
-        if it.n < 1 or it.skip + it.n != it.prompt_length:
-            raise ValueError(f"prefill covers {it.skip}+{it.n} != prompt {it.prompt_length}")
+    check_items(items)
     groups = group_by_length([it.n for it in items])
     if len(groups) == 1:  # one forward: its rows in item order, nothing to scatter
         return _forward(items, model, kv, page_table_RP, backend)

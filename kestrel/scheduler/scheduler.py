@@ -240,7 +240,7 @@ class Scheduler:
     # ------------------------------------------------------------------ postprocess
     def _advance(self, run: SequenceRun, logits_V: Any, hidden_C: Any) -> None:
         try:
-            fed = run.skill.advance(logits_V, hidden_C, run.budget_end - run.fed)
+            fed = run.skill.advance(logits_V, hidden_C, run.budget)
         except Exception as exc:
             self._retire(run, error=as_request_error(exc))
             return
