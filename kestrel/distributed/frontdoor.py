@@ -11,7 +11,7 @@ image included, through that replica's Serve handle.
 
 A replica that dies fails only the requests in flight on it: each gets
 :class:`ReplicaLostError` (HTTP 503 with ``Retry-After``), the replica leaves the ring at once
-and its keys go to the next replica; the :class:`~kestrel.distributed.health.HealthMonitor`
+and its keys go to the next replica; the :class:`~kestrel.distributed.serve_cluster.HealthMonitor`
 puts it back when Serve has restarted it and its model is loaded.
 """
 

@@ -30,7 +30,7 @@ from kestrel.images import PreparedImage, prepare_image
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.results import EngineStats
 from kestrel.runtime.heads import ModelHeads
-from kestrel.runtime.runner import MoondreamRunner
+from kestrel.runtime.runner import BatchExecutor
 from kestrel.scheduler import Request, Scheduler
 from kestrel.scheduler.loop import SchedulerLoop
 
@@ -108,7 +108,7 @@ class Engine(AsyncTwins, ChatCalls):
         self._factory = RequestFactory(
             ModelHeads(self.runtime.model, self.runtime.tokenizer), self.config
         )
-        self._runner = MoondreamRunner(self.runtime, lookahead=lookahead)
+        self._runner = BatchExecutor(self.runtime, lookahead=lookahead)
         self._scheduler = Scheduler(self._runner)
         self._adapters = AdapterRegistry(self.runtime.model, max_adapters)
         self._ids = itertools.count(1)
