@@ -1,7 +1,8 @@
 """The front door of ``kestrel serve --ray``: an engine-shaped object over replica deployments.
 
-:class:`ClusterEngine` has the Engine's asyncio calls (``aquery``, ``acaption``, ``apoint``,
-``adetect``, ``achat``), ``stats``, ``adapters`` and the attributes the server app reads, so
+:class:`ClusterEngine` is a :class:`~kestrel.server.protocol.ServedEngine`, as the Engine is:
+the asyncio calls (``aquery``, ``acaption``, ``apoint``, ``adetect``, ``asegment``, ``achat``),
+``stats``, ``adapters``, the model facts, limits and capabilities the app reads. So
 ``kestrel.server.create_app(ClusterEngine(...))`` is the very app of ``kestrel serve``: the
 same routes, payloads, limits, API key and error bodies. The app parses and decodes each
 request once (an image becomes a :class:`~kestrel.images.PreparedImage`: pixels and their
@@ -118,8 +119,7 @@ class ClusterEngine:
         self.max_batch_size = int(first.get("max_batch_size", 16)) * len(links)
         self.exif_orientation = bool(first.get("exif_orientation", True))
         self._adapters = list(first.get("adapters", []))
-        if first.get("segment"):  # the app answers 501 for engines without ``asegment``
-            self.asegment = self._asegment
+        self.supports_segment = bool(first.get("segment", False))
         self._closed = False
         self.last_stats: ClusterStats | None = None
 
@@ -147,7 +147,9 @@ class ClusterEngine:
     async def adetect(self, image: object, object: str, **kw: Any):
         return await self._dispatch("detect", routing_key(image, object), (image, object), kw)
 
-    async def _asegment(self, image: object, object: str, *, stream: bool = False, **kw: Any):
+    async def asegment(self, image: object, object: str, *, stream: bool = False, **kw: Any):
+        """Forwarded whatever ``supports_segment`` says: a replica's engine that cannot segment
+        raises the UnsupportedError that Engine raises, in the same words."""
         return await self._dispatch("segment", routing_key(image, object), (image, object), kw,
                                     stream)  # fmt: skip
 
