@@ -10,15 +10,18 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kestrel.engine.desk import RequestDesk
+from kestrel.engine.desk import Drafter, Submitter
 
 __all__ = ["AsyncTwins"]
 
 
 class AsyncTwins:
-    """Mixed into :class:`kestrel.Engine`, whose one member it uses is ``_desk``."""
+    """Mixed into :class:`kestrel.Engine`, whose two members it uses are
+    ``_drafts`` (a :class:`~kestrel.engine.desk.Drafter`) and ``_requests`` (a
+    :class:`~kestrel.engine.desk.Submitter`)."""
 
-    _desk: RequestDesk
+    _drafts: Drafter
+    _requests: Submitter
 
     async def aquery(
         self,
@@ -35,8 +38,8 @@ class AsyncTwins:
         """``await engine.aquery(...)`` -> QueryResult; with ``stream=True`` an
         AsyncTextStream to ``async for`` over (then ``await stream.result()``)."""
         args = (image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
-        draft = await asyncio.to_thread(self._desk.query, *args)
-        return await self._desk.wait(draft, stream)
+        draft = await asyncio.to_thread(self._drafts.query, *args)
+        return await self._requests.wait(draft, stream)
 
     async def achat(
         self,
@@ -50,8 +53,8 @@ class AsyncTwins:
     ) -> Any:
         """``await engine.achat(messages)`` -> ChatResult (or an AsyncTextStream)."""
         args = (messages, settings, adapter, cache_salt, reasoning)
-        draft = await asyncio.to_thread(self._desk.chat, *args)
-        return await self._desk.wait(draft, stream)
+        draft = await asyncio.to_thread(self._drafts.chat, *args)
+        return await self._requests.wait(draft, stream)
 
     async def acaption(
         self,
@@ -64,8 +67,8 @@ class AsyncTwins:
         stream: bool = False,
     ) -> Any:
         args = (image, length, settings, adapter, cache_salt)
-        draft = await asyncio.to_thread(self._desk.caption, *args)
-        return await self._desk.wait(draft, stream)
+        draft = await asyncio.to_thread(self._drafts.caption, *args)
+        return await self._requests.wait(draft, stream)
 
     async def apoint(
         self,
@@ -77,8 +80,8 @@ class AsyncTwins:
         cache_salt: str | None = None,
     ) -> Any:
         args = (image, object, settings, adapter, cache_salt)
-        draft = await asyncio.to_thread(self._desk.point, *args)
-        return await self._desk.wait(draft, False)
+        draft = await asyncio.to_thread(self._drafts.point, *args)
+        return await self._requests.wait(draft, False)
 
     async def adetect(
         self,
@@ -90,8 +93,8 @@ class AsyncTwins:
         cache_salt: str | None = None,
     ) -> Any:
         args = (image, object, settings, adapter, cache_salt)
-        draft = await asyncio.to_thread(self._desk.detect, *args)
-        return await self._desk.wait(draft, False)
+        draft = await asyncio.to_thread(self._drafts.detect, *args)
+        return await self._requests.wait(draft, False)
 
     async def asegment(
         self,
@@ -107,5 +110,5 @@ class AsyncTwins:
         """``await engine.asegment(...)`` -> SegmentResult; with ``stream=True`` an
         AsyncTextStream: the box (a dict), then the path's text."""
         args = (image, object, settings, adapter, cache_salt, spatial_refs)
-        draft = await asyncio.to_thread(self._desk.segment, *args)
-        return await self._desk.wait(draft, stream)
+        draft = await asyncio.to_thread(self._drafts.segment, *args)
+        return await self._requests.wait(draft, stream)

@@ -8,15 +8,18 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from kestrel.engine.desk import RequestDesk
+from kestrel.engine.desk import Drafter, Submitter
 
 __all__ = ["BlockingCalls"]
 
 
 class BlockingCalls:
-    """Mixed into :class:`kestrel.Engine`, whose one member it uses is ``_desk``."""
+    """Mixed into :class:`kestrel.Engine`, whose two members it uses are
+    ``_drafts`` (a :class:`~kestrel.engine.desk.Drafter`) and ``_requests`` (a
+    :class:`~kestrel.engine.desk.Submitter`)."""
 
-    _desk: RequestDesk
+    _drafts: Drafter
+    _requests: Submitter
 
     # ------------------------------------------------------------------ futures
     def submit_query(
@@ -31,8 +34,8 @@ class BlockingCalls:
         spatial_refs: Sequence[Sequence[float]] | None = None,
     ) -> Future:
         """Queue a question about ``image`` (None: text only); the future gives a QueryResult."""
-        d = self._desk
-        return d.submit(
+        d, r = self._drafts, self._requests
+        return r.submit(
             d.query(image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
         )
 
@@ -46,8 +49,8 @@ class BlockingCalls:
         cache_salt: str | None = None,
     ) -> Future:
         """Queue a caption ("short", "normal" or "long"); the future gives a CaptionResult."""
-        d = self._desk
-        return d.submit(d.caption(image, length, settings, adapter, cache_salt))
+        d, r = self._drafts, self._requests
+        return r.submit(d.caption(image, length, settings, adapter, cache_salt))
 
     def submit_point(
         self,
@@ -59,8 +62,8 @@ class BlockingCalls:
         cache_salt: str | None = None,
     ) -> Future:
         """Queue pointing at every ``object``; the future gives a PointResult."""
-        d = self._desk
-        return d.submit(d.point(image, object, settings, adapter, cache_salt))
+        d, r = self._drafts, self._requests
+        return r.submit(d.point(image, object, settings, adapter, cache_salt))
 
     def submit_detect(
         self,
@@ -72,8 +75,8 @@ class BlockingCalls:
         cache_salt: str | None = None,
     ) -> Future:
         """Queue detecting every ``object``; the future gives a DetectResult."""
-        d = self._desk
-        return d.submit(d.detect(image, object, settings, adapter, cache_salt))
+        d, r = self._drafts, self._requests
+        return r.submit(d.detect(image, object, settings, adapter, cache_salt))
 
     def submit_segment(
         self,
@@ -87,8 +90,8 @@ class BlockingCalls:
     ) -> Future:
         """Queue outlining ``object``; the future gives a SegmentResult. A model without the
         segment skill raises UnsupportedError here (``supports_segment`` says ahead)."""
-        d = self._desk
-        return d.submit(d.segment(image, object, settings, adapter, cache_salt, spatial_refs))
+        d, r = self._drafts, self._requests
+        return r.submit(d.segment(image, object, settings, adapter, cache_salt, spatial_refs))
 
     def submit_chat(
         self,
@@ -100,8 +103,8 @@ class BlockingCalls:
         reasoning: bool = False,
     ) -> Future:
         """Queue the reply to a conversation; the future gives a ChatResult."""
-        d = self._desk
-        return d.submit(d.chat(messages, settings, adapter, cache_salt, reasoning))
+        d, r = self._drafts, self._requests
+        return r.submit(d.chat(messages, settings, adapter, cache_salt, reasoning))
 
     # ------------------------------------------------------------------ blocking calls
     def query(
@@ -117,9 +120,9 @@ class BlockingCalls:
         stream: bool = False,
     ):
         """Answer ``question`` (QueryResult), or with ``stream=True`` a TextStream of deltas."""
-        d = self._desk
+        d, r = self._drafts, self._requests
         draft = d.query(image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
-        return d.call(draft, stream)
+        return r.call(draft, stream)
 
     def caption(
         self,
@@ -132,8 +135,8 @@ class BlockingCalls:
         stream: bool = False,
     ):
         """Caption ``image`` (CaptionResult), or with ``stream=True`` a TextStream of deltas."""
-        d = self._desk
-        return d.call(d.caption(image, length, settings, adapter, cache_salt), stream)
+        d, r = self._drafts, self._requests
+        return r.call(d.caption(image, length, settings, adapter, cache_salt), stream)
 
     def point(
         self,
@@ -145,8 +148,8 @@ class BlockingCalls:
         cache_salt: str | None = None,
     ):
         """Centers of every ``object`` in the image (PointResult, coordinates in [0, 1])."""
-        d = self._desk
-        return d.call(d.point(image, object, settings, adapter, cache_salt), False)
+        d, r = self._drafts, self._requests
+        return r.call(d.point(image, object, settings, adapter, cache_salt), False)
 
     def detect(
         self,
@@ -158,8 +161,8 @@ class BlockingCalls:
         cache_salt: str | None = None,
     ):
         """Boxes of every ``object`` in the image (DetectResult, coordinates in [0, 1])."""
-        d = self._desk
-        return d.call(d.detect(image, object, settings, adapter, cache_salt), False)
+        d, r = self._drafts, self._requests
+        return r.call(d.detect(image, object, settings, adapter, cache_salt), False)
 
     def segment(
         self,
@@ -177,9 +180,9 @@ class BlockingCalls:
         ``settings["max_tokens"]`` bounds the path. A model without the segment skill raises
         UnsupportedError; a checkpoint without segmentation weights stops after the box, and
         the call raises NoPathError (docs/models.md)."""
-        d = self._desk
+        d, r = self._drafts, self._requests
         draft = d.segment(image, object, settings, adapter, cache_salt, spatial_refs)
-        return d.call(draft, stream)
+        return r.call(draft, stream)
 
     def chat(
         self,
@@ -193,5 +196,5 @@ class BlockingCalls:
     ) -> Any:
         """The assistant's reply to ``messages`` (ChatResult), or with ``stream=True`` a
         TextStream of the answer's deltas. Message shapes and limits: docs/chat.md."""
-        d = self._desk
-        return d.call(d.chat(messages, settings, adapter, cache_salt, reasoning), stream)
+        d, r = self._drafts, self._requests
+        return r.call(d.chat(messages, settings, adapter, cache_salt, reasoning), stream)

@@ -1,10 +1,11 @@
-"""The Engine's request desk: a public call's input checked and drafted on the caller's thread,
-then handed to the scheduler thread and answered (a result, a future, or a stream).
+"""The Engine's request desk: a public call's input checked and drafted on the caller's thread
+(:class:`Drafter`), then handed to the scheduler thread and answered: a result, a future, or a
+stream (:class:`Submitter`).
 
-Everything it needs comes in through its constructor: the request factory (skills, prompts,
-budgets), the adapter registry, the reply memory of conversations, the scheduler loop, the crop
-pool and the Engine's image decoder. The Engine's call methods and its asyncio twins are thin
-faces over it.
+Everything each needs comes in through its constructor. The Drafter: the request factory
+(skills, prompts, budgets), the adapter registry, the reply memory of conversations, the Engine's
+image decoder and whether the engine is closed. The Submitter: the scheduler loop and the crop
+pool. The Engine's call methods and its asyncio twins are thin faces over the two.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kestrel.engine.adapters import AdapterRegistry
@@ -28,7 +29,7 @@ from kestrel.runtime.crop_pool import CropPool
 from kestrel.scheduler import Request
 from kestrel.scheduler.loop import SchedulerLoop
 
-__all__ = ["RequestDesk"]
+__all__ = ["Drafter", "Submitter"]
 
 
 def _images(image: PreparedImage | tuple[PreparedImage, ...] | None) -> tuple[PreparedImage, ...]:
@@ -38,25 +39,16 @@ def _images(image: PreparedImage | tuple[PreparedImage, ...] | None) -> tuple[Pr
     return image if isinstance(image, tuple) else (image,)
 
 
-class RequestDesk:
-    """Drafts (validated requests) from a call's arguments, and their submission."""
+@dataclass(frozen=True, slots=True, eq=False)
+class Drafter:
+    """Drafts (validated requests) from a call's arguments, on the caller's thread: ``prepare``
+    decodes an image, ``closed`` says whether the engine is closed."""
 
-    def __init__(
-        self,
-        factory: RequestFactory,
-        adapters: AdapterRegistry,
-        replies: ReplyMemory,
-        loop: SchedulerLoop,
-        crops: CropPool,
-        prepare: Callable[[object], PreparedImage],
-    ) -> None:
-        self.factory = factory
-        self.adapters = adapters
-        self.replies = replies
-        self.loop = loop
-        self.crops = crops
-        self.prepare = prepare
-        self._ids = itertools.count(1)
+    factory: RequestFactory
+    adapters: AdapterRegistry
+    replies: ReplyMemory
+    prepare: Callable[[object], PreparedImage]
+    closed: Callable[[], bool]
 
     # ------------------------------------------------------------------ drafts
     def query(self, image, question, settings, adapter, cache_salt, reasoning, spatial_refs):
@@ -119,10 +111,18 @@ class RequestDesk:
         return salted(make(prepared, subject, settings, lora, **options), cache_salt)
 
     def check_open(self) -> None:
-        if self.loop.closed:
+        if self.closed():
             raise EngineClosedError("the engine is closed")
 
-    # ------------------------------------------------------------------ submission
+
+class Submitter:
+    """Hands drafts to the scheduler loop, with their images' crops started in the pool."""
+
+    def __init__(self, loop: SchedulerLoop, crops: CropPool) -> None:
+        self.loop = loop
+        self.crops = crops
+        self._ids = itertools.count(1)
+
     def submit(self, draft: Draft, on_text: Callable[[Any], None] | None = None) -> Future:
         """Queue ``draft``; the future gives its result. ``on_text`` gets the streamed deltas
         (shaped by the draft's ``deltas``, when it has one)."""

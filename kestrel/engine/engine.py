@@ -17,7 +17,7 @@ import torch
 from kestrel.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry
 from kestrel.engine.aio import AsyncTwins
 from kestrel.engine.calls import BlockingCalls
-from kestrel.engine.desk import RequestDesk
+from kestrel.engine.desk import Drafter, Submitter
 from kestrel.engine.replies import ReplyMemory
 from kestrel.engine.requests import RequestFactory
 from kestrel.engine.setup import load_runtime
@@ -102,10 +102,10 @@ class Engine(BlockingCalls, AsyncTwins):
         self._adapters = AdapterRegistry(self.runtime.model, max_adapters)
         self._replies = ReplyMemory()
         self._loop = SchedulerLoop(self._scheduler)
-        self._desk = RequestDesk(
-            self._factory, self._adapters, self._replies, self._loop, self.runtime.crops,
-            self.prepare_image,
-        )  # fmt: skip
+        self._drafts = Drafter(
+            self._factory, self._adapters, self._replies, self.prepare_image, lambda: self.closed
+        )
+        self._requests = Submitter(self._loop, self.runtime.crops)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Engine:

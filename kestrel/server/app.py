@@ -108,7 +108,7 @@ class _Server:
         # the last admitted request finished: hand freed heap memory back to the system
         self.ledger = Ledger(self.gate, self.metrics, on_idle=self.trimmer.poke)
         self.model_name = served_name(engine)
-        self.info = InfoRoutes(engine, self.ledger, limits, self.authorize, self.model_name)
+        self.info = InfoRoutes(engine, self.ledger, self.authorize, self.model_name)
 
     def authorize(self, request: Request) -> None:
         if self.api_key is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.requests import Request
@@ -15,7 +16,6 @@ from starlette.responses import JSONResponse, Response
 from kestrel import __version__
 from kestrel.server.errors import ApiError
 from kestrel.server.exchange import Ledger
-from kestrel.server.limits import ServerLimits
 from kestrel.server.metrics import CONTENT_TYPE
 from kestrel.server.protocol import ServedEngine
 
@@ -54,24 +54,16 @@ def model_adapter(model: str | None, served: str, adapters: list[str]) -> str | 
     return name if sep and base == served and name in adapters else None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class InfoRoutes:
-    """The describing routes of one app, over its engine, its ledger (request ids, the gate,
-    the metrics), its limits and its API key check (``authorize``: raises ApiError 401)."""
+    """The describing routes of one app, over its engine, its ledger (request ids, the gate and
+    its limit, the metrics) and its API key check (``authorize``: raises ApiError 401)."""
 
-    def __init__(
-        self,
-        engine: ServedEngine,
-        ledger: Ledger,
-        limits: ServerLimits,
-        authorize: Callable[[Request], None],
-        model_name: str,
-    ) -> None:
-        self.engine = engine
-        self.ledger = ledger
-        self.limits = limits
-        self.authorize = authorize
-        self.model_name = model_name
-        self.started_at = time.time()
+    engine: ServedEngine
+    ledger: Ledger
+    authorize: Callable[[Request], None]
+    model_name: str
+    started_at: float = field(default_factory=time.time)
 
     async def health(self, request: Request) -> Response:
         ex = self.ledger.open("health")
@@ -109,8 +101,8 @@ class InfoRoutes:
         except ApiError as err:
             return ex.fail(err)
         body = (await asyncio.to_thread(self.engine.stats)).to_dict()
-        in_flight = self.ledger.gate.in_flight
-        body["server"] = {"in_flight": in_flight, "max_queue": self.limits.max_queue}
+        gate = self.ledger.gate
+        body["server"] = {"in_flight": gate.in_flight, "max_queue": gate.limit}
         ex.finish(200)
         return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
 
@@ -122,6 +114,6 @@ class InfoRoutes:
             return ex.fail(err)
         ex.finish(200)  # recorded first, so this scrape counts itself
         stats = await asyncio.to_thread(self.engine.stats)
-        in_flight = self.ledger.gate.in_flight
-        text = self.ledger.metrics.render(stats, in_flight, self.limits.max_queue)
+        gate = self.ledger.gate
+        text = self.ledger.metrics.render(stats, gate.in_flight, gate.limit)
         return Response(text, media_type=CONTENT_TYPE, headers={"X-Request-ID": ex.request_id})

@@ -10,9 +10,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
-__all__ = ["MEMBERS", "ModelFacts", "ServedEngine", "StatsSnapshot", "missing_members"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = [
+    "MEMBERS",
+    "CallOptions",
+    "ModelFacts",
+    "ServedEngine",
+    "StatsSnapshot",
+    "missing_members",
+]
+
+
+class CallOptions(TypedDict, total=False):
+    """The keyword arguments every call takes: the generation ``settings`` (a dict, as the
+    Engine's calls take it), the LoRA ``adapter`` by name, the tenant's ``cache_salt``."""
+
+    settings: dict | None
+    adapter: str | None
+    cache_salt: str | None
 
 
 class ModelFacts(Protocol):
@@ -41,7 +60,8 @@ class ServedEngine(Protocol):
     still has ``asegment``, which raises :class:`kestrel.errors.UnsupportedError` naming why
     (HTTP 501). The calls are the Engine's asyncio twins: each returns the result, or with
     ``stream=True`` a stream (``async for`` its deltas, then ``await stream.result()``,
-    ``cancel()``); errors are :class:`kestrel.errors.KestrelError` subclasses.
+    ``cancel()``); each takes the :class:`CallOptions`; errors are
+    :class:`kestrel.errors.KestrelError` subclasses.
     """
 
     model_path: str | Path | None
@@ -66,12 +86,10 @@ class ServedEngine(Protocol):
         image: object,
         question: str,
         *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
         reasoning: bool = False,
         spatial_refs: Sequence[Sequence[float]] | None = None,
         stream: bool = False,
+        **options: Unpack[CallOptions],
     ) -> Any: ...
 
     async def acaption(
@@ -79,53 +97,31 @@ class ServedEngine(Protocol):
         image: object,
         *,
         length: str = "normal",
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
         stream: bool = False,
+        **options: Unpack[CallOptions],
     ) -> Any: ...
 
-    async def apoint(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Any: ...
+    async def apoint(self, image: object, object: str, **options: Unpack[CallOptions]) -> Any: ...
 
-    async def adetect(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Any: ...
+    async def adetect(self, image: object, object: str, **options: Unpack[CallOptions]) -> Any: ...
 
     async def asegment(
         self,
         image: object,
         object: str,
         *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
         spatial_refs: Sequence[Sequence[float]] | None = None,
         stream: bool = False,
+        **options: Unpack[CallOptions],
     ) -> Any: ...
 
     async def achat(
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
         reasoning: bool = False,
         stream: bool = False,
+        **options: Unpack[CallOptions],
     ) -> Any: ...
 
 

@@ -24,7 +24,7 @@ from kestrel.distributed.frontdoor import ClusterEngine, ReplicaLink
 from kestrel.distributed.ring import Router
 from kestrel.distributed.serve_replica import EngineReplica
 from kestrel.server import create_app
-from kestrel.server.protocol import MEMBERS, ServedEngine, missing_members
+from kestrel.server.protocol import MEMBERS, CallOptions, ServedEngine, missing_members
 from tests.server.conftest import ADAPTER, GREEDY, SHAPES, data_url
 from tests.server.test_server_compat import live
 
@@ -111,8 +111,11 @@ def test_calls_take_the_protocol_arguments(served, name: str) -> None:
     for p in list(wanted)[1:]:  # after self
         if p.kind is p.KEYWORD_ONLY:
             kwargs[p.name] = p.default
+        elif p.kind is p.VAR_KEYWORD:  # **options: the CallOptions
+            kwargs.update(dict.fromkeys(CallOptions.__annotations__))
         else:
             args.append(object())
+    assert {"settings", "adapter", "cache_salt"} <= kwargs.keys()
     inspect.signature(getattr(served, name)).bind(*args, **kwargs)
 
 
