@@ -1,4 +1,4 @@
-"""The front door of ``kestrel serve --ray``: an engine-shaped object over replica deployments.
+"""The front door of ``kestrel serve --ray``: a ServedEngine over replica deployments.
 
 :class:`ClusterEngine` is a :class:`~kestrel.server.protocol.ServedEngine`, as the Engine is:
 the asyncio calls (``aquery``, ``acaption``, ``apoint``, ``adetect``, ``asegment``, ``achat``),
@@ -105,7 +105,8 @@ def _cancel_soon(response: Any) -> None:
 
 
 class ClusterEngine:
-    """An engine-shaped front over replica deployments (see the module docstring)."""
+    """A :class:`~kestrel.server.protocol.ServedEngine` over replica deployments (see the module
+    docstring)."""
 
     def __init__(self, links: Sequence[ReplicaLink], router: Router, *, retry_after_s: int = 1):
         if not links:
@@ -123,7 +124,7 @@ class ClusterEngine:
         self._closed = False
         self.last_stats: ClusterStats | None = None
 
-    # ------------------------------------------------------------------ the Engine's face
+    # ------------------------------------------------------------------ the ServedEngine members
     @property
     def closed(self) -> bool:
         return self._closed
