@@ -109,3 +109,18 @@ def test_planted_breaches_of_the_other_rules_are_caught(tmp_path: Path) -> None:
 def test_circles_are_found() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
     assert file_circles(graph) == [["a", "b", "c"]]
+
+
+def test_a_submodule_imported_from_its_package_is_that_submodule(tmp_path: Path) -> None:
+    """``from pkg import sub`` is ``import pkg.sub``; ``from pkg import name`` reads pkg's face."""
+    pkg = tmp_path / "kestrel_kernels"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from kestrel_kernels.sub import f\n")
+    (pkg / "sub.py").write_text("def f(): ...\n")
+    (pkg / "user.py").write_text("from kestrel_kernels import sub\n")
+    (pkg / "face.py").write_text("from kestrel_kernels import f\n")
+    (tmp_path / "kestrel").mkdir()
+    house = read_house(tmp_path)
+    assert house.imports["kestrel_kernels.user"] == {"kestrel_kernels.sub"}
+    assert house.imports["kestrel_kernels.face"] == {"kestrel_kernels"}
+    assert breaches(house)["import circles between files"] == []
