@@ -13,6 +13,7 @@ from kestrel.errors import (
     ModelLoadError,
     PromptTooLongError,
     UnknownAdapterError,
+    UnsupportedError,
 )
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.results import (
@@ -51,6 +52,7 @@ __all__ = [
     "Settings",
     "TextStream",
     "UnknownAdapterError",
+    "UnsupportedError",
     "__version__",
     "parse_settings",
     "prepare_image",

@@ -16,6 +16,7 @@ __all__ = [
     "ModelLoadError",
     "PromptTooLongError",
     "UnknownAdapterError",
+    "UnsupportedError",
 ]
 
 
@@ -40,6 +41,10 @@ class UnknownAdapterError(KestrelError, KeyError):
 
 class CapacityError(KestrelError):
     """A request that can never fit the KV page pool or the model context."""
+
+
+class UnsupportedError(KestrelError):
+    """The served model cannot do what was asked: a skill its family does not have."""
 
 
 class EngineClosedError(KestrelError):

@@ -19,6 +19,7 @@ __all__ = [
     "QueryResult",
     "Reasoning",
     "RequestMetrics",
+    "SegmentResult",
 ]
 
 
@@ -101,6 +102,18 @@ class DetectResult:
     objects: tuple[dict[str, float], ...]  # {"x_min", "y_min", "x_max", "y_max"}
     finish_reason: str
     tokens: tuple[int, ...]  # the id view of what was generated (coord / size ids)
+    metrics: RequestMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentResult:
+    """One object's outline: ``path`` is SVG path data relative to ``bbox`` (None: the object
+    is not in the image), see :mod:`kestrel.skills.segment`."""
+
+    path: str
+    bbox: dict[str, float] | None  # {"x_min", "y_min", "x_max", "y_max"}
+    finish_reason: str
+    tokens: tuple[int, ...]  # the id view: coord / size ids, then the path's text ids
     metrics: RequestMetrics
 
 

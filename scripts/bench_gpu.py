@@ -179,7 +179,7 @@ def random_md2_checkpoint(path: Path, sections: dict | None = None) -> Path:
     if (path / "config.json").exists():
         return path
     from kestrel.moondream.config import MoondreamConfig
-    from kestrel.reference.random_checkpoint import config_to_dict, write_random_checkpoint
+    from kestrel.testing.random_checkpoint import config_to_dict, write_random_checkpoint
 
     fixture = MoondreamConfig.from_json_file(FIXTURE / "config.json")
     cfg = MoondreamConfig.from_dict(

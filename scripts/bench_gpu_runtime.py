@@ -35,8 +35,8 @@ import kestrel_kernels
 from kestrel.images import image_digest, load_image
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.vision import encode_image, normalize_pixels, overlap_crops
-from kestrel.reference.random_weights import random_model
 from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.testing.random_weights import random_model
 from kestrel.tokens import TextToken
 
 PUBLISHED_REQ_S = {1: 42.0, 64: 57.0}  # Kestrel, H100, Moondream 2, ChartQA short answers

@@ -46,9 +46,9 @@ from kestrel import Engine
 from kestrel.moondream.config import MOONDREAM2, MOONDREAM3, MoondreamConfig
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.reference.fp8_checkpoint import write_fp8_checkpoint
-from kestrel.reference.random_checkpoint import write_random_checkpoint
 from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.testing.fp8_checkpoint import write_fp8_checkpoint
+from kestrel.testing.random_checkpoint import write_random_checkpoint
 from kestrel.tokens import TextToken
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md3-tiny-a"

@@ -33,8 +33,8 @@ import torch
 
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.model import MoondreamModel
-from kestrel.reference.random_checkpoint import write_random_checkpoint
 from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.testing.random_checkpoint import write_random_checkpoint
 from kestrel.tokens import TextToken
 
 BENCH_CONFIG = {

@@ -49,12 +49,12 @@ from kestrel.engine.requests import RequestFactory  # noqa: E402
 from kestrel.images import prepare_image  # noqa: E402
 from kestrel.moondream.config import MoondreamConfig  # noqa: E402
 from kestrel.moondream.tokenizer import MoondreamTokenizer  # noqa: E402
-from kestrel.reference.random_weights import random_model  # noqa: E402
 from kestrel.runtime.cuda_graphs import DecodeGraphs  # noqa: E402
 from kestrel.runtime.heads import ModelHeads  # noqa: E402
-from kestrel.runtime.runner import MoondreamRunner  # noqa: E402
+from kestrel.runtime.runner import BatchExecutor  # noqa: E402
 from kestrel.runtime.runtime import MoondreamRuntime  # noqa: E402
 from kestrel.scheduler import Request, Scheduler  # noqa: E402
+from kestrel.testing.random_weights import random_model  # noqa: E402
 from kestrel_kernels import contract, fa_backend, fused  # noqa: E402
 from kestrel_kernels.counting import LaunchCounter  # noqa: E402
 from kestrel_kernels.torch_backend import varlen_paged_attention_torch  # noqa: E402
@@ -134,7 +134,7 @@ def build(max_batch: int):
         backend="fa",
         capture=False,
     )
-    runner = MoondreamRunner(rt, lookahead=True)  # as on CUDA
+    runner = BatchExecutor(rt, lookahead=True)  # as on CUDA
     factory = RequestFactory(ModelHeads(model, rt.tokenizer), cfg)
     return rt, runner, Scheduler(runner), factory
 

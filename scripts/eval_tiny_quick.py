@@ -30,7 +30,7 @@ def export_state(state_dir: Path, out: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).parent))
     import tiny_data
 
-    from kestrel.reference.random_checkpoint import config_to_dict
+    from kestrel.testing.random_checkpoint import config_to_dict
 
     saved = torch.load(state_dir / "state.pt", weights_only=False)
     tok = MoondreamTokenizer.from_file(state_dir / "tokenizer.json")

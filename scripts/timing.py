@@ -104,7 +104,7 @@ def bench_model(path: Path) -> Path:
     import shutil
 
     from kestrel.moondream.config import MoondreamConfig
-    from kestrel.reference.random_checkpoint import write_random_checkpoint
+    from kestrel.testing.random_checkpoint import write_random_checkpoint
 
     fixture = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny-a"
     tok = MoondreamConfig.from_json_file(fixture / "config.json").tokenizer

@@ -20,9 +20,9 @@ from kestrel.moondream.config import (
 from kestrel.moondream.region import coord_to_bin, coord_token, size_to_bin, size_token
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.vision import normalize_pixels, overlap_crops
-from kestrel.reference.train_forward import NO_TARGET, Segment
 from kestrel.skills import prompts
 from kestrel.tiny import synthetic
+from kestrel.tiny.train_forward import NO_TARGET, Segment
 from kestrel.tokens import TextToken
 
 # Moondream's special-token layout: ids 0-9 (bos = eos = 0; id 8 reserved).

@@ -4,7 +4,7 @@
 
 Phase 1 trains every weight of a Moondream-architecture model (vision tower, projection, text
 decoder, region heads; sizes in ``tiny_data.make_config``) with the project's own functions
-(``kestrel.reference.train_forward``): cross-entropy on answer tokens and on the continue/stop
+(``kestrel.tiny.train_forward``): cross-entropy on answer tokens and on the continue/stop
 decisions, Gaussian-smoothed cross-entropy on coordinate and size bins, plus a training-only
 patch-class and patch-position probe on the image embeddings (see ``Trainer``). Phase 2
 freezes the model and trains a rank-8 LoRA that answers colour questions in French.
@@ -36,9 +36,9 @@ from kestrel.moondream.lora import LORA_MODULES, LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.weights import expected_shapes
-from kestrel.reference.random_checkpoint import config_to_dict
-from kestrel.reference.train_forward import image_embeddings, pack, packed_loss
+from kestrel.testing.random_checkpoint import config_to_dict
 from kestrel.tiny import synthetic
+from kestrel.tiny.train_forward import image_embeddings, pack, packed_loss
 
 PHASES = ("base", "adapter")
 ADAPTER_DIR = "lora-french"

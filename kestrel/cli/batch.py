@@ -48,39 +48,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _add_ray_options(parser)
+    common.add_ray_options(
+        parser,
+        ray="run on a Ray cluster: one engine per replica, questions routed by image",
+        replicas="engine replicas (default: one per GPU, else one per 4 CPUs)",
+        routing="image: all questions about an image go to one replica (default); random: "
+        "Ray's plain shuffle, for comparison",
+    )
     common.add_engine_options(parser)
     common.add_generation_options(parser)
     parser.set_defaults(run=run)
-
-
-def _add_ray_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("Ray (needs kestrel[ray]; see docs/distributed.md)")
-    group.add_argument(
-        "--ray",
-        action="store_true",
-        help="run on a Ray cluster: one engine per replica, questions routed by image",
-    )
-    group.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="ADDRESS",
-        help="join this Ray cluster (default: $RAY_ADDRESS, else start a local instance)",
-    )
-    group.add_argument(
-        "--replicas",
-        type=common.positive_int,
-        default=None,
-        metavar="N",
-        help="engine replicas (default: one per GPU, else one per 4 CPUs)",
-    )
-    group.add_argument(
-        "--routing",
-        choices=("image", "random"),
-        default="image",
-        help="image: all questions about an image go to one replica (default); random: Ray's "
-        "plain shuffle, for comparison",
-    )
 
 
 def run(args: argparse.Namespace) -> int:

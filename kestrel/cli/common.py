@@ -112,6 +112,24 @@ def add_output_options(parser: argparse.ArgumentParser, *, stream: bool = True) 
         )
 
 
+def add_ray_options(
+    parser: argparse.ArgumentParser, *, ray: str, replicas: str, routing: str
+) -> argparse._ArgumentGroup:
+    """``--ray``, ``--ray-address``, ``--replicas``, ``--routing`` (``kestrel batch`` and
+    ``kestrel serve``; the help of the three that differ is the caller's). Returns the group."""
+    group = parser.add_argument_group("Ray (needs kestrel[ray]; see docs/distributed.md)")
+    group.add_argument("--ray", action="store_true", help=ray)
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="join this Ray cluster (default: $RAY_ADDRESS, else start a local instance)",
+    )
+    group.add_argument("--replicas", type=positive_int, default=None, metavar="N", help=replicas)
+    group.add_argument("--routing", choices=("image", "random"), default="image", help=routing)
+    return group
+
+
 def add_region_command(subparsers, name: str, *, help: str, description: str, run) -> None:
     """The parser shared by ``point`` and ``detect``: IMAGE OBJECT, greedy, --max-objects."""
     parser = subparsers.add_parser(name, help=help, description=description)

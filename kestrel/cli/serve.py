@@ -117,31 +117,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _add_ray_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("Ray (needs kestrel[ray]; see docs/distributed.md)")
-    group.add_argument(
-        "--ray",
-        action="store_true",
-        help="serve from replicas on Ray Serve (one engine each), requests routed by image",
-    )
-    group.add_argument(
-        "--ray-address",
-        default=None,
-        metavar="ADDRESS",
-        help="join this Ray cluster (default: $RAY_ADDRESS, else start a local instance)",
-    )
-    group.add_argument(
-        "--replicas",
-        type=common.positive_int,
-        default=None,
-        metavar="N",
-        help="engine replicas (default: one per GPU, else 2)",
-    )
-    group.add_argument(
-        "--routing",
-        choices=("image", "random"),
-        default="image",
-        help="image: a consistent-hash ring on the image's digest (default); random: any live "
-        "replica, for comparison",
+    group = common.add_ray_options(
+        parser,
+        ray="serve from replicas on Ray Serve (one engine each), requests routed by image",
+        replicas="engine replicas (default: one per GPU, else 2)",
+        routing="image: a consistent-hash ring on the image's digest (default); random: any "
+        "live replica, for comparison",
     )
     group.add_argument(
         "--ray-app",

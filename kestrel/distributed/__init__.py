@@ -7,7 +7,7 @@ side, shuffled so that every question about an image reaches the one replica (on
 and written as ``kestrel batch``'s lines.
 
 ``kestrel serve --ray`` (``serving``, ``frontdoor``, ``ring``, ``serve_cluster``,
-``serve_replica``, ``serve_stats``): the app of ``kestrel serve`` over an engine-shaped front
+``serve_replica``, ``serve_stats``): the app of ``kestrel serve`` over a ServedEngine front
 that routes each request by its image's digest, on a consistent-hash ring, to one of N replica
 deployments on Ray Serve (one Engine each).
 

@@ -1,7 +1,8 @@
-"""The front door of ``kestrel serve --ray``: an engine-shaped object over replica deployments.
+"""The front door of ``kestrel serve --ray``: a ServedEngine over replica deployments.
 
-:class:`ClusterEngine` has the Engine's asyncio calls (``aquery``, ``acaption``, ``apoint``,
-``adetect``, ``achat``), ``stats``, ``adapters`` and the attributes the server app reads, so
+:class:`ClusterEngine` is a :class:`~kestrel.server.protocol.ServedEngine`, as the Engine is:
+the asyncio calls (``aquery``, ``acaption``, ``apoint``, ``adetect``, ``asegment``, ``achat``),
+``stats``, ``adapters``, the model facts, limits and capabilities the app reads. So
 ``kestrel.server.create_app(ClusterEngine(...))`` is the very app of ``kestrel serve``: the
 same routes, payloads, limits, API key and error bodies. The app parses and decodes each
 request once (an image becomes a :class:`~kestrel.images.PreparedImage`: pixels and their
@@ -11,7 +12,7 @@ image included, through that replica's Serve handle.
 
 A replica that dies fails only the requests in flight on it: each gets
 :class:`ReplicaLostError` (HTTP 503 with ``Retry-After``), the replica leaves the ring at once
-and its keys go to the next replica; the :class:`~kestrel.distributed.health.HealthMonitor`
+and its keys go to the next replica; the :class:`~kestrel.distributed.serve_cluster.HealthMonitor`
 puts it back when Serve has restarted it and its model is loaded.
 """
 
@@ -104,7 +105,8 @@ def _cancel_soon(response: Any) -> None:
 
 
 class ClusterEngine:
-    """An engine-shaped front over replica deployments (see the module docstring)."""
+    """A :class:`~kestrel.server.protocol.ServedEngine` over replica deployments (see the module
+    docstring)."""
 
     def __init__(self, links: Sequence[ReplicaLink], router: Router, *, retry_after_s: int = 1):
         if not links:
@@ -118,12 +120,11 @@ class ClusterEngine:
         self.max_batch_size = int(first.get("max_batch_size", 16)) * len(links)
         self.exif_orientation = bool(first.get("exif_orientation", True))
         self._adapters = list(first.get("adapters", []))
-        if first.get("segment"):  # the app answers 501 for engines without ``asegment``
-            self.asegment = self._asegment
+        self.supports_segment = bool(first.get("segment", False))
         self._closed = False
         self.last_stats: ClusterStats | None = None
 
-    # ------------------------------------------------------------------ the Engine's face
+    # ------------------------------------------------------------------ the ServedEngine members
     @property
     def closed(self) -> bool:
         return self._closed
@@ -147,7 +148,9 @@ class ClusterEngine:
     async def adetect(self, image: object, object: str, **kw: Any):
         return await self._dispatch("detect", routing_key(image, object), (image, object), kw)
 
-    async def _asegment(self, image: object, object: str, *, stream: bool = False, **kw: Any):
+    async def asegment(self, image: object, object: str, *, stream: bool = False, **kw: Any):
+        """Forwarded whatever ``supports_segment`` says: a replica's engine that cannot segment
+        raises the UnsupportedError that Engine raises, in the same words."""
         return await self._dispatch("segment", routing_key(image, object), (image, object), kw,
                                     stream)  # fmt: skip
 

@@ -29,7 +29,7 @@ SKILL_METHODS = {
     "point": "apoint",
     "detect": "adetect",
     "chat": "achat",
-    "segment": "asegment",  # on engines that have it (see ``describe``)
+    "segment": "asegment",  # an engine that cannot segment raises UnsupportedError
 }
 
 
@@ -60,11 +60,11 @@ class EngineReplica:
             "name": self.name,
             "pid": os.getpid(),
             "model_path": str(e.model_path),
-            "family": getattr(e.config, "family", None),
+            "family": e.config.family,
             "adapters": e.adapters(),
             "max_batch_size": e.max_batch_size,
             "exif_orientation": e.exif_orientation,
-            "segment": hasattr(e, "asegment"),
+            "segment": e.supports_segment,
         }
 
     async def call(self, skill: str, args: tuple, kwargs: dict[str, Any]) -> Any:

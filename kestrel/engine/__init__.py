@@ -1,6 +1,7 @@
-"""The public ``Engine`` (sync calls, ``submit_*`` futures, ``a*`` asyncio twins) and what it
-builds on the caller's side: requests (``requests.py``), the adapter registry, model loading
-(``setup.py``) and text streams."""
+"""The public ``Engine`` (sync calls and ``submit_*`` futures in ``calls.py``, ``a*`` asyncio twins
+in ``aio.py``) and what it builds on the caller's side: the request desk (``desk.py``: drafts,
+then submission), requests (``requests.py``), conversations (``chat.py``), the adapter registry,
+model loading (``setup.py``) and text streams."""
 
 from __future__ import annotations
 

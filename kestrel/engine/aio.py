@@ -10,12 +10,18 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kestrel.engine.desk import Drafter, Submitter
+
 __all__ = ["AsyncTwins"]
 
 
 class AsyncTwins:
-    """Mixed into :class:`kestrel.Engine`; relies on its ``_draft``, ``_query_draft``,
-    ``_draft_chat``, ``_factory`` and ``_await``."""
+    """Mixed into :class:`kestrel.Engine`, whose two members it uses are
+    ``_drafts`` (a :class:`~kestrel.engine.desk.Drafter`) and ``_requests`` (a
+    :class:`~kestrel.engine.desk.Submitter`)."""
+
+    _drafts: Drafter
+    _requests: Submitter
 
     async def aquery(
         self,
@@ -32,8 +38,8 @@ class AsyncTwins:
         """``await engine.aquery(...)`` -> QueryResult; with ``stream=True`` an
         AsyncTextStream to ``async for`` over (then ``await stream.result()``)."""
         args = (image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
-        draft = await asyncio.to_thread(self._query_draft, *args)
-        return await self._await(draft, stream)
+        draft = await asyncio.to_thread(self._drafts.query, *args)
+        return await self._requests.wait(draft, stream)
 
     async def achat(
         self,
@@ -46,10 +52,9 @@ class AsyncTwins:
         stream: bool = False,
     ) -> Any:
         """``await engine.achat(messages)`` -> ChatResult (or an AsyncTextStream)."""
-        draft = await asyncio.to_thread(
-            self._draft_chat, messages, settings, adapter, cache_salt, reasoning
-        )
-        return await self._await(draft, stream)
+        args = (messages, settings, adapter, cache_salt, reasoning)
+        draft = await asyncio.to_thread(self._drafts.chat, *args)
+        return await self._requests.wait(draft, stream)
 
     async def acaption(
         self,
@@ -61,10 +66,9 @@ class AsyncTwins:
         cache_salt: str | None = None,
         stream: bool = False,
     ) -> Any:
-        draft = await asyncio.to_thread(
-            self._draft, self._factory.caption, image, length, settings, adapter, cache_salt
-        )
-        return await self._await(draft, stream)
+        args = (image, length, settings, adapter, cache_salt)
+        draft = await asyncio.to_thread(self._drafts.caption, *args)
+        return await self._requests.wait(draft, stream)
 
     async def apoint(
         self,
@@ -75,10 +79,9 @@ class AsyncTwins:
         adapter: str | None = None,
         cache_salt: str | None = None,
     ) -> Any:
-        draft = await asyncio.to_thread(
-            self._draft, self._factory.point, image, object, settings, adapter, cache_salt
-        )
-        return await self._await(draft, False)
+        args = (image, object, settings, adapter, cache_salt)
+        draft = await asyncio.to_thread(self._drafts.point, *args)
+        return await self._requests.wait(draft, False)
 
     async def adetect(
         self,
@@ -89,7 +92,23 @@ class AsyncTwins:
         adapter: str | None = None,
         cache_salt: str | None = None,
     ) -> Any:
-        draft = await asyncio.to_thread(
-            self._draft, self._factory.detect, image, object, settings, adapter, cache_salt
-        )
-        return await self._await(draft, False)
+        args = (image, object, settings, adapter, cache_salt)
+        draft = await asyncio.to_thread(self._drafts.detect, *args)
+        return await self._requests.wait(draft, False)
+
+    async def asegment(
+        self,
+        image: object,
+        object: str,
+        *,
+        settings: dict | None = None,
+        adapter: str | None = None,
+        cache_salt: str | None = None,
+        spatial_refs: Sequence[Sequence[float]] | None = None,
+        stream: bool = False,
+    ) -> Any:
+        """``await engine.asegment(...)`` -> SegmentResult; with ``stream=True`` an
+        AsyncTextStream: the box (a dict), then the path's text."""
+        args = (image, object, settings, adapter, cache_salt, spatial_refs)
+        draft = await asyncio.to_thread(self._drafts.segment, *args)
+        return await self._requests.wait(draft, stream)

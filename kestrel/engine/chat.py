@@ -1,4 +1,4 @@
-"""Conversations: OpenAI-shaped messages -> validated turns, and the Engine's chat calls.
+"""Conversations: OpenAI-shaped messages -> validated turns and their images.
 
 Messages are ``{"role": "system" | "developer" | "user" | "assistant", "content": ...}`` where
 ``content`` is a string or a list of parts: ``{"type": "text", "text"}``, ``{"type":
@@ -8,7 +8,7 @@ folded into the first user turn's text; then user and assistant messages alterna
 the user turn to answer. Images only in user messages, at most :data:`MAX_IMAGES` per
 conversation (and as many as the model's context holds: 729 positions each for Moondream 2),
 in any user turn; each turn's go before its block. Everything is checked, and images decoded,
-on the caller's thread.
+on the caller's thread (the request desk, :mod:`kestrel.engine.desk`, drafts the reply).
 """
 
 from __future__ import annotations
@@ -16,19 +16,16 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from kestrel.engine.replies import ReplyMemory
-from kestrel.engine.requests import Draft, salted
 from kestrel.errors import InvalidInputError
 from kestrel.images import PreparedImage, image_hash_int, prepare_image
 from kestrel.skills import ChatTurn
 from kestrel.tokens import ImageToken
 
-__all__ = ["MAX_IMAGES", "ChatCalls", "Conversation", "parse_messages"]
+__all__ = ["MAX_IMAGES", "Conversation", "parse_messages"]
 
 MAX_IMAGES = 4
 _SYSTEM_ROLES = frozenset({"system", "developer"})
@@ -178,58 +175,3 @@ def parse_messages(
             f"this server accepts at most {MAX_IMAGES} images per conversation, got {len(images)}"
         )
     return Conversation(tuple(turns), tuple((turn, prepare(src())) for turn, src in images))
-
-
-class ChatCalls:
-    """Mixed into :class:`kestrel.Engine`: ``chat`` and ``submit_chat`` (``achat`` is with
-    the other asyncio twins). Relies on the Engine's ``_check_open``, ``_factory``,
-    ``_adapter``, ``prepare_image``, ``_submit``, ``_call``, ``_replies`` and ``config``."""
-
-    _check_open: Callable[[], None]
-    _factory: Any
-    _adapter: Callable[[str | None], Any]
-    prepare_image: Callable[[object], PreparedImage]
-    _submit: Callable[..., Future]
-    _call: Callable[..., Any]
-    _replies: ReplyMemory
-    config: Any
-
-    def submit_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        reasoning: bool = False,
-    ) -> Future:
-        """Queue the reply to a conversation; the future gives a ChatResult."""
-        return self._submit(self._draft_chat(messages, settings, adapter, cache_salt, reasoning))
-
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        reasoning: bool = False,
-        stream: bool = False,
-    ) -> Any:
-        """The assistant's reply to ``messages`` (ChatResult), or with ``stream=True`` a
-        TextStream of the answer's deltas. Message shapes and limits: docs/chat.md."""
-        draft = self._draft_chat(messages, settings, adapter, cache_salt, reasoning)
-        return self._call(draft, stream)
-
-    def _draft_chat(self, messages, settings, adapter, cache_salt, reasoning) -> Draft:
-        self._check_open()
-        conversation = parse_messages(messages, self.prepare_image)
-        lora = self._adapter(adapter)
-        first = conversation.image
-        # the cache namespace's identity: replies are replayed only where they were retained
-        key = (getattr(lora, "lora_id", None), cache_salt, first.digest if first else None)
-        turns = self._replies.replay(key, conversation.placed(self.config.image_tokens))
-        images = tuple(image for _, image in conversation.images) or None
-        draft = self._factory.chat(turns, images, settings, lora, reasoning=reasoning)
-        draft = replace(draft, build_result=self._replies.recording(key, draft.build_result))
-        return salted(draft, cache_salt)

@@ -8,11 +8,7 @@ touches the model, the KV pages and the prefix cache.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,32 +16,25 @@ import torch
 
 from kestrel.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry
 from kestrel.engine.aio import AsyncTwins
-from kestrel.engine.chat import ChatCalls
+from kestrel.engine.calls import BlockingCalls
+from kestrel.engine.desk import Drafter, Submitter
 from kestrel.engine.replies import ReplyMemory
-from kestrel.engine.requests import Draft, RequestFactory, salted
+from kestrel.engine.requests import RequestFactory
 from kestrel.engine.setup import load_runtime
-from kestrel.engine.streams import AsyncTextStream, TextStream
-from kestrel.errors import EngineClosedError, InvalidInputError
+from kestrel.errors import InvalidInputError
 from kestrel.images import PreparedImage, prepare_image
-from kestrel.moondream.lora import LoraAdapter
 from kestrel.results import EngineStats
 from kestrel.runtime.heads import ModelHeads
-from kestrel.runtime.runner import MoondreamRunner
-from kestrel.scheduler import Request, Scheduler
+from kestrel.runtime.runner import BatchExecutor
+from kestrel.scheduler import Scheduler
 from kestrel.scheduler.loop import SchedulerLoop
 
 __all__ = ["Engine"]
 
 
-def _images(image: PreparedImage | tuple[PreparedImage, ...] | None) -> tuple[PreparedImage, ...]:
-    """A draft's images: none, one, or a conversation's tuple."""
-    if image is None:
-        return ()
-    return image if isinstance(image, tuple) else (image,)
-
-
-class Engine(AsyncTwins, ChatCalls):
-    """Serve a Moondream 2 checkpoint: ``query``, ``caption``, ``point``, ``detect``, ``chat``.
+class Engine(BlockingCalls, AsyncTwins):
+    """Serve a Moondream checkpoint: ``query``, ``caption``, ``point``, ``detect``, ``chat``,
+    and ``segment`` where the model's family has it (``supports_segment``).
 
     ``model``: a checkpoint directory or a Hugging Face repo id (None: the embedded default).
     ``device="auto"`` picks CUDA when available; ``dtype`` is a ``torch.dtype`` or its name
@@ -108,12 +97,15 @@ class Engine(AsyncTwins, ChatCalls):
         self._factory = RequestFactory(
             ModelHeads(self.runtime.model, self.runtime.tokenizer), self.config
         )
-        self._runner = MoondreamRunner(self.runtime, lookahead=lookahead)
+        self._runner = BatchExecutor(self.runtime, lookahead=lookahead)
         self._scheduler = Scheduler(self._runner)
         self._adapters = AdapterRegistry(self.runtime.model, max_adapters)
-        self._ids = itertools.count(1)
         self._replies = ReplyMemory()
         self._loop = SchedulerLoop(self._scheduler)
+        self._drafts = Drafter(
+            self._factory, self._adapters, self._replies, self.prepare_image, lambda: self.closed
+        )
+        self._requests = Submitter(self._loop, self.runtime.crops)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Engine:
@@ -151,197 +143,11 @@ class Engine(AsyncTwins, ChatCalls):
         """Names of the loaded adapters."""
         return self._adapters.names()
 
-    def _adapter(self, name: str | None) -> LoraAdapter | None:
-        return self._adapters.get(name)
-
-    def _image(self, image: object) -> PreparedImage | None:
-        return None if image is None else self.prepare_image(image)
-
-    # ------------------------------------------------------------------ submission
-    def submit_query(
-        self,
-        image: object,
-        question: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        reasoning: bool = False,
-        spatial_refs: Sequence[Sequence[float]] | None = None,
-    ) -> Future:
-        """Queue a question about ``image`` (None: text only); the future gives a QueryResult."""
-        draft = self._query_draft(
-            image, question, settings, adapter, cache_salt, reasoning, spatial_refs
-        )
-        return self._submit(draft)
-
-    def submit_caption(
-        self,
-        image: object,
-        *,
-        length: str = "normal",
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Future:
-        """Queue a caption ("short", "normal" or "long"); the future gives a CaptionResult."""
-        draft = self._draft(self._factory.caption, image, length, settings, adapter, cache_salt)
-        return self._submit(draft)
-
-    def submit_point(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Future:
-        """Queue pointing at every ``object``; the future gives a PointResult."""
-        draft = self._draft(self._factory.point, image, object, settings, adapter, cache_salt)
-        return self._submit(draft)
-
-    def submit_detect(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Future:
-        """Queue detecting every ``object``; the future gives a DetectResult."""
-        draft = self._draft(self._factory.detect, image, object, settings, adapter, cache_salt)
-        return self._submit(draft)
-
-    def _draft(
-        self,
-        make: Callable[..., Draft],
-        image: object,
-        subject: object,
-        settings: object,
-        adapter: str | None,
-        cache_salt: object,
-        **options: Any,
-    ) -> Draft:
-        """Validate, decode and tokenize on the caller's thread: ``make`` is the factory's
-        builder for the skill (query, caption, point or detect), ``subject`` its text."""
-        self._check_open()
-        lora = self._adapter(adapter)
-        draft = make(self._image(image), subject, settings, lora, **options)
-        return salted(draft, cache_salt)
-
-    def _query_draft(
-        self, image, question, settings, adapter, cache_salt, reasoning, spatial_refs
-    ) -> Draft:
-        """``_draft`` for a query, with its two options."""
-        return self._draft(
-            self._factory.query, image, question, settings, adapter, cache_salt,
-            reasoning=reasoning, spatial_refs=spatial_refs,
-        )  # fmt: skip
-
-    def _check_open(self) -> None:
-        if self._loop.closed:
-            raise EngineClosedError("the engine is closed")
-
-    def _submit(self, draft: Draft, on_text: Callable[[str], None] | None = None) -> Future:
-        future: Future = Future()
-        request = Request(
-            request_id=next(self._ids),
-            skill=draft.skill,
-            image=draft.image,
-            adapter=draft.adapter,
-            cache_salt=draft.cache_salt,
-            prompt_positions=draft.prompt_positions,
-            max_new_tokens=draft.max_new_tokens,
-            future=future,
-            build_result=draft.build_result,
-            submitted_at=time.perf_counter(),
-            on_text=on_text,
-        )
-        # The image's crops start now, off the scheduler thread, and are let go when it ends.
-        hold = self.runtime.crops.hold(_images(draft.image), skip_recent=True)
-        future.add_done_callback(hold.release)
-        try:
-            self._loop.submit(request)
-        except BaseException:
-            hold.release()
-            raise
-        return future
-
-    def _call(self, draft: Draft, stream: bool) -> Any:
-        """A blocking call's answer: the result, or with ``stream`` a TextStream of deltas."""
-        if stream:
-            return self._stream(draft, TextStream())
-        return self._submit(draft).result()
-
-    def _stream(self, draft: Draft, stream: TextStream | AsyncTextStream):
-        stream.attach(self._submit(draft, on_text=stream.push))
-        return stream
-
-    async def _await(self, draft: Draft, stream: bool):
-        if stream:
-            return self._stream(draft, AsyncTextStream(asyncio.get_running_loop()))
-        return await asyncio.wrap_future(self._submit(draft))
-
-    # ------------------------------------------------------------------ blocking calls
-    def query(
-        self,
-        image: object,
-        question: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        reasoning: bool = False,
-        spatial_refs: Sequence[Sequence[float]] | None = None,
-        stream: bool = False,
-    ):
-        """Answer ``question`` (QueryResult), or with ``stream=True`` a TextStream of deltas."""
-        draft = self._query_draft(
-            image, question, settings, adapter, cache_salt, reasoning, spatial_refs
-        )
-        return self._call(draft, stream)
-
-    def caption(
-        self,
-        image: object,
-        *,
-        length: str = "normal",
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        stream: bool = False,
-    ):
-        """Caption ``image`` (CaptionResult), or with ``stream=True`` a TextStream of deltas."""
-        draft = self._draft(self._factory.caption, image, length, settings, adapter, cache_salt)
-        return self._call(draft, stream)
-
-    def point(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ):
-        """Centers of every ``object`` in the image (PointResult, coordinates in [0, 1])."""
-        draft = self._draft(self._factory.point, image, object, settings, adapter, cache_salt)
-        return self._call(draft, False)
-
-    def detect(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ):
-        """Boxes of every ``object`` in the image (DetectResult, coordinates in [0, 1])."""
-        draft = self._draft(self._factory.detect, image, object, settings, adapter, cache_salt)
-        return self._call(draft, False)
+    @property
+    def supports_segment(self) -> bool:
+        """Whether the model can run the segment skill (Moondream 3 can); where it cannot,
+        ``segment`` raises UnsupportedError naming why."""
+        return self._factory.segment_refusal is None
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kestrel.errors import InvalidInputError, PromptTooLongError
+from kestrel.errors import InvalidInputError, PromptTooLongError, UnsupportedError
 from kestrel.images import PreparedImage
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.region import SpatialRefError
@@ -23,6 +23,7 @@ from kestrel.results import (
     QueryResult,
     Reasoning,
     RequestMetrics,
+    SegmentResult,
 )
 from kestrel.skills import (
     CaptionSkill,
@@ -37,11 +38,14 @@ from kestrel.skills import (
     family_settings,
     parse_settings,
 )
+from kestrel.skills.segment import SegmentSkill, unsupported_reason
 from kestrel.tokens import kv_length
 
 __all__ = ["Draft", "RequestFactory", "salted"]
 
 BuildResult = Callable[[Any, RequestMetrics], Any]
+# How a stream's text deltas reach the caller: given the caller's push, the scheduler's on_text.
+Deltas = Callable[[Callable[[Any], None]], Callable[[str], None]]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -55,6 +59,7 @@ class Draft:
     max_new_tokens: int
     build_result: BuildResult
     cache_salt: str | None = None
+    deltas: Deltas | None = None  # None: the text deltas go to the caller as they are
 
 
 MAX_SALT_CHARS = 256
@@ -109,6 +114,31 @@ def _point_result(skill: RegionSkill, metrics: RequestMetrics) -> PointResult:
 
 def _detect_result(skill: RegionSkill, metrics: RequestMetrics) -> DetectResult:
     return DetectResult(skill.results(), skill.finish_reason, skill.output_tokens(), metrics)
+
+
+def _segment_result(skill: SegmentSkill, metrics: RequestMetrics) -> SegmentResult:
+    parts = skill.result()  # NoPathError when the model stopped after the box
+    return SegmentResult(
+        parts.path, parts.bbox, skill.finish_reason, skill.output_tokens(), metrics
+    )
+
+
+def _box_first(skill: SegmentSkill) -> Deltas:
+    """A segment stream's deltas: the box (a dict) once decoded, then the path's text."""
+
+    def shape(push: Callable[[Any], None]) -> Callable[[str], None]:
+        sent = False
+
+        def on_text(delta: str) -> None:
+            nonlocal sent
+            if not sent and skill.bbox is not None:
+                sent = True
+                push(dict(skill.bbox))
+            push(delta)
+
+        return on_text
+
+    return shape
 
 
 def _text(value: object, what: str) -> str:
@@ -178,6 +208,35 @@ class RequestFactory:
         obj, max_objects = self._region_input("detect", image, obj, settings)
         skill = DetectSkill(self.ops, obj, max_objects)
         return self._draft(skill, image, adapter, _detect_result)
+
+    @property
+    def segment_refusal(self) -> str | None:
+        """Why this model cannot segment (None: it can)."""
+        c = self.config
+        return unsupported_reason(c.family, c.tokenizer, c.text.vocab_size)
+
+    def segment(
+        self,
+        image: PreparedImage | None,
+        obj: object,
+        settings: object,
+        adapter: Any,
+        *,
+        spatial_refs: Sequence[Sequence[float]] | None,
+    ) -> Draft:
+        """One object's box and outline; ``max_tokens`` bounds the path's tokens."""
+        refusal = self.segment_refusal
+        if refusal is not None:
+            raise UnsupportedError(refusal)
+        obj, _ = self._region_input("segment", image, obj, settings)
+        s = parse_settings(settings, self.defaults)
+        try:
+            spatial = self.ops.spatial_tokens(spatial_refs or ())
+        except SpatialRefError as exc:
+            raise InvalidInputError(str(exc)) from exc
+        skill = SegmentSkill(self.ops, obj, s.max_tokens, spatial=spatial)
+        draft = self._draft(skill, image, adapter, _segment_result)
+        return replace(draft, deltas=_box_first(skill))
 
     def _region_input(
         self, kind: str, image: PreparedImage | None, obj: object, settings: object

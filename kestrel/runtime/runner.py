@@ -1,4 +1,4 @@
-"""The engine's model runner: MoondreamRuntime behind the scheduler's runner protocol.
+"""The batch executor: MoondreamRuntime behind the scheduler's runner protocol.
 
 All tensor work of the engine happens here, on the scheduler thread.
 """
@@ -20,7 +20,7 @@ from kestrel.scheduler.protocol import Capacity, Request, RunnerOverloaded, Star
 from kestrel.skills.base import Draw, PromptToken
 from kestrel_kernels.transfer import upload
 
-__all__ = ["DEFER_MIN_POSITIONS", "MoondreamRunner", "PageCounts"]
+__all__ = ["DEFER_MIN_POSITIONS", "BatchExecutor"]
 
 # A request waits for the next prefill wave when it shares at least this many not-yet-cached
 # KV positions with a miss of the current wave (an image block always qualifies).
@@ -47,12 +47,9 @@ def _waits_for(state: SequenceState, other: SequenceState) -> bool:
     return False
 
 
-class PageCounts(dict):
-    """Page accounting of the pool (free / cached / private / locked / evictable / total)."""
-
-
-class MoondreamRunner:
-    """The runtime behind the scheduler's runner protocol.
+class BatchExecutor:
+    """Runs the scheduler's batches on the runtime (the scheduler's runner protocol): a step's
+    admitted requests prefilled in waves, then one decode step for every running sequence.
 
     It keeps each running sequence's skill so that, before a step's logits exist, it can ask
     every row how its token will be chosen (``Skill.next_draw``): the whole batch is then

@@ -1,7 +1,7 @@
 """What the scheduler needs of a model runner, and the values they exchange.
 
 The scheduler never imports model code: it drives any object with this shape. The engine's
-runner (``kestrel.runtime.runner.MoondreamRunner``) wraps ``MoondreamRuntime``; tests drive the
+runner (``kestrel.runtime.runner.BatchExecutor``) wraps ``MoondreamRuntime``; tests drive the
 scheduler with fakes.
 """
 

@@ -1,6 +1,7 @@
 """kestrel.server: an HTTP server speaking the protocol of the official ``moondream`` client.
 
-``create_app(engine)`` gives an ASGI app (Starlette) over one :class:`kestrel.Engine`;
+``create_app(engine)`` gives an ASGI app (Starlette) over one :class:`kestrel.Engine` (or any
+engine with the members of :class:`kestrel.server.protocol.ServedEngine`);
 ``kestrel serve`` runs it under uvicorn. The web stack is the optional ``serve`` extra
 (``pip install "kestrel[serve]"``): ``import kestrel`` never needs it, and this package
 imports it only when an app is made. Routes, payloads, errors and metrics: docs/server.md.
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
     import socket
 
     from starlette.applications import Starlette
+
+    from kestrel.server.protocol import ServedEngine
 
 __all__ = [
     "SERVE_EXTRA",
@@ -42,7 +45,7 @@ def _require() -> None:
         )
 
 
-def create_app(engine: Any, **options: Any) -> Starlette:
+def create_app(engine: ServedEngine, **options: Any) -> Starlette:
     """See :func:`kestrel.server.app.create_app` (options: ``api_key``, ``max_body_bytes``,
     ``max_queue``, ``max_image_pixels``, ``retry_after_s``, ``bind_host``, ``allow_origins``)."""
     _require()

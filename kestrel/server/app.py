@@ -11,10 +11,7 @@ settings and text on the caller's side too.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from functools import partial
@@ -32,6 +29,7 @@ from kestrel.errors import KestrelError
 from kestrel.server.chat import ChatCall, chat_response, parse_chat, start_chat
 from kestrel.server.errors import CLIENT_CLOSED, ApiError, from_exception
 from kestrel.server.exchange import Exchange as _Exchange
+from kestrel.server.exchange import Ledger
 from kestrel.server.guard import RequestGuard, is_loopback_host, require_json
 from kestrel.server.info import InfoRoutes, model_adapter, served_family, served_name
 from kestrel.server.limits import (
@@ -48,6 +46,7 @@ from kestrel.server.memory import IdleTrimmer
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.payloads import SKILLS, Call, parse_call
 from kestrel.server.playground import playground_routes
+from kestrel.server.protocol import ServedEngine, missing_members
 from kestrel.server.responses import (
     ClientGone,
     EventStream,
@@ -62,7 +61,7 @@ log = logging.getLogger("kestrel.server")
 _HTTP_TYPES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}
 
 
-def _start(engine: Any, call: Call) -> Awaitable[Any]:
+def _start(engine: ServedEngine, call: Call) -> Awaitable[Any]:
     """The engine coroutine for a validated call (a result, or a stream when streaming)."""
     common = {"settings": call.settings, "adapter": call.adapter, "cache_salt": call.cache_salt}
     if call.skill == "query":
@@ -92,29 +91,26 @@ def _respond(call: Call, outcome: Any, ex: _Exchange) -> Response:
 
 
 Parse = Callable[..., Any]  # (body, *, max_pixels) -> a validated call, in a worker thread
-Start = Callable[[Any, Any], Awaitable[Any]]  # (engine, call) -> the engine's coroutine
+Start = Callable[[ServedEngine, Any], Awaitable[Any]]  # (engine, call) -> its coroutine
 Respond = Callable[[Any, Any, _Exchange], Response]  # (call, outcome, exchange) -> response
 
 
-class _Server(InfoRoutes):
-    def __init__(self, engine: Any, limits: ServerLimits, api_key: ApiKey | None) -> None:
+class _Server:
+    """One app's state and its model routes; the describing routes are ``info``'s."""
+
+    def __init__(self, engine: ServedEngine, limits: ServerLimits, api_key: ApiKey | None):
         self.engine = engine
         self.limits = limits
         self.api_key = api_key
         self.gate = AdmissionGate(limits.max_queue)
         self.metrics = ServerMetrics()
         self.trimmer = IdleTrimmer()
-        # Request ids: unique per app (a random prefix per start, then a counter).
-        self.id_prefix = secrets.token_hex(4)
-        self.ids = itertools.count(1)
+        # the last admitted request finished: hand freed heap memory back to the system
+        self.ledger = Ledger(self.gate, self.metrics, on_idle=self.trimmer.poke)
         self.model_name = served_name(engine)
-        self.started_at = time.time()
+        self.info = InfoRoutes(engine, self.ledger, self.authorize, self.model_name)
 
-    def idle(self) -> None:
-        """The last admitted request finished: hand freed heap memory back to the system."""
-        self.trimmer.poke()
-
-    def _authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> None:
         if self.api_key is not None:
             self.api_key.check(request.headers)
 
@@ -133,7 +129,7 @@ class _Server(InfoRoutes):
     async def _serve(
         self, request: Request, route: str, parse: Parse, start: Start, respond: Respond
     ) -> Response:
-        ex = _Exchange(self, route)
+        ex = self.ledger.open(route)
         try:
             return await self._model_call(request, ex, parse, start, respond)
         except BaseException:  # cancelled at shutdown, or a bug: still give the slot back
@@ -144,7 +140,7 @@ class _Server(InfoRoutes):
         self, request: Request, ex: _Exchange, parse: Parse, start: Start, respond: Respond
     ) -> Response:
         try:
-            self._authorize(request)
+            self.authorize(request)
             require_json(request.headers)
             if request.url.query:
                 raise _query_string(request)
@@ -152,7 +148,7 @@ class _Server(InfoRoutes):
             ex.holds_slot = True
             body = await read_body(request, self.limits.max_body_bytes)
             pixels = self.limits.max_image_pixels
-            upright = getattr(self.engine, "exif_orientation", True)
+            upright = self.engine.exif_orientation
             call = await asyncio.to_thread(parse, body, max_pixels=pixels, exif_orientation=upright)
             call = self._select_adapter(call)
             outcome = await until_disconnected(request.receive, start(self.engine, call))
@@ -181,7 +177,7 @@ class _Server(InfoRoutes):
     async def http_error(self, request: Request, exc: Exception) -> Response:
         """Starlette's own 404 / 405, in this API's error shape."""
         assert isinstance(exc, HTTPException)
-        ex = _Exchange(self, "other")
+        ex = self.ledger.open("other")
         message = f"{exc.detail}: {request.method} {request.url.path}"
         return ex.fail(ApiError(exc.status_code, _HTTP_TYPES.get(exc.status_code, "http_error"),
                                 message, exc.headers))  # fmt: skip
@@ -211,7 +207,7 @@ def _skill_endpoint(server: _Server, skill: str) -> Callable[[Request], Awaitabl
 
 
 def create_app(
-    engine: Any,
+    engine: ServedEngine,
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -231,6 +227,10 @@ def create_app(
     lists the web origins (``https://app.example``, or ``*``) whose pages may call the API
     (they get CORS headers); others are refused.
     """
+    missing = missing_members(engine)
+    if missing:
+        raise TypeError(f"the app serves an engine with the ServedEngine members; "
+                        f"{type(engine).__name__} lacks {', '.join(missing)}")  # fmt: skip
     queue = max_queue if max_queue is not None else max(DEFAULT_MAX_QUEUE,
                                                          4 * engine.max_batch_size)  # fmt: skip
     limits = ServerLimits(
@@ -244,16 +244,16 @@ def create_app(
     routes = [Route(f"/v1/{s}", _skill_endpoint(server, s), methods=["POST"]) for s in skills]
     routes += [
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
-        Route("/v1/health", server.health, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),  # Moondream Station's spelling
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/stats", server.stats, methods=["GET"]),
-        Route("/metrics", server.prometheus, methods=["GET"]),
+        Route("/v1/health", server.info.health, methods=["GET"]),
+        Route("/health", server.info.health, methods=["GET"]),  # Moondream Station's spelling
+        Route("/v1/models", server.info.models, methods=["GET"]),
+        Route("/v1/stats", server.info.stats, methods=["GET"]),
+        Route("/metrics", server.info.prometheus, methods=["GET"]),
         *playground_routes(),  # GET /: the page for trying the model in a browser
     ]
 
     def refuse(err: ApiError) -> Response:
-        return _Exchange(server, "refused").fail(err)
+        return server.ledger.open("refused").fail(err)
 
     loopback = bind_host is not None and is_loopback_host(bind_host)
     middleware = [

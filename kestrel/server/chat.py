@@ -31,6 +31,7 @@ from kestrel.images import prepare_image
 from kestrel.results import ChatResult, RequestMetrics
 from kestrel.server.errors import ApiError
 from kestrel.server.payloads import decode_data_url, load_object, typed
+from kestrel.server.protocol import ServedEngine
 from kestrel.server.responses import EventStream
 
 __all__ = ["ChatCall", "chat_response", "parse_chat", "start_chat"]
@@ -167,7 +168,7 @@ def parse_chat(body: bytes, *, max_pixels: int, exif_orientation: bool = True) -
     )
 
 
-def start_chat(engine: Any, call: ChatCall) -> Any:
+def start_chat(engine: ServedEngine, call: ChatCall) -> Any:
     """The engine coroutine of a validated call (a ChatResult, or a stream)."""
     return engine.achat(
         call.messages, settings=call.settings, adapter=call.adapter,

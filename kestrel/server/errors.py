@@ -18,6 +18,7 @@ from kestrel.errors import (
     ModelError,
     PromptTooLongError,
     UnknownAdapterError,
+    UnsupportedError,
 )
 from kestrel.skills.segment import NoPathError
 
@@ -33,6 +34,7 @@ _ENGINE_ERRORS: tuple[tuple[type[KestrelError], int, str], ...] = (
     (UnknownAdapterError, 404, "unknown_adapter"),
     (CapacityError, 503, "capacity"),  # the request can never fit this server's KV pool
     (EngineClosedError, 503, "unavailable"),
+    (UnsupportedError, 501, "unsupported"),  # a skill the model does not have (segment)
     (NoPathError, 501, "unsupported"),  # a model without segmentation stopped after the box
     (ModelError, 500, "model_error"),
     (KestrelError, 500, "engine_error"),

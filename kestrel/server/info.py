@@ -6,31 +6,33 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kestrel import __version__
 from kestrel.server.errors import ApiError
-from kestrel.server.exchange import Exchange
+from kestrel.server.exchange import Ledger
 from kestrel.server.metrics import CONTENT_TYPE
+from kestrel.server.protocol import ServedEngine
 
 __all__ = ["InfoRoutes", "model_adapter", "served_family", "served_name"]
 
 TINY_NAME = "kestrel-tiny"
 
 
-def served_family(engine: Any) -> str | None:
+def served_family(engine: ServedEngine) -> str | None:
     """The served model's family (``moondream2`` / ``moondream3``), None if unknown."""
-    return getattr(getattr(engine, "config", None), "family", None)
+    return engine.config.family
 
 
-def served_name(engine: Any) -> str:
+def served_name(engine: ServedEngine) -> str:
     """The name the served model goes by: its folder's name, ``kestrel-tiny`` for the model
     embedded in the package."""
-    model = getattr(engine, "model_path", None)
+    model = engine.model_path
     if not model:
         return "moondream"
     from kestrel.tiny import MODEL_DIR
@@ -52,21 +54,19 @@ def model_adapter(model: str | None, served: str, adapters: list[str]) -> str | 
     return name if sep and base == served and name in adapters else None
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class InfoRoutes:
-    """Mixed into the app's server object, which provides ``engine``, ``gate``, ``limits``,
-    ``metrics``, ``model_name`` and ``_authorize``."""
+    """The describing routes of one app, over its engine, its ledger (request ids, the gate and
+    its limit, the metrics) and its API key check (``authorize``: raises ApiError 401)."""
 
-    engine: Any
-    gate: Any
-    limits: Any
-    metrics: Any
+    engine: ServedEngine
+    ledger: Ledger
+    authorize: Callable[[Request], None]
     model_name: str
-
-    def _authorize(self, request: Request) -> None:
-        raise NotImplementedError
+    started_at: float = field(default_factory=time.time)
 
     async def health(self, request: Request) -> Response:
-        ex = Exchange(self, "health")
+        ex = self.ledger.open("health")
         status = 503 if self.engine.closed else 200
         ex.finish(status)
         body = {
@@ -80,12 +80,12 @@ class InfoRoutes:
 
     async def models(self, request: Request) -> Response:
         """The OpenAI model list: the served model, then ``model@adapter`` per adapter."""
-        ex = Exchange(self, "models")
+        ex = self.ledger.open("models")
         try:
-            self._authorize(request)
+            self.authorize(request)
         except ApiError as err:
             return ex.fail(err)
-        created = int(getattr(self, "started_at", time.time()))
+        created = int(self.started_at)
         ids = [self.model_name] + [f"{self.model_name}@{a}" for a in self.engine.adapters()]
         data = [
             {"id": i, "object": "model", "created": created, "owned_by": "kestrel"} for i in ids
@@ -95,23 +95,25 @@ class InfoRoutes:
         return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
 
     async def stats(self, request: Request) -> Response:
-        ex = Exchange(self, "stats")
+        ex = self.ledger.open("stats")
         try:
-            self._authorize(request)
+            self.authorize(request)
         except ApiError as err:
             return ex.fail(err)
         body = (await asyncio.to_thread(self.engine.stats)).to_dict()
-        body["server"] = {"in_flight": self.gate.in_flight, "max_queue": self.limits.max_queue}
+        gate = self.ledger.gate
+        body["server"] = {"in_flight": gate.in_flight, "max_queue": gate.limit}
         ex.finish(200)
         return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
 
     async def prometheus(self, request: Request) -> Response:
-        ex = Exchange(self, "metrics")
+        ex = self.ledger.open("metrics")
         try:
-            self._authorize(request)
+            self.authorize(request)
         except ApiError as err:
             return ex.fail(err)
         ex.finish(200)  # recorded first, so this scrape counts itself
         stats = await asyncio.to_thread(self.engine.stats)
-        text = self.metrics.render(stats, self.gate.in_flight, self.limits.max_queue)
+        gate = self.ledger.gate
+        text = self.ledger.metrics.render(stats, gate.in_flight, gate.limit)
         return Response(text, media_type=CONTENT_TYPE, headers={"X-Request-ID": ex.request_id})

@@ -7,9 +7,10 @@ by :func:`kestrel.server.payloads.parse_call`). The blocking answer is ``{"path"
 false}`` per piece of path, then ``{"type": "final", "path", "bbox", "completed": true, ...}``.
 The path is SVG path data relative to the box (:mod:`kestrel.skills.segment`).
 
-An engine runs segment through ``asegment`` (same arguments as ``adetect`` plus
-``spatial_refs`` and ``stream``; its stream yields the box as a dict, then path text). An engine
-without it, or a model without segmentation, gets a 501 that says why.
+The engine runs segment through ``asegment`` (same arguments as ``adetect`` plus
+``spatial_refs`` and ``stream``; its stream yields the box as a dict, then path text). A model
+that cannot segment raises :class:`~kestrel.errors.UnsupportedError` naming why (a 501), from
+``Engine`` and from the cluster's front door alike.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from kestrel.results import RequestMetrics
-from kestrel.server.errors import ApiError
+from kestrel.server.protocol import ServedEngine
 from kestrel.server.responses import EventStream
 
 __all__ = ["SegmentEventStream", "segment_body", "segment_response", "start_segment"]
@@ -28,27 +29,10 @@ __all__ = ["SegmentEventStream", "segment_body", "segment_response", "start_segm
 Finish = Callable[[int, "RequestMetrics | None"], None]
 
 
-def unsupported(engine: Any) -> ApiError:
-    """The 501 for a server whose model cannot segment, naming why."""
-    family = getattr(getattr(engine, "config", None), "family", None)
-    if family == "moondream2":
-        why = "segment is not supported by this model: Moondream 2 has no segmentation skill"
-    else:
-        why = (
-            "segment needs a checkpoint with segmentation weights, and this one has none: the "
-            "published Moondream 3 checkpoints stop after the box (their segmentation weights "
-            "are not public)"
-        )
-    return ApiError(501, "unsupported", f"{why}; /v1/detect gives the object's box")
-
-
-def start_segment(engine: Any, call: Any) -> Any:
-    """The engine coroutine of a validated segment call; raises the 501 when it cannot run."""
-    run = getattr(engine, "asegment", None)
-    if run is None:
-        raise unsupported(engine)
+def start_segment(engine: ServedEngine, call: Any) -> Any:
+    """The engine coroutine of a validated segment call."""
     refs = None if call.spatial_refs is None else [list(r) for r in call.spatial_refs]
-    return run(
+    return engine.asegment(
         call.image, call.text, spatial_refs=refs, settings=call.settings, adapter=call.adapter,
         cache_salt=call.cache_salt, stream=call.stream,
     )  # fmt: skip

@@ -11,14 +11,15 @@ relative to the box: each coordinate is reported as a fraction of the box's widt
 (``grid value / PATH_GRID``), and a point of the path lies in the image at
 ``x_min + x * (x_max - x_min)``, ``y_min + y * (y_max - y_min)``. The path ends at eos.
 
-A checkpoint without segmentation training ends the answer after the box (the published
-Moondream 3 checkpoints do): :meth:`SegmentSkill.result` then raises :class:`NoPathError`
-naming why, rather than answering an empty path.
+Which models may run it is :func:`unsupported_reason`'s answer: Moondream 3 checkpoints whose
+config names the segment prompt. A checkpoint that names it without segmentation training ends
+the answer after the box: :meth:`SegmentSkill.result` then raises :class:`NoPathError` naming
+why, rather than answering an empty path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,22 +35,50 @@ if TYPE_CHECKING:
 __all__ = [
     "PATH_COMMANDS",
     "PATH_GRID",
+    "SEGMENT_FAMILIES",
     "SEGMENT_TEMPLATE",
     "NoPathError",
     "PathParser",
     "SegmentResultParts",
     "SegmentSkill",
     "segment_prompt",
+    "unsupported_reason",
 ]
 
 PATH_GRID = 960  # path grid units across the box
 PATH_COMMANDS = frozenset("MmLlHhVvCcSsQqTtAaZz")
 SEGMENT_TEMPLATE = {"prefix": (1, 17374, 2), "suffix": (3,)}  # Moondream 3's
 _SPECIAL_BELOW = 21  # ids under this are control tokens, never path words
+SEGMENT_FAMILIES = frozenset({"moondream3"})  # the families trained with the segment prompt
+_FAMILY_NAMES = {"moondream2": "Moondream 2", "moondream3": "Moondream 3"}
 
 
 class NoPathError(ModelError):
     """The model gave a box but no path: the checkpoint has no segmentation training."""
+
+
+def unsupported_reason(family: str, tok: TokenizerConfig, vocab_size: int) -> str | None:
+    """Why a model cannot run the segment skill, None when it can. A checkpoint trained to
+    segment names the segment prompt in its config; one that does not (the published Moondream 3
+    checkpoints) would stop after the box, so it is refused before any work."""
+    if family not in SEGMENT_FAMILIES:
+        name = _FAMILY_NAMES.get(family, family)
+        why = f"segment is not supported by this model: {name} has no segmentation skill"
+    elif "segment" not in tok.templates:
+        why = (
+            "segment needs a checkpoint with segmentation weights, and this one has none (its "
+            "config names no segment prompt): the published Moondream 3 checkpoints stop after "
+            "the box (their segmentation weights are not public)"
+        )
+    elif any(i >= vocab_size for part in _template(tok).values() for i in part):
+        why = "segment is not supported by this model: its vocabulary lacks the segment prompt"
+    else:
+        return None
+    return f"{why}; detect gives the object's box"
+
+
+def _template(tok: TokenizerConfig) -> Mapping[str, Sequence[int]]:
+    return tok.templates.get("segment", SEGMENT_TEMPLATE)
 
 
 def segment_prompt(
@@ -57,7 +86,7 @@ def segment_prompt(
 ) -> list[PromptToken]:
     """[BOS] + segment.prefix + spatial + encode(" " + obj) + segment.suffix; the template is
     the config's ``segment`` entry, else Moondream 3's."""
-    t = tok.templates.get("segment", SEGMENT_TEMPLATE)
+    t = _template(tok)
     if not obj.strip():
         raise PromptError("segment needs a non-empty object name")
     return [

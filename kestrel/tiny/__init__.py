@@ -1,5 +1,6 @@
 """kestrel-tiny: the embedded model (``assets/model``), the synthetic scenes it is trained and
-evaluated on, its eval, and ``kestrel demo`` (scenes in ``assets/demo``)."""
+evaluated on, the dense training forward (``train_forward.py``: LoRA and full training, both
+families), its eval, and ``kestrel demo`` (scenes in ``assets/demo``)."""
 
 from __future__ import annotations
 

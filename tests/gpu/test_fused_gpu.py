@@ -89,8 +89,8 @@ def test_model_fused_equals_unfused_on_cuda() -> None:
     from dataclasses import replace
 
     from kestrel.moondream.config import MoondreamConfig
-    from kestrel.reference.random_weights import random_model
     from kestrel.runtime.runtime import MoondreamRuntime
+    from kestrel.testing.random_weights import random_model
     from kestrel.tokens import TextToken
     from tests.conftest import fixture_dir
 

@@ -25,8 +25,8 @@ from PIL import Image
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.reference.random_weights import random_model
 from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.testing.random_weights import random_model
 from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
 from tests.conftest import fixture_dir

@@ -12,8 +12,8 @@ import torch
 
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.reference.fp8_checkpoint import write_fp8_checkpoint
 from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.testing.fp8_checkpoint import write_fp8_checkpoint
 from tests.integration.test_bench_moe import TINY, bench  # noqa: F401
 
 

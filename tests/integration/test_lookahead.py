@@ -11,7 +11,7 @@ import torch
 
 from kestrel.errors import InvalidInputError
 from kestrel.runtime.cuda_graphs import DecodeGraphs
-from kestrel.runtime.runner import MoondreamRunner
+from kestrel.runtime.runner import BatchExecutor
 from kestrel.runtime.sequence import PENDING
 from kestrel.skills.base import Draw
 from kestrel_kernels.counting import LaunchCounter, active_counter
@@ -160,7 +160,7 @@ def test_a_wrong_guess_is_rolled_back_and_recomputed(make_runtime, model, static
             model, rt.kv, rt.page_table.page_table, max_batch_size=8, backend="torch",
             capture=False,
         )  # fmt: skip
-    runner = MoondreamRunner(rt, lookahead=True)
+    runner = BatchExecutor(rt, lookahead=True)
     ref = [plain.start_sequence(p, max_new_tokens=6) for p in prompts]
     got = [rt.start_sequence(p, max_new_tokens=6) for p in prompts]
     for s, _ in got:

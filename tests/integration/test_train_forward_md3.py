@@ -1,4 +1,4 @@
-"""The LoRA training forward (``reference/train_forward.py``) on Moondream 3 (md3-tiny-a: tau in
+"""The LoRA training forward (``tiny/train_forward.py``) on Moondream 3 (md3-tiny-a: tau in
 every layer, MoE layers 1-2): a packed row (BOS + image + two question segments) gives the
 runtime's prefill logits for each segment, with and without an adapter (whose MoE-layer MLP
 pairs are ignored, as the runtime ignores them), and gradients flow through the experts."""
@@ -13,8 +13,8 @@ from PIL import Image
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.text import lm_head
 from kestrel.moondream.vision import normalize_pixels, overlap_crops
-from kestrel.reference import train_forward as tf
 from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tiny import train_forward as tf
 from kestrel.tokens import TextToken
 from tests.integration.test_adapters_md3 import CONFIG, IMAGE, MD3, random_adapter
 

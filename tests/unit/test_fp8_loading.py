@@ -18,7 +18,7 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import decode_coordinate
 from kestrel.moondream.text import layer_norm, linear
 from kestrel.moondream.weights import CheckpointError, load_config, load_state_dict
-from kestrel.reference.fp8_checkpoint import fp8_tensors, write_fp8_checkpoint
+from kestrel.testing.fp8_checkpoint import fp8_tensors, write_fp8_checkpoint
 from tests.unit.test_weights import FakeHub
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -1,4 +1,5 @@
-"""One test per lesson of lessons.md "Ownership and accounting": bugs other caches shipped."""
+"""One test per lesson of docs/lessons.md "Ownership and accounting": what shared prefix caches
+get wrong about who owns a page and how many pages are free."""
 
 from __future__ import annotations
 

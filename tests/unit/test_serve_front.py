@@ -97,7 +97,7 @@ def test_the_engine_face() -> None:
         "moondream2",
         ["fr"],
     )
-    assert door.max_batch_size == 4 and not door.closed and not hasattr(door, "asegment")
+    assert door.max_batch_size == 4 and not door.closed and not door.supports_segment
 
 
 def test_results_pass_and_engine_errors_are_raised_again() -> None:

@@ -10,7 +10,8 @@ from kestrel.moondream import MoondreamModel, MoondreamTokenizer, load_adapter
 from kestrel.moondream.text import lm_head
 from kestrel.moondream.vision import normalize_pixels, overlap_crops
 from kestrel.reference.eager import EagerMoondream
-from kestrel.reference.train_forward import (
+from kestrel.tiny import MODEL_DIR, synthetic
+from kestrel.tiny.train_forward import (
     NO_TARGET,
     Segment,
     dense_text_forward,
@@ -18,7 +19,6 @@ from kestrel.reference.train_forward import (
     image_embeddings,
     pack,
 )
-from kestrel.tiny import MODEL_DIR, synthetic
 from kestrel.tokens import TextToken
 
 TINY = MODEL_DIR

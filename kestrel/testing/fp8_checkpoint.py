@@ -7,7 +7,7 @@ and ``moe_quant.down_scale`` [E, dim], everything else unquantised. Scales here 
 absmax / 448 per row (``moondream.fp8.quantize_rows``); the releases refine theirs further, which
 changes the values, not the format, so a plain absmax file is enough to exercise a loader.
 
-    python -m kestrel.reference.fp8_checkpoint SRC OUT [--pt] [--shards N] [--fused-tau]
+    python -m kestrel.testing.fp8_checkpoint SRC OUT [--pt] [--shards N] [--fused-tau]
         [--region-ln] [--dtype bfloat16]
 
 ``--pt`` writes ``model_fp8.pt`` (a ``torch.save`` dict, experts as uint8 bytes as a pickle

@@ -1,0 +1,169 @@
+"""The Engine's request desk: a public call's input checked and drafted on the caller's thread
+(:class:`Drafter`), then handed to the scheduler thread and answered: a result, a future, or a
+stream (:class:`Submitter`).
+
+Everything each needs comes in through its constructor. The Drafter: the request factory
+(skills, prompts, budgets), the adapter registry, the reply memory of conversations, the Engine's
+image decoder and whether the engine is closed. The Submitter: the scheduler loop and the crop
+pool. The Engine's call methods and its asyncio twins are thin faces over the two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kestrel.engine.adapters import AdapterRegistry
+from kestrel.engine.chat import parse_messages
+from kestrel.engine.replies import ReplyMemory
+from kestrel.engine.requests import Draft, RequestFactory, salted
+from kestrel.engine.streams import AsyncTextStream, TextStream
+from kestrel.errors import EngineClosedError
+from kestrel.images import PreparedImage
+from kestrel.runtime.crop_pool import CropPool
+from kestrel.scheduler import Request
+from kestrel.scheduler.loop import SchedulerLoop
+
+__all__ = ["Drafter", "Submitter"]
+
+
+def _images(image: PreparedImage | tuple[PreparedImage, ...] | None) -> tuple[PreparedImage, ...]:
+    """A draft's images: none, one, or a conversation's tuple."""
+    if image is None:
+        return ()
+    return image if isinstance(image, tuple) else (image,)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Drafter:
+    """Drafts (validated requests) from a call's arguments, on the caller's thread: ``prepare``
+    decodes an image, ``closed`` says whether the engine is closed."""
+
+    factory: RequestFactory
+    adapters: AdapterRegistry
+    replies: ReplyMemory
+    prepare: Callable[[object], PreparedImage]
+    closed: Callable[[], bool]
+
+    # ------------------------------------------------------------------ drafts
+    def query(self, image, question, settings, adapter, cache_salt, reasoning, spatial_refs):
+        return self._draft(
+            self.factory.query, image, question, settings, adapter, cache_salt,
+            reasoning=reasoning, spatial_refs=spatial_refs,
+        )  # fmt: skip
+
+    def caption(self, image, length, settings, adapter, cache_salt) -> Draft:
+        return self._draft(self.factory.caption, image, length, settings, adapter, cache_salt)
+
+    def point(self, image, obj, settings, adapter, cache_salt) -> Draft:
+        return self._draft(self.factory.point, image, obj, settings, adapter, cache_salt)
+
+    def detect(self, image, obj, settings, adapter, cache_salt) -> Draft:
+        return self._draft(self.factory.detect, image, obj, settings, adapter, cache_salt)
+
+    def segment(self, image, obj, settings, adapter, cache_salt, spatial_refs) -> Draft:
+        return self._draft(
+            self.factory.segment, image, obj, settings, adapter, cache_salt,
+            spatial_refs=spatial_refs,
+        )  # fmt: skip
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        settings: object,
+        adapter: str | None,
+        cache_salt: object,
+        reasoning: bool,
+    ) -> Draft:
+        self.check_open()
+        conversation = parse_messages(messages, self.prepare)
+        lora = self.adapters.get(adapter)
+        first = conversation.image
+        # the cache namespace's identity: replies are replayed only where they were retained
+        key = (getattr(lora, "lora_id", None), cache_salt, first.digest if first else None)
+        placed = conversation.placed(self.factory.config.image_tokens)
+        turns = self.replies.replay(key, placed)
+        images = tuple(image for _, image in conversation.images) or None
+        draft = self.factory.chat(turns, images, settings, lora, reasoning=reasoning)
+        draft = replace(draft, build_result=self.replies.recording(key, draft.build_result))
+        return salted(draft, cache_salt)
+
+    def _draft(
+        self,
+        make: Callable[..., Draft],
+        image: object,
+        subject: object,
+        settings: object,
+        adapter: str | None,
+        cache_salt: object,
+        **options: Any,
+    ) -> Draft:
+        """Validate, decode and tokenize on the caller's thread: ``make`` is the factory's
+        builder for the skill, ``subject`` its text (a question, a length, an object)."""
+        self.check_open()
+        lora = self.adapters.get(adapter)
+        prepared = None if image is None else self.prepare(image)
+        return salted(make(prepared, subject, settings, lora, **options), cache_salt)
+
+    def check_open(self) -> None:
+        if self.closed():
+            raise EngineClosedError("the engine is closed")
+
+
+class Submitter:
+    """Hands drafts to the scheduler loop, with their images' crops started in the pool."""
+
+    def __init__(self, loop: SchedulerLoop, crops: CropPool) -> None:
+        self.loop = loop
+        self.crops = crops
+        self._ids = itertools.count(1)
+
+    def submit(self, draft: Draft, on_text: Callable[[Any], None] | None = None) -> Future:
+        """Queue ``draft``; the future gives its result. ``on_text`` gets the streamed deltas
+        (shaped by the draft's ``deltas``, when it has one)."""
+        future: Future = Future()
+        if on_text is not None and draft.deltas is not None:
+            on_text = draft.deltas(on_text)
+        request = Request(
+            request_id=next(self._ids),
+            skill=draft.skill,
+            image=draft.image,
+            adapter=draft.adapter,
+            cache_salt=draft.cache_salt,
+            prompt_positions=draft.prompt_positions,
+            max_new_tokens=draft.max_new_tokens,
+            future=future,
+            build_result=draft.build_result,
+            submitted_at=time.perf_counter(),
+            on_text=on_text,
+        )
+        # The image's crops start now, off the scheduler thread, and are let go when it ends.
+        hold = self.crops.hold(_images(draft.image), skip_recent=True)
+        future.add_done_callback(hold.release)
+        try:
+            self.loop.submit(request)
+        except BaseException:
+            hold.release()
+            raise
+        return future
+
+    def call(self, draft: Draft, stream: bool) -> Any:
+        """A blocking call's answer: the result, or with ``stream`` a TextStream of deltas."""
+        if stream:
+            return self._stream(draft, TextStream())
+        return self.submit(draft).result()
+
+    async def wait(self, draft: Draft, stream: bool) -> Any:
+        """An awaited call's answer: the result, or with ``stream`` an AsyncTextStream."""
+        if stream:
+            return self._stream(draft, AsyncTextStream(asyncio.get_running_loop()))
+        return await asyncio.wrap_future(self.submit(draft))
+
+    def _stream(self, draft: Draft, stream: TextStream | AsyncTextStream):
+        stream.attach(self.submit(draft, on_text=stream.push))
+        return stream
