@@ -64,6 +64,9 @@ class Engine(AsyncTwins, ChatCalls):
     reason where inductor cannot compile for the device.
     ``lookahead``: queue each decode step before the previous one's tokens are read (the device
     never waits on the host; docs/kernels.md); None (default) turns it on for CUDA only.
+    ``embedding_cache_mb``: the budget of the image-embedding tier, which keeps each image's
+    vision-encoder output past its KV so an image seen before is never encoded again (None:
+    sized from the KV pool, see docs/prefix_cache.md; 0: off).
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -86,6 +89,7 @@ class Engine(AsyncTwins, ChatCalls):
         kv_dtype: str | None = None,
         compile: bool = False,
         lookahead: bool | None = None,
+        embedding_cache_mb: float | None = None,
     ) -> None:
         if lookahead is not None and not isinstance(lookahead, bool):
             raise InvalidInputError(f"lookahead must be True, False or None, got {lookahead!r}")
@@ -101,6 +105,7 @@ class Engine(AsyncTwins, ChatCalls):
             moe_weights=moe_weights,
             kv_dtype=kv_dtype,
             compile=compile,
+            embedding_cache_mb=embedding_cache_mb,
         )
         self.config = self.runtime.config
         self.max_batch_size = max_batch_size
@@ -259,8 +264,11 @@ class Engine(AsyncTwins, ChatCalls):
             submitted_at=time.perf_counter(),
             on_text=on_text,
         )
-        # The image's crops start now, off the scheduler thread, and are let go when it ends.
-        hold = self.runtime.crops.hold(_images(draft.image), skip_recent=True)
+        # The image's crops start now, off the scheduler thread, and are let go when it ends;
+        # none for an image whose embedding is cached (its prefill needs no crops).
+        embeddings, salt = self.runtime.embeddings, draft.cache_salt
+        images = [im for im in _images(draft.image) if not embeddings.cached(im, salt)]
+        hold = self.runtime.crops.hold(images, skip_recent=True)
         future.add_done_callback(hold.release)
         try:
             self._loop.submit(request)
@@ -365,6 +373,8 @@ class Engine(AsyncTwins, ChatCalls):
             prefill_tokens_saved=c.cached_tokens,
             vision_encodes_skipped=s.counters.vision_skipped,
             **self._runner.pages(),
+            vision_encodes=c.encoder_runs,
+            **self.runtime.embeddings.stats_fields(),
         )
 
     def _on_scheduler(self, fn: Callable[[], Any]) -> Any:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from kestrel.embedding_cache import MIB, BudgetError, budget_bytes, host_memory_bytes
 from kestrel.errors import InvalidInputError, ModelLoadError
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
@@ -57,6 +58,24 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise InvalidInputError(
         f"unknown dtype {dtype!r}; use a torch.dtype or one of float32, bfloat16, float16"
     )
+
+
+def device_memory_bytes(dev: torch.device) -> int | None:
+    """The memory a tier on ``dev`` would live in: the GPU's, or the host's."""
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+    return host_memory_bytes()
+
+
+def embedding_budget(value: object, dev: torch.device) -> int | None:
+    """``embedding_cache_mb`` (None: the default, sized from the KV pool) in bytes, checked."""
+    if value is None:
+        return None
+    try:
+        return budget_bytes(value, name="embedding_cache_mb", unit=MIB,
+                            limit=device_memory_bytes(dev))  # fmt: skip
+    except BudgetError as exc:
+        raise InvalidInputError(str(exc)) from exc
 
 
 def _model_source(model: str | Path | None) -> str | Path:
@@ -112,13 +131,17 @@ def load_runtime(
     moe_weights: str | None = None,
     kv_dtype: str | None = None,
     compile: bool = False,
+    embedding_cache_mb: float | None = None,
 ) -> tuple[MoondreamRuntime, str]:
     """Load the checkpoint and build its runtime; returns (runtime, where it came from).
 
     ``compile``: run decode through ``torch.compile`` (``kestrel.runtime.compiled``); refused
-    up front, with the reason, where inductor cannot compile for the device."""
+    up front, with the reason, where inductor cannot compile for the device.
+    ``embedding_cache_mb``: the image-embedding tier's budget (None: sized from the KV pool;
+    0: off)."""
     source = _model_source(model)
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    embedding_bytes = embedding_budget(embedding_cache_mb, dev)
     if not isinstance(compile, bool):
         raise InvalidInputError(f"compile must be True or False, got {compile!r}")
     if compile:
@@ -153,6 +176,7 @@ def load_runtime(
             attention_backend=attention_backend,
             retain_decoded=retain_decoded,
             compile=compile,
+            embedding_cache_bytes=embedding_bytes,
         )
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model {str(source)!r}: {exc}") from exc
