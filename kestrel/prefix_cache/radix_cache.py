@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     from kestrel.kv.page_table import PageTable
     from kestrel.tokens import CacheToken
 
+    from .host_tier import HostKVTier
+
 __all__ = ["CacheStats", "InsertResult", "MatchResult", "RadixPrefixCache", "TreeNode"]
 
 
@@ -72,6 +74,8 @@ class RadixPrefixCache(BasePrefixCache):
         self._reclaimable = 0
         self._node_count = 0
         self._evicted_pages = 0
+        # Optional second tier: evicted leaves' KV kept in host memory (host_tier.py).
+        self.host: HostKVTier | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -312,6 +316,9 @@ class RadixPrefixCache(BasePrefixCache):
                 if victim is None:
                     break
             chunks.append(victim.physical_pages)
+            if self.host is not None:  # its KV copied out before the pages are reused
+                self.host.spill(_start_of(victim), victim.tokens, victim.keys,
+                                victim.physical_pages)  # fmt: skip
             freed += self._evict_leaf(victim)
         if chunks:
             self.page_table.evict_pages(chunks)
@@ -370,6 +377,16 @@ class RadixPrefixCache(BasePrefixCache):
         while node.parent is not None:
             node.last_access_time = now
             node = node.parent
+
+
+def _start_of(node: TreeNode) -> tuple:
+    """Where ``node`` starts: ``(namespace key, token keys of every node above it)``."""
+    parts = []
+    up = node.parent
+    while up.parent is not None:
+        parts.append(up.keys)
+        up = up.parent
+    return up.namespace.key, tuple(k for keys in reversed(parts) for k in keys)
 
 
 def _overlap(child: TreeNode, tokens: Sequence[CacheToken], i: int) -> tuple[int, int]:

@@ -60,6 +60,7 @@ from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
 from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
 from kestrel.runtime.decode_steps import DecodeSteps
 from kestrel.runtime.embeddings import EmbeddingBatch, embedding_tier
+from kestrel.runtime.host_kv import host_kv_tier
 from kestrel.runtime.prefill import prefill_batch, prefill_item
 from kestrel.runtime.sequence import (
     PromptToken,
@@ -101,7 +102,8 @@ class MoondreamRuntime(DecodeSteps):
     case runs the torch attention reference, so decode steps are not graph-captured).
     ``compile``: decode and prefill through ``torch.compile`` (``compiled.py``; opt-in).
     ``embedding_cache_bytes``: the image-embedding tier's budget (``embeddings.py``; None:
-    sized from the KV pool, 0: off; on CUDA an auto-sized pool gives those bytes up). The
+    sized from the KV pool, 0: off; on CUDA an auto-sized pool gives those bytes up).
+    ``host_kv_bytes``: pinned host memory for KV pages the cache evicts (CUDA; 0: off). The
     decode steps (a known token, or a look-ahead id on the device) are in ``decode_steps.py``.
     """
 
@@ -120,6 +122,7 @@ class MoondreamRuntime(DecodeSteps):
         kv_scales: Sequence[KvScales] | None = None,
         compile: bool = False,
         embedding_cache_bytes: int | None = None,
+        host_kv_bytes: int = 0,
     ) -> None:
         self.model = model
         self.retain_decoded = retain_decoded
@@ -163,6 +166,8 @@ class MoondreamRuntime(DecodeSteps):
             kv_scales=kv_scales,
         )
         self.prefix_cache = RadixPrefixCache(self.page_table)
+        if host_kv_bytes:  # evicted KV kept in pinned host memory (CUDA; host_kv.py)
+            self.prefix_cache.host = host_kv_tier(self.kv, host_kv_bytes)
         # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
         images = (kv_cache_pages - 1) // self.config.image_tokens if enable_prefix_cache else 0
         cuda = self.device.type == "cuda"  # uint8 crops in pinned memory, normalized there
@@ -249,6 +254,7 @@ class MoondreamRuntime(DecodeSteps):
             cache_tokens=cache_tokens,
             prompt=tuple(tokens),
             images=images,
+            host_pages=lease.restored,
         )
 
     def prefill_sequence(self, state: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,6 +353,8 @@ class MoondreamRuntime(DecodeSteps):
         """Cache + page-table invariants, plus one lock per running sequence."""
         self.prefix_cache.check_integrity()
         self.embeddings.check_integrity()
+        if self.prefix_cache.host is not None:
+            self.prefix_cache.host.check_integrity()
         for s in self._active.values():
             s.check_running(self.page_table.capacity(s.batch_idx), self.enable_prefix_cache)
 

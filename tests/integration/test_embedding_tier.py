@@ -144,3 +144,20 @@ def test_engine_refuses_hostile_budgets(bad):
 
     with pytest.raises(InvalidInputError, match="embedding_cache_mb"):
         Engine(device="cpu", embedding_cache_mb=bad)
+
+
+def test_engine_host_kv_tier_is_refused_on_cpu_with_the_reason():
+    from kestrel import Engine
+
+    with pytest.raises(InvalidInputError, match="already lives in host memory"):
+        Engine(device="cpu", host_kv_gb=1)
+    for bad in (-1, "x", True, 10**9):
+        with pytest.raises(InvalidInputError, match="host_kv_gb"):
+            Engine(device="cpu", host_kv_gb=bad)
+
+
+def test_engine_host_kv_zero_is_off(make_engine):
+    engine = make_engine(host_kv_gb=0)
+    assert engine.runtime.prefix_cache.host is None
+    s = engine.stats()
+    assert (s.host_kv_hits, s.host_kv_bytes, s.host_kv_budget_bytes) == (0, 0, 0)
