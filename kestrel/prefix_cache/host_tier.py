@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from typing import Any, Protocol
 import numpy as np
 
 __all__ = ["HostEntry", "HostKVTier", "HostState", "HostTierStats", "KVMover"]
+
+log = logging.getLogger("kestrel.prefix_cache")
 
 
 class KVMover(Protocol):
@@ -104,6 +107,7 @@ class HostKVTier:
         self.budget, self.mover = budget, mover
         self._index: dict[tuple, dict[tuple, HostEntry]] = {}
         self._lru: OrderedDict[int, HostEntry] = OrderedDict()  # every entry held, oldest first
+        self._in_flight: list[HostEntry] = []  # SPILLING and COPYING_IN entries
         self._seq = itertools.count()
         self._bytes = 0
         self._spills = self._spilled = self._hits = self._restored = 0
@@ -124,11 +128,17 @@ class HostKVTier:
         if not self._make_room(nbytes):
             self._refused += 1
             return False
-        buffer, event = self.mover.copy_out(pages)
+        try:
+            buffer, event = self.mover.copy_out(pages)
+        except Exception as exc:  # (pinned memory exhausted...) the eviction goes on without
+            log.warning("host KV tier: spill of %d pages failed: %s", n, exc)
+            self._refused += 1
+            return False
         entry = HostEntry(start, tuple(tokens), keys, n, nbytes, buffer, event,
                           HostState.SPILLING, next(self._seq))  # fmt: skip
         self._index.setdefault(start, {})[keys[0]] = entry
         self._lru[entry.seq] = entry
+        self._in_flight.append(entry)
         self._bytes += nbytes
         self._spills += 1
         self._spilled += n
@@ -182,6 +192,8 @@ class HostKVTier:
         self._unindex(entry)
         entry.state = HostState.COPYING_IN
         entry.event = self.mover.copy_in(entry.buffer, pages)
+        if entry not in self._in_flight:
+            self._in_flight.append(entry)
         self._lru.move_to_end(entry.seq)
         self._hits += 1
         self._restored += entry.n_pages
@@ -250,9 +262,10 @@ class HostKVTier:
     def poll(self) -> None:
         """Advance every entry whose copy has finished (SPILLING -> HOST, COPYING_IN ->
         freed)."""
-        done = self.mover.done
-        for entry in [e for e in self._lru.values() if e.state is not HostState.HOST]:
+        done, waiting = self.mover.done, []
+        for entry in self._in_flight:
             if not done(entry.event):
+                waiting.append(entry)
                 continue
             if entry.state is HostState.SPILLING:
                 entry.state, entry.event = HostState.HOST, None
@@ -260,12 +273,12 @@ class HostKVTier:
                 del self._lru[entry.seq]
                 self._bytes -= entry.nbytes
                 entry.buffer = entry.event = None
+        self._in_flight = waiting
 
     def drain(self) -> None:
         """Wait for every copy in flight, then ``poll``."""
-        for entry in self._lru.values():
-            if entry.state is not HostState.HOST:
-                self.mover.wait(entry.event)
+        for entry in self._in_flight:
+            self.mover.wait(entry.event)
         self.poll()
 
     # ------------------------------------------------------------------ figures
@@ -278,7 +291,7 @@ class HostKVTier:
             budget_bytes=self.budget,
             bytes=self._bytes,
             entries=sum(len(at) for at in self._index.values()),
-            in_flight=sum(e.state is not HostState.HOST for e in self._lru.values()),
+            in_flight=len(self._in_flight),
             spills=self._spills,
             spilled_pages=self._spilled,
             hits=self._hits,
@@ -301,6 +314,11 @@ class HostKVTier:
                 raise AssertionError(f"host entry {seq} ({e.state.value}) indexed={listed}")
             total += e.nbytes
             indexed += listed
+        busy = [e for e in self._lru.values() if e.state is not HostState.HOST]
+        if {id(e) for e in busy} != {id(e) for e in self._in_flight} or len(busy) != len(
+            self._in_flight
+        ):
+            raise AssertionError("the in-flight list is not the entries with copies queued")
         if indexed != sum(len(at) for at in self._index.values()):
             raise AssertionError("the host index lists entries the tier does not hold")
         if total != self._bytes or total > self.budget:

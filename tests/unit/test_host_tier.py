@@ -226,3 +226,17 @@ def test_a_cpu_runtime_refuses_the_tier():
 
     reason = host_kv_unavailable_reason("cpu")
     assert reason is not None and "CUDA" in reason
+
+
+def test_a_failed_spill_leaves_the_eviction_whole():
+    h = Harness(n_pages=26, budget_pages=64)
+    h.run(NS, A).release()
+
+    def broken(pages):
+        raise RuntimeError("pinned memory exhausted")
+
+    h.mover.copy_out = broken
+    h.run(OTHER, B).release()  # A is evicted all the same; nothing kept
+    assert h.tier.stats().refused >= 1 and h.tier.bytes == 0
+    assert NS.key not in h.cache.roots()
+    h.check()
