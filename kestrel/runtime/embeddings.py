@@ -15,7 +15,7 @@ weights. Adapters touch the text decoder only, so the key carries no adapter.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple
 
 import torch
@@ -24,6 +24,7 @@ from kestrel.embedding_cache import EmbeddingCache, EmbeddingKey, EmbeddingLease
 from kestrel.images import PreparedImage
 from kestrel.kv.storage import PagedKVCache
 from kestrel.moondream.model import MoondreamModel
+from kestrel.runtime.sequence import SequenceState
 
 __all__ = [
     "DEFAULT_IMAGES_PER_POOL_IMAGE",
@@ -198,6 +199,26 @@ class EmbeddingBatch:
             if self._tier.cache is not None:
                 self._tier.cache.insert(salt, self._tier.key(image), emb)
         return emb, False
+
+    def for_sequence(
+        self,
+        state: SequenceState,
+        computed: Sequence[bool],
+        encode: Callable[[PreparedImage], torch.Tensor],
+    ) -> list[torch.Tensor | None]:
+        """The embedding of each of ``state``'s images that its prefill computes (``computed``),
+        None for the others; counts the sequence's tier hits and encodes."""
+        out: list[torch.Tensor | None] = []
+        state.embedding_hits = state.image_encodes = 0  # a retried prefill counts afresh
+        for image, new in zip(state.images, computed, strict=True):
+            if not new:
+                out.append(None)
+                continue
+            emb, hit = self.get(state.namespace.salt, image, encode)
+            state.embedding_hits += hit
+            state.image_encodes += not hit
+            out.append(emb)
+        return out
 
     def close(self) -> None:
         leases, self._leases = self._leases, {}

@@ -16,8 +16,9 @@ steps:
    computed, into a private page, so a full-prompt hit still yields logits and never writes a
    shared page;
 2. ``prefill_sequence``: on a hit only the suffix, in one attention pass over cached + new KV
-   (the vision encoder is skipped); on a miss the vision encoder and the whole prompt; then
-   the logits of the last position;
+   (the vision encoder is skipped); on a miss the whole prompt, its image's embedding taken
+   from the image-embedding tier when it is there (``embeddings.py``: no crops, no encoder),
+   else from the vision encoder; then the logits of the last position;
 3. ``commit_sequence``: the lease inserts the prompt into the tree immediately, so the next
    request already hits it, and moves the lock to the inserted node;
    ``cache_owned_page_count = skip + inserted_pages``.
@@ -379,19 +380,9 @@ class MoondreamRuntime(DecodeSteps):
     def _encode_images(
         self, state: SequenceState, found: EmbeddingBatch
     ) -> list[torch.Tensor | None]:
-        """The embedding of each of the sequence's images that its prefill computes (from the
-        embedding tier, else the vision encoder); None for an image whose KV is cached."""
-        out: list[torch.Tensor | None] = []
-        state.embedding_hits = state.image_encodes = 0  # a retried prefill counts afresh
-        for image, new in zip(state.images, self._computed(state), strict=True):
-            if not new:
-                out.append(None)
-                continue
-            emb, hit = found.get(state.namespace.salt, image, self._encode_image)
-            state.embedding_hits += hit
-            state.image_encodes += not hit
-            out.append(emb)
-        return out
+        """Each of the sequence's images' embedding if its prefill computes it (the embedding
+        tier's, else the vision encoder's); None for an image whose KV is cached."""
+        return found.for_sequence(state, self._computed(state), self._encode_image)
 
     def _encode_image(self, image: PreparedImage) -> torch.Tensor:
         """Vision encoder: the prepared pixels' crops (made off this thread) -> [image_tokens,
