@@ -49,7 +49,7 @@ class PinnedKVMover:
         )
 
     def _index(self, pages: np.ndarray) -> torch.Tensor:
-        return upload(torch.from_numpy(np.asarray(pages, np.int64)), torch.int64, self.kv.device)
+        return upload(torch.from_numpy(np.array(pages, np.int64)), torch.int64, self.kv.device)
 
     def copy_out(self, pages: np.ndarray) -> tuple[torch.Tensor, Any]:
         kv, idx = self.kv, self._index(pages)
