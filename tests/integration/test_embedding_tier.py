@@ -161,3 +161,38 @@ def test_engine_host_kv_zero_is_off(make_engine):
     assert engine.runtime.prefix_cache.host is None
     s = engine.stats()
     assert (s.host_kv_hits, s.host_kv_bytes, s.host_kv_budget_bytes) == (0, 0, 0)
+
+
+def test_one_batched_prefill_mixes_tier_hits_and_encodes(make_runtime, model, images):
+    """A wave of three prompts: one image from the tier, the same image under another salt and
+    a third image encoded; logits equal a cache-off runtime's, no pin outlives the prefill."""
+    import torch
+
+    from tests.integration.test_runtime_cache import ATOL
+
+    cfg = model.config
+    pages = 3 * _pool_for_one_image(cfg) + 1
+    rt = make_runtime(kv_cache_pages=pages, embedding_cache_bytes=8 * MIB)
+    a, b, c, d = (prepare_image(images[n]) for n in sorted(images))
+    prompt = query_prompt(cfg, [302, 333, 272, 271])
+    _rounds(rt, cfg, [a], 1, salt="s1")
+    _rounds(rt, cfg, [b, c, d], 1)  # a/s1's KV is evicted, its embedding stays
+    runs = rt.counters.encoder_runs
+    wave = [(a, "s1"), (a, "s2"), (c, "s2")]
+    states = [rt.prepare_sequence(prompt, im, max_new_tokens=6, cache_salt=salt)
+              for im, salt in wave]  # fmt: skip
+    assert [s.reused_page_count for s in states] == [0, 0, 0]
+    _hidden, logits = rt.prefill_sequences(states)
+    assert rt.embeddings.cache.stats().pinned == 0
+    for s, h in zip(states, _hidden, strict=True):
+        rt.commit_sequence(s, h)
+    assert [s.cache_tier for s in states] == ["embedding", "none", "none"]
+    assert rt.counters.encoder_runs - runs == 2
+    off = make_runtime(enable_prefix_cache=False)
+    for (im, _), lg in zip(wave, logits, strict=True):
+        s_off, lg_off = off.start_sequence(prompt, im, max_new_tokens=6)
+        torch.testing.assert_close(lg, lg_off, atol=ATOL, rtol=ATOL)
+        off.release_sequence(s_off)
+    for s in states:
+        rt.release_sequence(s)
+    rt.check_integrity()
