@@ -140,7 +140,7 @@ class EngineStats:
     embedding_budget_bytes: int = 0
     embedding_entries: int = 0
     embedding_evictions: int = 0
-    # the host KV tier (CUDA only; 0 when off): matches served by copying pages back, bytes held
+    # the host KV tier (CUDA only; 0 when off): evicted nodes copied back on a match, bytes held
     host_kv_hits: int = 0
     host_kv_bytes: int = 0
     host_kv_budget_bytes: int = 0

@@ -103,7 +103,7 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
         value=s.embedding_entries,
     )  # fmt: skip
     yield CounterMetricFamily(
-        "kestrel_host_kv_hits", "matches served by copying KV back from host memory",
+        "kestrel_host_kv_hits", "evicted nodes whose KV was copied back from host memory",
         value=s.host_kv_hits,
     )  # fmt: skip
 
