@@ -38,7 +38,7 @@ __all__ = [
 
 # Default budget: the embeddings of four times as many images as the KV pool holds, at most a
 # quarter of the pool's bytes. A Moondream 2 image's embedding is ~1/47 of its KV (3 MB against
-# 143 MB in bf16), so that is ~8.5% of the pool there; small models hit the cap.
+# 143 MB in bf16), so that is ~8% of the pool there; small models hit the cap.
 DEFAULT_IMAGES_PER_POOL_IMAGE = 4
 MAX_DEFAULT_FRACTION = 1 / 4
 _SAMPLE = 256  # elements taken from each end of a weight for the fingerprint
