@@ -26,7 +26,11 @@ __all__ = [
 @dataclass(frozen=True, slots=True)
 class RequestMetrics:
     """What one request cost. ``input_tokens`` counts KV positions of the prompt (the image
-    block included); ``cached_tokens`` of them were reused from the prefix cache."""
+    block included); ``cached_tokens`` of them were reused from the prefix cache.
+    ``cache_tier`` says which tier served the prompt: ``"kv"`` (its image KV, or any prefix of
+    a text prompt, was in the prefix cache), ``"host"`` (the same, partly copied back from
+    host memory), ``"embedding"`` (the image's KV was computed from a cached embedding,
+    without the vision encoder) or ``"none"``."""
 
     input_tokens: int
     cached_tokens: int
@@ -35,6 +39,7 @@ class RequestMetrics:
     prefill_ms: float  # the prefill's own compute
     decode_ms: float  # first token -> finished
     queue_ms: float  # submit -> admitted by the scheduler
+    cache_tier: str = "none"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,6 +145,18 @@ class EngineStats:
     pages_evictable: int
     evictions: int  # pages evicted from the cache since start
     namespaces: int
+    # the image-embedding tier (0 everywhere when it is off) and the vision encoder's runs
+    vision_encodes: int = 0
+    embedding_hits: int = 0
+    embedding_misses: int = 0
+    embedding_bytes: int = 0
+    embedding_budget_bytes: int = 0
+    embedding_entries: int = 0
+    embedding_evictions: int = 0
+    # the host KV tier (CUDA only; 0 when off): evicted nodes copied back on a match, bytes held
+    host_kv_hits: int = 0
+    host_kv_bytes: int = 0
+    host_kv_budget_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

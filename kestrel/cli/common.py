@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,6 +82,16 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--keep-exif-orientation", action="store_true",
         help="read images in their stored orientation instead of turning them upright by their "
         "EXIF orientation tag (coordinates then refer to the stored pixels)",
+    )  # fmt: skip
+    group.add_argument(
+        "--embedding-cache-mb", type=budget_number, default=None, metavar="MB",
+        help="budget of the image-embedding tier, which keeps what the vision encoder made for "
+        "an image after its KV is evicted (default: sized from the KV pool; 0: off)",
+    )  # fmt: skip
+    group.add_argument(
+        "--host-kv-gb", type=budget_number, default=None, metavar="GB",
+        help="CUDA only: keep KV pages the prefix cache evicts in this much pinned host memory "
+        "and copy them back on a later match (default and 0: off)",
     )  # fmt: skip
 
 
@@ -183,7 +194,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "lookahead": False if args.no_lookahead else None,
         "exif_orientation": not args.keep_exif_orientation,
-    }
+        **({"embedding_cache_mb": args.embedding_cache_mb}
+           if args.embedding_cache_mb is not None else {}),
+        **({"host_kv_gb": args.host_kv_gb} if args.host_kv_gb is not None else {}),
+    }  # fmt: skip
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
@@ -244,6 +258,17 @@ def _jsonable(value: Any) -> Any:
 
 def print_json(obj: Any) -> None:
     print(json.dumps(obj, ensure_ascii=False))
+
+
+def budget_number(text: str) -> float:
+    """A cache budget: a finite number >= 0 (0 turns the tier off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:

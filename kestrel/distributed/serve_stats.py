@@ -18,7 +18,8 @@ from .ring import RouterSnapshot
 
 __all__ = ["ClusterStats", "ReplicaCollector", "ReplicaStats", "cluster_stats"]
 
-_SUMMED = [f.name for f in fields(EngineStats) if f.name != "hit_rate"]
+# hit_rate is recomputed, vision_encodes summed from the replicas' own counters below
+_SUMMED = [f.name for f in fields(EngineStats) if f.name not in ("hit_rate", "vision_encodes")]
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from kestrel.engine.streams import AsyncTextStream, TextStream
 from kestrel.errors import EngineClosedError
 from kestrel.images import PreparedImage
 from kestrel.runtime.crop_pool import CropPool
+from kestrel.runtime.embeddings import ImageEmbeddings
 from kestrel.scheduler import Request
 from kestrel.scheduler.loop import SchedulerLoop
 
@@ -116,11 +117,13 @@ class Drafter:
 
 
 class Submitter:
-    """Hands drafts to the scheduler loop, with their images' crops started in the pool."""
+    """Hands drafts to the scheduler loop, with their images' crops started in the pool
+    (except an image whose embedding the tier holds: its prefill needs no crops)."""
 
-    def __init__(self, loop: SchedulerLoop, crops: CropPool) -> None:
+    def __init__(self, loop: SchedulerLoop, crops: CropPool, embeddings: ImageEmbeddings) -> None:
         self.loop = loop
         self.crops = crops
+        self.embeddings = embeddings
         self._ids = itertools.count(1)
 
     def submit(self, draft: Draft, on_text: Callable[[Any], None] | None = None) -> Future:
@@ -142,8 +145,11 @@ class Submitter:
             submitted_at=time.perf_counter(),
             on_text=on_text,
         )
-        # The image's crops start now, off the scheduler thread, and are let go when it ends.
-        hold = self.crops.hold(_images(draft.image), skip_recent=True)
+        # The image's crops start now, off the scheduler thread, and are let go when it ends;
+        # none for an image whose embedding is cached (its prefill needs no crops).
+        salt = draft.cache_salt
+        images = [im for im in _images(draft.image) if not self.embeddings.cached(im, salt)]
+        hold = self.crops.hold(images, skip_recent=True)
         future.add_done_callback(hold.release)
         try:
             self.loop.submit(request)

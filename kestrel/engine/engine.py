@@ -53,6 +53,12 @@ class Engine(BlockingCalls, AsyncTwins):
     reason where inductor cannot compile for the device.
     ``lookahead``: queue each decode step before the previous one's tokens are read (the device
     never waits on the host; docs/kernels.md); None (default) turns it on for CUDA only.
+    ``embedding_cache_mb``: the budget of the image-embedding tier, which keeps each image's
+    vision-encoder output past its KV so an image seen before is never encoded again (None:
+    sized from the KV pool, see docs/prefix_cache.md; 0: off). ``host_kv_gb`` (CUDA only):
+    pinned host memory that keeps the KV pages the prefix cache evicts, copied back when a
+    later request matches through them (None or 0: off; refused on a CPU device, whose KV
+    pool already is host memory).
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -75,6 +81,8 @@ class Engine(BlockingCalls, AsyncTwins):
         kv_dtype: str | None = None,
         compile: bool = False,
         lookahead: bool | None = None,
+        embedding_cache_mb: float | None = None,
+        host_kv_gb: float | None = None,
     ) -> None:
         if lookahead is not None and not isinstance(lookahead, bool):
             raise InvalidInputError(f"lookahead must be True, False or None, got {lookahead!r}")
@@ -90,6 +98,8 @@ class Engine(BlockingCalls, AsyncTwins):
             moe_weights=moe_weights,
             kv_dtype=kv_dtype,
             compile=compile,
+            embedding_cache_mb=embedding_cache_mb,
+            host_kv_gb=host_kv_gb,
         )
         self.config = self.runtime.config
         self.max_batch_size = max_batch_size
@@ -105,7 +115,7 @@ class Engine(BlockingCalls, AsyncTwins):
         self._drafts = Drafter(
             self._factory, self._adapters, self._replies, self.prepare_image, lambda: self.closed
         )
-        self._requests = Submitter(self._loop, self.runtime.crops)
+        self._requests = Submitter(self._loop, self.runtime.crops, self.runtime.embeddings)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Engine:
@@ -171,7 +181,19 @@ class Engine(BlockingCalls, AsyncTwins):
             prefill_tokens_saved=c.cached_tokens,
             vision_encodes_skipped=s.counters.vision_skipped,
             **self._runner.pages(),
+            vision_encodes=c.encoder_runs,
+            **self.runtime.embeddings.stats_fields(),
+            **self._host_kv_fields(),
         )
+
+    def _host_kv_fields(self) -> dict[str, int]:
+        host = self.runtime.prefix_cache.host
+        if host is None:
+            return {}
+        host.poll()  # (scheduler thread) entries whose copies finished
+        s = host.stats()
+        return {"host_kv_hits": s.hits, "host_kv_bytes": s.bytes,
+                "host_kv_budget_bytes": s.budget_bytes}  # fmt: skip
 
     def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
         return self._loop.call(fn)

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 
+from kestrel.embedding_cache import GIB, MIB, BudgetError, budget_bytes, host_memory_bytes
 from kestrel.errors import InvalidInputError, ModelLoadError
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.weights import MOE_WEIGHT_MODES, load_kv_scales, resolve_checkpoint
 from kestrel.runtime.compiled import compile_unavailable_reason
+from kestrel.runtime.host_kv import host_kv_unavailable_reason
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tiny import MODEL_DIR
 from kestrel_kernels.contract import KvScales
@@ -57,6 +59,38 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise InvalidInputError(
         f"unknown dtype {dtype!r}; use a torch.dtype or one of float32, bfloat16, float16"
     )
+
+
+def device_memory_bytes(dev: torch.device) -> int | None:
+    """The memory a tier on ``dev`` would live in: the GPU's, or the host's."""
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+    return host_memory_bytes()
+
+
+def embedding_budget(value: object, dev: torch.device) -> int | None:
+    """``embedding_cache_mb`` (None: the default, sized from the KV pool) in bytes, checked."""
+    if value is None:
+        return None
+    try:
+        return budget_bytes(value, name="embedding_cache_mb", unit=MIB,
+                            limit=device_memory_bytes(dev))  # fmt: skip
+    except BudgetError as exc:
+        raise InvalidInputError(str(exc)) from exc
+
+
+def host_kv_budget(value: object, dev: torch.device) -> int:
+    """``host_kv_gb`` (None or 0: off) in bytes of host memory, checked; refused off CUDA."""
+    if value is None:
+        return 0
+    try:
+        size = budget_bytes(value, name="host_kv_gb", unit=GIB, limit=host_memory_bytes())
+    except BudgetError as exc:
+        raise InvalidInputError(str(exc)) from exc
+    reason = host_kv_unavailable_reason(dev) if size else None
+    if reason is not None:
+        raise InvalidInputError(f"host_kv_gb={value!r}: {reason}")
+    return size
 
 
 def _model_source(model: str | Path | None) -> str | Path:
@@ -112,13 +146,19 @@ def load_runtime(
     moe_weights: str | None = None,
     kv_dtype: str | None = None,
     compile: bool = False,
+    embedding_cache_mb: float | None = None,
+    host_kv_gb: float | None = None,
 ) -> tuple[MoondreamRuntime, str]:
     """Load the checkpoint and build its runtime; returns (runtime, where it came from).
 
     ``compile``: run decode through ``torch.compile`` (``kestrel.runtime.compiled``); refused
-    up front, with the reason, where inductor cannot compile for the device."""
+    up front, with the reason, where inductor cannot compile for the device.
+    ``embedding_cache_mb``: the image-embedding tier's budget (None: sized from the KV pool;
+    0: off); ``host_kv_gb``: pinned host memory for evicted KV pages (CUDA; None or 0: off)."""
     source = _model_source(model)
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    embedding_bytes = embedding_budget(embedding_cache_mb, dev)
+    host_bytes = host_kv_budget(host_kv_gb, dev)
     if not isinstance(compile, bool):
         raise InvalidInputError(f"compile must be True or False, got {compile!r}")
     if compile:
@@ -153,6 +193,8 @@ def load_runtime(
             attention_backend=attention_backend,
             retain_decoded=retain_decoded,
             compile=compile,
+            embedding_cache_bytes=embedding_bytes,
+            host_kv_bytes=host_bytes,
         )
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model {str(source)!r}: {exc}") from exc

@@ -77,6 +77,7 @@ class CacheLease:
         "page_table",
         "phase",
         "prompt_length",
+        "restored",
         "retained",
         "row",
         "skip",
@@ -110,6 +111,7 @@ class CacheLease:
         self.cache_owned = 0
         self.inserted: int | None = None
         self.retained = 0
+        self.restored = 0  # matched pages copied back from the host tier by this lease
         self.locks: list[TreeNode] = []
         self.phase = LeasePhase.PREPARED
 
@@ -139,7 +141,13 @@ class CacheLease:
 
     def _acquire(self, min_hit: int) -> None:
         pt, cache = self.page_table, self.cache
+        held = None
         if cache is not None:
+            host = getattr(cache, "host", None)
+            if host is not None:  # copy back what the host tier holds past the device match
+                held, self.restored = host.restore(cache, self.tokens, self.namespace)
+                if held is not None:
+                    self.locks.append(held)
             self.match = cache.match_prefix(self.tokens, self.namespace)
         m = self.match
         self.row = pt.allocate()
@@ -156,6 +164,9 @@ class CacheLease:
             self.skip = self.cache_owned = skip  # mapped cache pages: erase must keep them
             cache.lock(m.last_node)
             self.locks.append(m.last_node)
+        if held is not None:  # the restore's lock, now covered by the match's
+            cache.unlock(held)
+            self.locks.remove(held)
         pt.reserve(self.row, self.max_length)
 
     @property

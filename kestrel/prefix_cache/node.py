@@ -34,6 +34,7 @@ __all__ = [
     "frozen_pages",
     "key_of",
     "miss",
+    "start_of",
     "token_keys",
     "token_kv_length",
 ]
@@ -201,3 +202,13 @@ class CacheStats:
     locked_pages: int
     evicted_pages: int = 0  # cumulative since the cache was made
     queued_entries: int = 0  # eviction-heap entries, stale ones included (bounded by compaction)
+
+
+def start_of(node: TreeNode) -> tuple:
+    """Where ``node`` starts: ``(namespace key, token keys of every node above it)``."""
+    parts = []
+    up = node.parent
+    while up.parent is not None:
+        parts.append(up.keys)
+        up = up.parent
+    return up.namespace.key, tuple(k for keys in reversed(parts) for k in keys)

@@ -40,6 +40,7 @@ from .node import (
     frozen_pages,
     key_of,
     miss,
+    start_of,
     token_kv_length,
 )
 
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 
     from kestrel.kv.page_table import PageTable
     from kestrel.tokens import CacheToken
+
+    from .host_tier import HostKVTier
 
 __all__ = ["CacheStats", "InsertResult", "MatchResult", "RadixPrefixCache", "TreeNode"]
 
@@ -72,6 +75,8 @@ class RadixPrefixCache(BasePrefixCache):
         self._reclaimable = 0
         self._node_count = 0
         self._evicted_pages = 0
+        # Optional second tier: evicted leaves' KV kept in host memory (host_tier.py).
+        self.host: HostKVTier | None = None
 
     # ----------------------------------------------------------------- queries
     @property
@@ -312,6 +317,8 @@ class RadixPrefixCache(BasePrefixCache):
                 if victim is None:
                     break
             chunks.append(victim.physical_pages)
+            if self.host is not None:  # its KV copied out before the pages are reused
+                self.host.spill(start_of(victim), victim.tokens, victim.keys, victim.physical_pages)
             freed += self._evict_leaf(victim)
         if chunks:
             self.page_table.evict_pages(chunks)

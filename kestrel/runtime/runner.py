@@ -142,6 +142,7 @@ class BatchExecutor:
                     input_tokens=s.prompt_length,
                     cached_tokens=s.reused_page_count,
                     vision_skipped=image is not None and not s.vision_encoded,
+                    cache_tier=s.cache_tier,
                 )
         finally:
             for i, s in wave:

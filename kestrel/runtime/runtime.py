@@ -16,8 +16,9 @@ steps:
    computed, into a private page, so a full-prompt hit still yields logits and never writes a
    shared page;
 2. ``prefill_sequence``: on a hit only the suffix, in one attention pass over cached + new KV
-   (the vision encoder is skipped); on a miss the vision encoder and the whole prompt; then
-   the logits of the last position;
+   (the vision encoder is skipped); on a miss the whole prompt, its image's embedding taken
+   from the image-embedding tier when it is there (``embeddings.py``: no crops, no encoder),
+   else from the vision encoder; then the logits of the last position;
 3. ``commit_sequence``: the lease inserts the prompt into the tree immediately, so the next
    request already hits it, and moves the lock to the inserted node;
    ``cache_owned_page_count = skip + inserted_pages``.
@@ -59,6 +60,8 @@ from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
 from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
 from kestrel.runtime.decode_steps import DecodeSteps
+from kestrel.runtime.embeddings import EmbeddingBatch, embedding_tier
+from kestrel.runtime.host_kv import host_kv_tier
 from kestrel.runtime.prefill import prefill_batch, prefill_item
 from kestrel.runtime.sequence import (
     PromptToken,
@@ -98,7 +101,10 @@ class MoondreamRuntime(DecodeSteps):
     a finished sequence's decoded tokens in the cache under its prompt (module doc, step 5).
     ``kv_scales``: one ``KvScales`` per layer stores K/V as FP8 pages (opt-in; the scaled-KV
     case runs the torch attention reference, so decode steps are not graph-captured).
-    ``compile``: decode and prefill through ``torch.compile`` (``compiled.py``; opt-in). The
+    ``compile``: decode and prefill through ``torch.compile`` (``compiled.py``; opt-in).
+    ``embedding_cache_bytes``: the image-embedding tier's budget (``embeddings.py``; None:
+    sized from the KV pool, 0: off; on CUDA an auto-sized pool gives those bytes up).
+    ``host_kv_bytes``: pinned host memory for KV pages the cache evicts (CUDA; 0: off). The
     decode steps (a known token, or a look-ahead id on the device) are in ``decode_steps.py``.
     """
 
@@ -116,6 +122,8 @@ class MoondreamRuntime(DecodeSteps):
         retain_decoded: bool = True,
         kv_scales: Sequence[KvScales] | None = None,
         compile: bool = False,
+        embedding_cache_bytes: int | None = None,
+        host_kv_bytes: int = 0,
     ) -> None:
         self.model = model
         self.retain_decoded = retain_decoded
@@ -135,6 +143,11 @@ class MoondreamRuntime(DecodeSteps):
         elif kv_cache_pages is None:
             # Enough for every slot to hold a full context, plus the reserved page 0.
             kv_cache_pages = max_batch_size * text.max_context + 1
+        kv_dt = self.dtype if kv_scales is None else KV_FP8_DTYPE
+        kv_cache_pages, self.embeddings = embedding_tier(  # embeddings.py
+            model, kv_cache_pages, kv_dt, embedding_cache_bytes,
+            prefix_cache=enable_prefix_cache, carve=self.kv_report is not None,
+        )  # fmt: skip
         if kv_cache_pages < 2:
             raise ValueError(f"kv_cache_pages must be >= 2, got {kv_cache_pages}")
         self.page_table = PageTable(
@@ -149,11 +162,13 @@ class MoondreamRuntime(DecodeSteps):
             n_layers=text.n_layers,
             n_kv_heads=text.n_kv_heads,
             head_dim=text.head_dim,
-            dtype=self.dtype if kv_scales is None else KV_FP8_DTYPE,
+            dtype=kv_dt,
             device=self.device,
             kv_scales=kv_scales,
         )
         self.prefix_cache = RadixPrefixCache(self.page_table)
+        if host_kv_bytes:  # evicted KV kept in pinned host memory (CUDA; host_kv.py)
+            self.prefix_cache.host = host_kv_tier(self.kv, host_kv_bytes)
         # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
         images = (kv_cache_pages - 1) // self.config.image_tokens if enable_prefix_cache else 0
         cuda = self.device.type == "cuda"  # uint8 crops in pinned memory, normalized there
@@ -240,6 +255,7 @@ class MoondreamRuntime(DecodeSteps):
             cache_tokens=cache_tokens,
             prompt=tuple(tokens),
             images=images,
+            host_pages=lease.restored,
         )
 
     def prefill_sequence(self, state: SequenceState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,9 +274,13 @@ class MoondreamRuntime(DecodeSteps):
         for s in states:
             if s.lease.phase is not LeasePhase.PREPARED or s.released:
                 raise SequenceError(f"sequence in batch row {s.batch_idx} is not prepared")
-        with self.crops.hold(self._images_to_encode(states)):  # all of them start at once
-            items = [prefill_item(s, self.model, self.dtype, self._encode_images(s))
+        # cached embeddings pinned, the misses' crops all started at once
+        found = self.embeddings.batch(self._images_to_encode(states))
+        with found, self.crops.hold(found.to_encode):
+            items = [prefill_item(s, self.model, self.dtype, self._encode_images(s, found))
                      for s in states]  # fmt: skip
+        for s in states:
+            s.vision_encoded = s.image_encodes > 0
         compiled = self.compiled_prefill
         run = prefill_batch if compiled is None else compiled.prefill_batch
         hidden_BC = run(
@@ -333,6 +353,9 @@ class MoondreamRuntime(DecodeSteps):
     def check_integrity(self) -> None:
         """Cache + page-table invariants, plus one lock per running sequence."""
         self.prefix_cache.check_integrity()
+        self.embeddings.check_integrity()
+        if self.prefix_cache.host is not None:
+            self.prefix_cache.host.check_integrity()
         for s in self._active.values():
             s.check_running(self.page_table.capacity(s.batch_idx), self.enable_prefix_cache)
 
@@ -343,23 +366,28 @@ class MoondreamRuntime(DecodeSteps):
         ends past the reused positions)? If not, it is served from cache."""
         return [end > state.reused_page_count for _start, end in state.image_regions]
 
-    def _images_to_encode(self, states: Sequence[SequenceState]) -> list[PreparedImage]:
+    def _images_to_encode(
+        self, states: Sequence[SequenceState]
+    ) -> list[tuple[str | None, PreparedImage]]:
+        """(salt, image) of every image the prefill of ``states`` computes."""
         return [
-            image
+            (s.namespace.salt, image)
             for s in states
             for image, computed in zip(s.images, self._computed(s), strict=True)
             if computed
         ]
 
-    def _encode_images(self, state: SequenceState) -> list[torch.Tensor | None]:
-        """The vision encoder on each of the sequence's images that its prefill computes;
-        None for an image served from cache."""
-        computed = zip(state.images, self._computed(state), strict=True)
-        return [self._encode_image(image) if new else None for image, new in computed]
+    def _encode_images(
+        self, state: SequenceState, found: EmbeddingBatch
+    ) -> list[torch.Tensor | None]:
+        """Each of the sequence's images' embedding if its prefill computes it (the embedding
+        tier's, else the vision encoder's); None for an image whose KV is cached."""
+        return found.for_sequence(state, self._computed(state), self._encode_image)
 
     def _encode_image(self, image: PreparedImage) -> torch.Tensor:
         """Vision encoder: the prepared pixels' crops (made off this thread) -> [image_tokens,
         dim]."""
+        self.counters.encoder_runs += 1
         crops = self.crops.pixels(image)
         pixels = crops.encoder_input(self.dtype, self.device)
         return encode_image(pixels, crops.tiling, self.model.vision, self.config.vision)

@@ -83,7 +83,10 @@ class SequenceState:
     prompt: tuple[PromptToken, ...] = ()
     images: tuple[PreparedImage, ...] = ()
     fed: list[PromptToken] = field(default_factory=list)
-    vision_encoded: bool = False
+    vision_encoded: bool = False  # the prefill ran the vision encoder
+    embedding_hits: int = 0  # images the prefill took from the embedding tier
+    image_encodes: int = 0  # images the prefill encoded
+    host_pages: int = 0  # reused pages copied back from the host KV tier
     released: bool = False
     ahead: bool = False
     # the lease's row and length budget, fixed once prepared; plain fields, read every step
@@ -136,6 +139,17 @@ class SequenceState:
                 f"row {i} recorded {len(self.fed)} fed tokens for {decoded} decoded positions "
                 "(retention would misplace KV)"
             )
+
+    @property
+    def cache_tier(self) -> str:
+        """Which tier served the prompt: ``"embedding"`` (an image it computed came from the
+        embedding tier and none was encoded), ``"host"`` / ``"kv"`` (reused KV, some of it
+        copied back from host memory / all of it on the device), else ``"none"``."""
+        if self.embedding_hits and not self.image_encodes:
+            return "embedding"
+        if self.image_encodes or not self.reused_page_count:
+            return "none"
+        return "host" if self.host_pages else "kv"
 
     @property
     def remaining(self) -> int:
@@ -299,7 +313,9 @@ class RuntimeCounters:
     prompt_tokens: int = 0  # KV positions of all prompts
     cached_tokens: int = 0  # of which reused from the cache
     prefill_tokens: int = 0  # of which computed
-    vision_encodes: int = 0
+    vision_encodes: int = 0  # sequences whose prefill ran the vision encoder
+    encoder_runs: int = 0  # vision encoder calls (one per image encoded)
+    embedding_hits: int = 0  # images taken from the embedding tier instead
     cache_hits: int = 0  # sequences that reused at least one page
     retained_tokens: int = 0  # decoded positions kept in the cache at release
 
@@ -314,4 +330,5 @@ class RuntimeCounters:
         self.cached_tokens += state.reused_page_count
         self.prefill_tokens += state.prompt_length - state.reused_page_count
         self.vision_encodes += int(state.vision_encoded)
+        self.embedding_hits += state.embedding_hits
         self.cache_hits += int(state.reused_page_count > 0)

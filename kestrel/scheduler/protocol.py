@@ -39,6 +39,7 @@ class Started:
     input_tokens: int  # KV positions of the prompt
     cached_tokens: int  # of which reused from the prefix cache
     vision_skipped: bool  # an image prompt whose image KV came from the cache
+    cache_tier: str = "none"  # which cache tier served the prompt (RequestMetrics.cache_tier)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

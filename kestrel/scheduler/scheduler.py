@@ -207,6 +207,7 @@ class Scheduler:
             prefill_ms=prefill_ms,
             input_tokens=started.input_tokens,
             cached_tokens=started.cached_tokens,
+            cache_tier=started.cache_tier,
         )
         self.counters.vision_skipped += int(started.vision_skipped)
         self.running.add(run)

@@ -25,6 +25,7 @@ class SequenceRun:
     prefill_ms: float = 0.0
     input_tokens: int = 0
     cached_tokens: int = 0
+    cache_tier: str = "none"
     next_token: PromptToken | None = None
     fed: int = 0  # tokens fed after the prompt
     first_token_at: float | None = None
@@ -51,6 +52,7 @@ class SequenceRun:
             prefill_ms=self.prefill_ms,
             decode_ms=(now - first) * 1e3,
             queue_ms=(self.admitted_at - req.submitted_at) * 1e3,
+            cache_tier=self.cache_tier,
         )
 
 

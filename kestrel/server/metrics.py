@@ -1,9 +1,10 @@
 """Prometheus metrics of one app, on its own registry (two apps in a process never collide).
 
 Per request: counts and latencies by route and status, time to first token, tokens (input,
-cached, output). Per scrape: the engine's snapshot (queue depth, running requests, hit rate,
-KV pages by state, served / failed / cancelled) and the server's requests in flight, read once
-by the ``/metrics`` handler and emitted by a custom collector.
+cached, output), the cache tier that served it. Per scrape: the engine's snapshot (queue
+depth, running requests, hit rate, KV pages by state, served / failed / cancelled, the
+embedding and host KV tiers' hits, misses and bytes) and the server's requests in flight, read
+once by the ``/metrics`` handler and emitted by a custom collector.
 """
 
 from __future__ import annotations
@@ -71,8 +72,40 @@ class _EngineCollector(Collector):
             ("vision_encodes_skipped", "vision encoder runs saved by cache hits",
              s.vision_encodes_skipped),
             ("kv_evictions", "KV pages evicted from the prefix cache", s.evictions),
+            ("vision_encodes", "vision encoder runs (one per image encoded)", s.vision_encodes),
         ):  # fmt: skip
             yield CounterMetricFamily(f"kestrel_{name}", doc, value=total)
+        yield from _tier_metrics(s)
+
+
+def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
+    """The cache tiers past the device KV: image embeddings, host KV (zeros when off)."""
+    lookups = CounterMetricFamily(
+        "kestrel_embedding_cache_lookups", "image-embedding tier lookups", labels=["result"]
+    )
+    lookups.add_metric(["hit"], s.embedding_hits)
+    lookups.add_metric(["miss"], s.embedding_misses)
+    yield lookups
+    yield CounterMetricFamily(
+        "kestrel_embedding_cache_evictions", "embeddings evicted", value=s.embedding_evictions
+    )
+    tier_bytes = GaugeMetricFamily(
+        "kestrel_cache_tier_bytes", "bytes held by a cache tier, and its budget",
+        labels=["tier", "kind"],
+    )  # fmt: skip
+    tier_bytes.add_metric(["embedding", "used"], s.embedding_bytes)
+    tier_bytes.add_metric(["embedding", "budget"], s.embedding_budget_bytes)
+    tier_bytes.add_metric(["host_kv", "used"], s.host_kv_bytes)
+    tier_bytes.add_metric(["host_kv", "budget"], s.host_kv_budget_bytes)
+    yield tier_bytes
+    yield GaugeMetricFamily(
+        "kestrel_embedding_cache_entries", "images in the embedding tier",
+        value=s.embedding_entries,
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        "kestrel_host_kv_hits", "evicted nodes whose KV was copied back from host memory",
+        value=s.host_kv_hits,
+    )  # fmt: skip
 
 
 class ServerMetrics:
@@ -86,6 +119,10 @@ class ServerMetrics:
         self.latency = Histogram(
             "kestrel_http_request_duration_seconds", "request latency (streams: to the last event)",
             ["route", "status"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tiers = Counter(
+            "kestrel_requests_by_cache_tier", "requests by the cache tier that served them",
+            ["route", "tier"], registry=r,
         )  # fmt: skip
         self.ttft = Histogram(
             "kestrel_ttft_seconds", "submit -> first generated token, by route", ["route"],
@@ -106,6 +143,7 @@ class ServerMetrics:
         if metrics is None:
             return
         self.ttft.labels(route).observe(metrics.ttft_ms / 1000.0)
+        self.tiers.labels(route, metrics.cache_tier).inc()
         self.tokens.labels(route, "input").inc(metrics.input_tokens)
         self.tokens.labels(route, "cached").inc(metrics.cached_tokens)
         self.tokens.labels(route, "output").inc(metrics.output_tokens)

@@ -208,3 +208,18 @@ def test_python_m_kestrel_help():
     assert proc.stdout.startswith("usage: kestrel")
     for name in COMMANDS:
         assert name in proc.stdout
+
+
+def test_cache_tier_options(capsys, engine):
+    """--embedding-cache-mb sizes the tier (0 turns it off); hostile values and --host-kv-gb on
+    a CPU device are refused."""
+    obj = cli_json(capsys, "query", IMAGE, "What is this?", *GREEDY, "--embedding-cache-mb", "0")
+    assert obj["metrics"]["cache_tier"] == "none"
+    assert obj["answer"] == engine.query(IMAGE, "What is this?", settings=GEN).answer
+    for bad in ("-1", "nan", "lots", "inf"):
+        with pytest.raises(SystemExit) as exc:
+            main(["query", IMAGE, "hi", "--embedding-cache-mb", bad, *ENGINE_OPTS])
+        assert exc.value.code == 2
+    capsys.readouterr()
+    code, out, err = cli(capsys, "query", IMAGE, "hi", "--host-kv-gb", "1")
+    assert_one_line_error(code, out, err, "host memory")

@@ -297,19 +297,23 @@ def _placed(cfg, img, *ids) -> list:
     return [*query_prompt(cfg, list(ids)), token]
 
 
+@pytest.mark.parametrize("tier", [False, True], ids=["encoder", "embedding-tier"])
 def test_a_full_hit_of_a_prompt_ending_in_an_image_recomputes_the_whole_block(
-    make_runtime, model, images
+    make_runtime, model, images, tier
 ):
     """The full-prompt backoff steps back one cache token: a whole image block, never into
-    it; its logits equal the miss's and a cache-off runtime's."""
-    rt, off = make_runtime(), make_runtime(enable_prefix_cache=False)
+    it; its logits equal the miss's and a cache-off runtime's. The block's embedding comes
+    from the vision encoder, or with the embedding tier from the tier."""
+    rt = make_runtime(embedding_cache_bytes=None if tier else 0)
+    off = make_runtime(enable_prefix_cache=False)
     cfg, img = model.config, prepare_image(images["shapes_378"])
     prompt = _placed(cfg, img, 320, 321)
     s1, miss = rt.start_sequence(prompt, (img,), max_new_tokens=2)
     assert s1.image_regions == [(len(prompt) - 1, len(prompt) - 1 + cfg.image_tokens)]
     rt.release_sequence(s1)
     s2, hit = rt.start_sequence(prompt, (img,), max_new_tokens=2)
-    assert s2.reused_page_count == len(prompt) - 1 and s2.vision_encoded
+    assert s2.reused_page_count == len(prompt) - 1
+    assert (s2.vision_encoded, s2.embedding_hits) == ((False, 1) if tier else (True, 0))
     s3, ref = off.start_sequence(prompt, (img,), max_new_tokens=2)
     torch.testing.assert_close(hit, miss, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(hit, ref, atol=ATOL, rtol=ATOL)

@@ -34,7 +34,7 @@ BODY_LIMIT = 1 << 20
 PIXEL_LIMIT = 1_000_000
 IMAGE = data_url(SHAPES)
 METRIC_KEYS = {"input_tokens", "cached_tokens", "output_tokens", "ttft_ms", "prefill_ms",
-               "decode_ms", "queue_ms"}  # fmt: skip
+               "decode_ms", "queue_ms", "cache_tier"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +261,31 @@ def test_stats_and_prometheus_metrics(client, engine) -> None:
     assert 0 < m[("kestrel_prefix_hit_rate", ())] <= 1
     assert m[("kestrel_in_flight_requests", ())] == 0
     assert_idle(engine)
+
+
+def test_cache_tiers_in_stats_and_metrics(client, engine) -> None:
+    """/v1/stats and /metrics carry the embedding tier's figures and requests by tier."""
+    body = {"image_url": data_url(png(90, 70, (10, 200, 40))), "question": "Tiers?",
+            "settings": GREEDY}  # fmt: skip
+    got = client.post("/v1/query", json=body).json()
+    assert got["metrics"]["cache_tier"] == "none"  # a new image: encoded
+    again = client.post("/v1/query", json={**body, "question": "Tiers again?"}).json()
+    assert again["metrics"]["cache_tier"] == "kv"
+    stats = client.get("/v1/stats").json()
+    assert stats["embedding_budget_bytes"] > 0 and stats["embedding_misses"] >= 1
+    assert 0 < stats["embedding_bytes"] <= stats["embedding_budget_bytes"]
+    assert stats["vision_encodes"] >= 1 and stats["host_kv_bytes"] == 0
+    m = _samples(client.get("/metrics").text)
+    s = engine.stats()  # idle: nothing moved since the scrape
+    lookups = "kestrel_embedding_cache_lookups_total"
+    assert m[(lookups, (("result", "miss"),))] == s.embedding_misses
+    assert m[(lookups, (("result", "hit"),))] == s.embedding_hits
+    used = ("kestrel_cache_tier_bytes", (("kind", "used"), ("tier", "embedding")))
+    assert m[used] == s.embedding_bytes
+    assert m[("kestrel_vision_encodes_total", ())] == s.vision_encodes
+    by_tier = "kestrel_requests_by_cache_tier_total"
+    assert m[(by_tier, (("route", "query"), ("tier", "kv")))] >= 1
+    assert m[(by_tier, (("route", "query"), ("tier", "none")))] >= 1
 
 
 def test_cache_salt_isolates_tenants(client) -> None:
