@@ -30,6 +30,18 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# torch's inductor keys its on-disk kernel cache without ATEN_CPU_CAPABILITY: C++ compiled for
+# one capability (AVX2 vectors) is reused under another (``default``: no vector headers) and
+# fails to build. A run with the capability set gets a cache folder of its own.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(),
+        f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY'].lower()}",
+    )
+
 # Without a GPU the fused Triton kernels run under Triton's interpreter. The flag must be set
 # before triton is first imported (its standard library, tl.sum and the like, is built then).
 if not _cuda_available():
