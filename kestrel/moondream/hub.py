@@ -116,8 +116,19 @@ def download_checkpoint(
                 shards = index_shards(index, listing)
                 patterns = (INDEX_FILE, *map(_literal, shards), *COMPANIONS)
         snapshot = _snapshot(hub, repo_id, revision, patterns, offline)
-    _check_complete(snapshot, repo_id, offline)
+    if _reads_the_index(snapshot, patterns, prefer_fp8):
+        _check_complete(snapshot, repo_id, offline)
     return snapshot
+
+
+def _reads_the_index(snapshot: Path, patterns: Sequence[str], prefer_fp8: bool) -> bool:
+    """Whether the loader will read ``snapshot`` by its index (the form fetched, or offline the
+    form the cache holds, as ``shards.ShardSet.locate`` and ``prefer_fp8`` choose)."""
+    if patterns[0] != INDEX_FILE and patterns != CHECKPOINT_FILES:
+        return False  # online, another form was fetched
+    if prefer_fp8 and (snapshot / FP8_PT[0]).is_file():
+        return False
+    return not (snapshot / SINGLE_FILE[0]).is_file() and (snapshot / INDEX_FILE).is_file()
 
 
 def index_shards(index: Path, listing: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -164,8 +175,6 @@ def _check_complete(snapshot: Path, repo_id: str, offline: bool) -> None:
     """A sharded snapshot must hold every shard its index names (a download that stopped
     midway, or an offline cache that holds another shard set, is not loaded)."""
     index = snapshot / INDEX_FILE
-    if (snapshot / SINGLE_FILE[0]).is_file() or not index.is_file():
-        return
     missing = [n for n in index_shards(index) if not (snapshot / n).is_file()]
     if missing:
         where = "the local hub cache" if offline else "the download"

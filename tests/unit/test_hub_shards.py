@@ -196,3 +196,22 @@ def test_index_shards_reads_and_checks_the_names(tmp_path: Path) -> None:
     index.write_text(json.dumps({"weight_map": {"a": 3}}))
     with pytest.raises(CheckpointError, match="not a file name"):
         index_shards(index)
+
+
+def test_a_stale_index_does_not_block_the_fp8_file(online, tmp_path: Path) -> None:
+    """FP8 asked for: model_fp8.pt is fetched and returned; an index left in the snapshot by an
+    earlier, unfinished sharded download is not what loads, so it is not checked."""
+    repo = preview_repo(V2)
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / INDEX).write_bytes(repo[INDEX])  # its shards never arrived
+    hub = RepoHub(repo, snap)
+    online.setitem(sys.modules, "huggingface_hub", hub)
+    assert resolve_checkpoint(REPO, prefer_fp8=True) == snap / "model_fp8.pt"
+    assert [d["allow_patterns"] for d in hub.downloads] == [
+        ["model_fp8.pt", "config.json", "tokenizer.json"]
+    ]
+    (snap / "model_fp8.pt").unlink()  # offline without the FP8 file: the index would load
+    online.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError, match=r"the local hub cache .* lacks 4 shard\(s\)"):
+        resolve_checkpoint(REPO, prefer_fp8=True)
