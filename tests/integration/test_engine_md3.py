@@ -67,7 +67,8 @@ def test_md3_engine_matches_reference(make_engine, cache: bool) -> None:
     engine = make_engine(model=str(MD3), enable_prefix_cache=cache, kv_cache_pages=8000)
     assert engine.runtime.model.config.family == "moondream3"
     # With the cache on, the second round hits it. With it off a second round would repeat the
-    # first: the cases already run one after another on reused (freed) pages.
+    # first: the cases already run one after another on reused (freed) pages, and already ask
+    # about the same images again (4 cases each on two images), which must be encoded again.
     rounds = 2 if cache else 1
     for _round in range(rounds):
         for case in CASES:
