@@ -30,6 +30,22 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# torch's inductor keeps compiled kernels in one on-disk cache per user, and its keys miss two
+# things the tests vary: ATEN_CPU_CAPABILITY (C++ built with AVX2 vectors is reused under
+# ``default``, where it fails to build) and the checkout (another checkout's build of the kestrel
+# ops, reused here, aborts the process). So the tests get a cache folder per checkout and
+# capability, unless TORCHINDUCTOR_CACHE_DIR says otherwise.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import hashlib
+    import tempfile
+
+    _checkout = hashlib.sha256(str(Path(__file__).resolve().parent).encode()).hexdigest()[:10]
+    _capability = os.environ.get("ATEN_CPU_CAPABILITY", "native").lower()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_checkout}_{_capability}"
+    )
+
 # Without a GPU the fused Triton kernels run under Triton's interpreter. The flag must be set
 # before triton is first imported (its standard library, tl.sum and the like, is built then).
 if not _cuda_available():

@@ -26,6 +26,7 @@ __all__ = [
     "adapter_name",
     "add_engine_options",
     "add_generation_options",
+    "add_model_loading_options",
     "add_output_options",
     "add_region_command",
     "check_image_arg",
@@ -93,6 +94,50 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="CUDA only: keep KV pages the prefix cache evicts in this much pinned host memory "
         "and copy them back on a later match (default and 0: off)",
     )  # fmt: skip
+    add_model_loading_options(group)
+
+
+# --moe-weights / --kv-dtype: the command-line spelling -> the Engine kwarg ("auto" is None)
+MOE_WEIGHTS_CHOICES = ("auto", "fp8", "dequantize")
+KV_DTYPE_CHOICES = ("auto", "fp8")
+
+
+def add_model_loading_options(group: argparse._ActionsContainer) -> None:
+    """``--moe-weights`` and ``--kv-dtype``: how a Moondream 3 checkpoint's experts and the KV
+    pages are held (``Engine(moe_weights=..., kv_dtype=...)``; docs/cli.md). The values are
+    checked by the Engine's own checks, so a bad one gets the API's message."""
+    group.add_argument(
+        "--moe-weights", type=_moe_weights, default=None, metavar="{auto,fp8,dequantize}",
+        help="Moondream 3 experts: fp8 keeps FP8 experts as FP8 (fetching a repo's FP8 file), "
+        "dequantize widens them to the model dtype; auto (default) keeps what the file holds",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-dtype", type=_kv_dtype, default=None, metavar="{auto,fp8}",
+        help="KV cache pages: fp8 stores them as float8_e4m3 with the checkpoint's scales (about "
+        "half the memory); auto (default) uses the model dtype",
+    )  # fmt: skip
+
+
+def _moe_weights(text: str) -> str | None:
+    from kestrel.engine.setup import check_moe_weights
+
+    return _checked(text, check_moe_weights, MOE_WEIGHTS_CHOICES)
+
+
+def _kv_dtype(text: str) -> str | None:
+    from kestrel.engine.setup import check_kv_dtype
+
+    return _checked(text, check_kv_dtype, KV_DTYPE_CHOICES)
+
+
+def _checked(text: str, check, choices: tuple[str, ...]) -> str | None:
+    """``auto`` -> None; anything else through the Engine's check, its message kept."""
+    value = None if text == "auto" else text
+    try:
+        check(value)
+    except InvalidInputError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (here: {', '.join(choices)})") from None
+    return value
 
 
 def add_generation_options(parser: argparse.ArgumentParser, *, objects: bool = False) -> None:
@@ -194,6 +239,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.compile,
         "lookahead": False if args.no_lookahead else None,
         "exif_orientation": not args.keep_exif_orientation,
+        "moe_weights": args.moe_weights,
+        "kv_dtype": args.kv_dtype,
         **({"embedding_cache_mb": args.embedding_cache_mb}
            if args.embedding_cache_mb is not None else {}),
         **({"host_kv_gb": args.host_kv_gb} if args.host_kv_gb is not None else {}),

@@ -21,7 +21,14 @@ from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tiny import MODEL_DIR
 from kestrel_kernels.contract import KvScales
 
-__all__ = ["DEFAULT_MODEL_DIR", "load_runtime", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "check_kv_dtype",
+    "check_moe_weights",
+    "load_runtime",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 DEFAULT_MODEL_DIR = MODEL_DIR  # the embedded kestrel-tiny
 
@@ -133,6 +140,22 @@ def _load(
     return model, MoondreamTokenizer.for_checkpoint(ckpt), kv_scales
 
 
+def check_moe_weights(moe_weights: object) -> None:
+    """``Engine(moe_weights=...)``'s check (the CLI's ``--moe-weights`` runs it too)."""
+    if moe_weights not in (None, *MOE_WEIGHT_MODES):
+        raise InvalidInputError(
+            f"moe_weights must be one of {MOE_WEIGHT_MODES} or None, got {moe_weights!r}"
+        )
+
+
+def check_kv_dtype(kv_dtype: object) -> None:
+    """``Engine(kv_dtype=...)``'s check (the CLI's ``--kv-dtype`` runs it too)."""
+    if kv_dtype not in (None, *KV_DTYPES):
+        raise InvalidInputError(
+            f"kv_dtype must be 'fp8' (FP8 KV pages) or None (the model dtype), got {kv_dtype!r}"
+        )
+
+
 def load_runtime(
     model: str | Path | None,
     *,
@@ -173,14 +196,8 @@ def load_runtime(
         isinstance(kv_cache_pages, bool) or not isinstance(kv_cache_pages, int)
     ):
         raise InvalidInputError(f"kv_cache_pages must be an int, got {kv_cache_pages!r}")
-    if moe_weights not in (None, *MOE_WEIGHT_MODES):
-        raise InvalidInputError(
-            f"moe_weights must be one of {MOE_WEIGHT_MODES} or None, got {moe_weights!r}"
-        )
-    if kv_dtype not in (None, *KV_DTYPES):
-        raise InvalidInputError(
-            f"kv_dtype must be 'fp8' (FP8 KV pages) or None (the model dtype), got {kv_dtype!r}"
-        )
+    check_moe_weights(moe_weights)
+    check_kv_dtype(kv_dtype)
     try:
         model, tokenizer, kv_scales = _load(source, dev, dt, moe_weights, kv_dtype)
         rt = MoondreamRuntime(

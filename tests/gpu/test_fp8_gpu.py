@@ -22,6 +22,7 @@ from kestrel.moondream.model import Linear, MoeWeights, MoondreamModel
 from kestrel.moondream.moe import moe_mlp, moe_mlp_static
 from tests.conftest import FIXTURES
 from tests.gpu.test_md3_gpu import STEPS, fa_ready, run, syncs_raise  # noqa: F401
+from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.gpu
 
@@ -88,7 +89,7 @@ def test_static_fp8_moe_in_a_cuda_graph(rows: int) -> None:
     with syncs_raise():
         graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, eager, atol=1e-2, rtol=1e-2)
+    assert_close(out, eager, rel=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def test_fp8_graph_decode_matches_eager(fa_ready, fp8_model, n) -> None:  # noqa
     assert rt.decode_graphs is not None and rt.decode_graphs.replays == STEPS
     eager, _ = run(fp8_model, image, n, attention_backend="fa", cuda_graphs=False)
     for g, e in zip(captured, eager, strict=True):
-        torch.testing.assert_close(g, e, atol=1e-2, rtol=1e-2)
+        assert_close(g, e, rel=0.01)
 
 
 def test_fp8_kv_pages_on_device(fp8_model) -> None:

@@ -18,6 +18,7 @@ from kestrel.moondream.weights import load_config
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
 from tests.conftest import FIXTURES
+from tests.tolerance import assert_close
 
 MD3 = FIXTURES / "md3-tiny-a"
 CONFIG = load_config(MD3)
@@ -113,7 +114,7 @@ def test_md3_adapter_equals_merged_weights(tmp_path: Path) -> None:
     assert torch.equal(_logits(rt, other_moe), got)  # MoE layers' MLP pairs are ignored
     assert (_logits(rt, with_proj) - got).abs().max() > 1e-3  # proj pairs apply
     merged = MoondreamRuntime.from_pretrained(merged_checkpoint(tmp_path / "m", tensors), **options)
-    torch.testing.assert_close(got, _logits(merged, None), atol=1e-4, rtol=1e-4)
+    assert_close(got, _logits(merged, None), rel=0.0001)
 
 
 def test_md3_adapter_through_the_engine(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import kestrel.runtime.prefill as prefill_mod
 from kestrel.runtime.prefill import MAX_PADDING, group_by_length
 from tests.integration.conftest import GREEDY, assert_idle, scheduler_paused, text_tokens
 from tests.integration.test_runtime_cache import conserved, query_prompt
+from tests.tolerance import assert_close
 
 
 def test_group_by_length_bounds_padding() -> None:
@@ -87,7 +88,7 @@ def test_batched_prefill_matches_one_by_one(make_runtime, model, images, monkeyp
             rt.release_sequence(s)
         conserved(rt)
     (single, single_tokens), (batched, batched_tokens) = runs["single"], runs["batched"]
-    torch.testing.assert_close(batched, single, atol=1e-4, rtol=1e-4)
+    assert_close(batched, single, rel=0.0001)
     assert batched_tokens == single_tokens
 
 

@@ -9,6 +9,7 @@ from kestrel.errors import InvalidInputError
 from kestrel.images import prepare_image
 from tests.integration.conftest import GREEDY
 from tests.integration.test_runtime_cache import greedy, query_prompt
+from tests.tolerance import assert_close
 
 MIB = 1 << 20
 
@@ -166,9 +167,8 @@ def test_engine_host_kv_zero_is_off(make_engine):
 def test_one_batched_prefill_mixes_tier_hits_and_encodes(make_runtime, model, images):
     """A wave of three prompts: one image from the tier, the same image under another salt and
     a third image encoded; logits equal a cache-off runtime's, no pin outlives the prefill."""
-    import torch
 
-    from tests.integration.test_runtime_cache import ATOL
+    from tests.integration.test_runtime_cache import REL
 
     cfg = model.config
     pages = 3 * _pool_for_one_image(cfg) + 1
@@ -191,7 +191,7 @@ def test_one_batched_prefill_mixes_tier_hits_and_encodes(make_runtime, model, im
     off = make_runtime(enable_prefix_cache=False)
     for (im, _), lg in zip(wave, logits, strict=True):
         s_off, lg_off = off.start_sequence(prompt, im, max_new_tokens=6)
-        torch.testing.assert_close(lg, lg_off, atol=ATOL, rtol=ATOL)
+        assert_close(lg, lg_off, rel=REL)
         off.release_sequence(s_off)
     for s in states:
         rt.release_sequence(s)

@@ -17,6 +17,7 @@ from kestrel.skills import prompts
 from kestrel.tokens import TextToken
 from tests.conftest import fixture_dir
 from tests.integration.conftest import GREEDY, scheduler_paused
+from tests.tolerance import assert_close, relative_error
 
 ADAPTER_DIR = fixture_dir() / "adapter"
 
@@ -187,5 +188,6 @@ def test_mixed_adapter_decode_equals_per_request(make_runtime, model, images, tm
 
     mixed = run([a, None, b, a])
     alone = torch.cat([run([ad]) for ad in (a, None, b, a)])
-    torch.testing.assert_close(mixed, alone, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(alone[0], alone[1]) and not torch.allclose(alone[0], alone[2])
+    assert_close(mixed, alone, rel=0.0001)
+    # the adapters act: each row differs from the base row by far more than the bound above
+    assert relative_error(alone[0], alone[1]) > 1e-2 and relative_error(alone[0], alone[2]) > 1e-2

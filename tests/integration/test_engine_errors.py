@@ -119,8 +119,13 @@ def test_capacity_error_fails_alone(make_engine, images) -> None:
 def test_model_loading_errors(tmp_path, monkeypatch) -> None:
     with pytest.raises(ModelLoadError, match="cannot load model"):
         Engine(tmp_path / "missing")
+    # A hub id that cannot be had: offline (the real huggingface_hub asked for its cache) it
+    # fails at once; online without network it fails the same way after the hub client's
+    # retries (tens of seconds: tests/unit/test_weights.py fakes that path).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="cannot load model"):
         Engine("someone/not-a-local-model", device="cpu")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr("kestrel.engine.setup.DEFAULT_MODEL_DIR", tmp_path / "absent")
     with pytest.raises(ModelLoadError, match="embedded"):
         Engine()

@@ -12,7 +12,8 @@ import torch
 from kestrel.images import prepare_image
 from kestrel.kv.storage import PagedKVCache
 from kestrel.prefix_cache.host_tier import HostKVTier
-from tests.integration.test_runtime_cache import ATOL, greedy, query_prompt
+from tests.integration.test_runtime_cache import REL, greedy, query_prompt
+from tests.tolerance import assert_close
 
 MIB = 1 << 20
 
@@ -81,7 +82,7 @@ def test_an_evicted_image_is_served_from_host_memory(make_runtime, model, images
     s, lg = rt.start_sequence(prompt, a, max_new_tokens=6)  # back from host memory
     assert s.cache_tier == "host" and s.host_pages >= cfg.prefix_len
     assert s.reused_page_count == s.prompt_length - 1  # a full hit, as if never evicted
-    torch.testing.assert_close(lg, first_logits, atol=ATOL, rtol=ATOL)
+    assert_close(lg, first_logits, rel=REL)
     assert greedy(rt, s, lg, 6) == first
     rt.check_integrity()
     rt.release_sequence(s)
@@ -91,7 +92,7 @@ def test_an_evicted_image_is_served_from_host_memory(make_runtime, model, images
     assert s.cache_tier == "kv" and s.reused_page_count >= cfg.prefix_len
     off = make_runtime(enable_prefix_cache=False)
     s_off, lg_off = off.start_sequence(q2, a, max_new_tokens=6)
-    torch.testing.assert_close(lg, lg_off, atol=ATOL, rtol=ATOL)
+    assert_close(lg, lg_off, rel=REL)
     off.release_sequence(s_off)
     rt.release_sequence(s)
     mover.finish_all()

@@ -12,8 +12,9 @@ from kestrel.images import prepare_image
 from kestrel.runtime.runtime import MoondreamRuntime, SequenceError
 from kestrel.tokens import TextToken
 from tests.integration.conftest import text_tokens
+from tests.tolerance import assert_close
 
-ATOL = 1e-4  # float32; cached and uncached paths differ only in reduction order
+REL = 1e-4  # float32; cached and uncached paths differ only in reduction order
 
 
 def query_prompt(cfg, q_ids) -> list[TextToken]:
@@ -58,7 +59,7 @@ def test_full_prompt_match_computes_last_token_privately(make_runtime, model):
     last = rt.page_table.get_pages(s2.batch_idx, len(tokens) - 1, len(tokens))[0]
     assert last not in shared
     assert logits2.shape == (model.config.text.vocab_size,)
-    torch.testing.assert_close(logits2, logits1, atol=ATOL, rtol=ATOL)
+    assert_close(logits2, logits1, rel=REL)
     greedy(rt, s2, logits2, 4)
     for layer in range(len(rt.kv.k)):
         assert torch.equal(rt.kv.k[layer][shared], k_before[layer]), "shared page written"
@@ -85,20 +86,20 @@ def test_logit_parity_miss_partial_full(make_runtime, model, images):
     rt = make_runtime()
     s, lg = rt.start_sequence(a, img, max_new_tokens=6)  # miss
     assert s.reused_page_count == 0 and s.vision_encoded
-    torch.testing.assert_close(lg, ref["a"][0], atol=ATOL, rtol=ATOL)
+    assert_close(lg, ref["a"][0], rel=REL)
     assert greedy(rt, s, lg, 6) == ref["a"][1]
     rt.release_sequence(s)
 
     s, lg = rt.start_sequence(b, img, max_new_tokens=6)  # partial hit: image + shared text
     assert s.reused_page_count == cfg.prefix_len + 3 + 3  # template prefix + 3 shared
     assert not s.vision_encoded
-    torch.testing.assert_close(lg, ref["b"][0], atol=ATOL, rtol=ATOL)
+    assert_close(lg, ref["b"][0], rel=REL)
     assert greedy(rt, s, lg, 6) == ref["b"][1]
     rt.release_sequence(s)
 
     s, lg = rt.start_sequence(a, img, max_new_tokens=6)  # full-prompt hit
     assert s.reused_page_count == s.prompt_length - 1
-    torch.testing.assert_close(lg, ref["a"][0], atol=ATOL, rtol=ATOL)
+    assert_close(lg, ref["a"][0], rel=REL)
     assert greedy(rt, s, lg, 6) == ref["a"][1]
     rt.release_sequence(s)
     assert rt.counters.vision_encodes == 1
@@ -251,7 +252,7 @@ def test_release_retains_the_decoded_tokens_under_the_prompt(make_runtime, model
     s2, hit = rt.start_sequence(follow, max_new_tokens=1)
     s3, miss = off.start_sequence(follow, max_new_tokens=1)
     assert s2.reused_page_count == len(tokens) + 4 and s3.reused_page_count == 0
-    torch.testing.assert_close(hit, miss, atol=ATOL, rtol=ATOL)
+    assert_close(hit, miss, rel=REL)
     rt.release_sequence(s2)
     off.release_sequence(s3)
     conserved(rt)
@@ -315,8 +316,8 @@ def test_a_full_hit_of_a_prompt_ending_in_an_image_recomputes_the_whole_block(
     assert s2.reused_page_count == len(prompt) - 1
     assert (s2.vision_encoded, s2.embedding_hits) == ((False, 1) if tier else (True, 0))
     s3, ref = off.start_sequence(prompt, (img,), max_new_tokens=2)
-    torch.testing.assert_close(hit, miss, atol=ATOL, rtol=ATOL)
-    torch.testing.assert_close(hit, ref, atol=ATOL, rtol=ATOL)
+    assert_close(hit, miss, rel=REL)
+    assert_close(hit, ref, rel=REL)
     for rt_, s in ((rt, s2), (off, s3)):
         rt_.release_sequence(s)
     conserved(rt)
@@ -344,7 +345,7 @@ def test_two_images_in_one_prompt_each_attend_within_their_block(make_runtime, m
     b_at = len(both) - 3 + n  # BOS, the first block, the second framing (all but 3 tokens)
     assert s2.image_regions == [(0, 1 + n), (b_at, b_at + n)]
     assert s1.reused_page_count == len(first) + n and s1.namespace == s.namespace
-    torch.testing.assert_close(hit, miss, atol=ATOL, rtol=ATOL)
+    assert_close(hit, miss, rel=REL)
     rt.release_sequence(s1)
     off.release_sequence(s2)
     with pytest.raises(SequenceError, match="not the 2 given"):

@@ -17,6 +17,7 @@ from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tiny import train_forward as tf
 from kestrel.tokens import TextToken
 from tests.integration.test_adapters_md3 import CONFIG, IMAGE, MD3, random_adapter
+from tests.tolerance import assert_close
 
 QUESTIONS = ("What color is the circle?", "How many shapes are there?")
 
@@ -78,7 +79,7 @@ def test_training_forward_matches_the_runtime(rt, image, with_adapter: bool) -> 
         end += len(ids)
         got = lm_head(hidden[end - 1][None], rt.model.text)[0]
         want = runtime_logits(rt, image, ids, adapter)
-        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        assert_close(got, want, rel=0.0002)
     if adapter is not None:  # the adapter changed the answer's logits: it was applied
         base = runtime_logits(rt, image, prompts[0], None)
         assert (runtime_logits(rt, image, prompts[0], adapter) - base).abs().max() > 1e-2

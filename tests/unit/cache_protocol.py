@@ -13,6 +13,7 @@ its n-th call (``"lock#2"``), or the fake prefill raises, or the caller fails ri
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -128,12 +129,20 @@ class Prompt:
 
     def contents(self) -> list[tuple]:
         """The fake KV value of every prompt position."""
-        out: list[tuple] = []
-        prefix: tuple = ()
-        for tok in self.cache_tokens():
-            prefix = (*prefix, tok.key)
-            out.extend((self.namespace, prefix, off) for off in range(tok.kv_length()))
-        return out
+        return list(_contents(self))
+
+
+@functools.lru_cache(maxsize=4096)
+def _contents(prompt: Prompt) -> tuple[tuple, ...]:
+    """``Prompt.contents``, computed once per prompt (the invariant check after every step asks
+    for it of every running sequence)."""
+    out: list[tuple] = []
+    prefix: tuple = ()
+    namespace = prompt.namespace
+    for tok in prompt.cache_tokens():
+        prefix = (*prefix, tok.key)
+        out.extend((namespace, prefix, off) for off in range(tok.kv_length()))
+    return tuple(out)
 
 
 @dataclass(eq=False)

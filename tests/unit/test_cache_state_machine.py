@@ -174,8 +174,10 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         assert self.cache.namespace_count == 0 and self.cache.node_count == 0
 
 
+# 200 derandomized runs of up to 50 steps (was 300; 200 take two thirds of the time, and each
+# rule, failure point and pool size is still drawn many times over).
 CacheProtocolMachine.TestCase.settings = settings(
-    max_examples=300,
+    max_examples=200,
     stateful_step_count=50,
     deadline=None,
     derandomize=True,

@@ -32,6 +32,7 @@ from kestrel_kernels.torch_backend import (
     write_kv_scaled,
 )
 from tests.conftest import FIXTURES
+from tests.tolerance import assert_close
 
 H, D, PAGES = 2, 16, 40
 SCALES = KvScales(torch.tensor([0.02]), torch.tensor([0.015]))
@@ -79,7 +80,7 @@ def test_scaled_attention_equals_reference_on_widened_pages() -> None:
     write_kv_scaled(k8, v8, slots, k_new, v_new, SCALES)
     got = _attend(q, k8, v8, page_table, SCALES)
     widened = (dequantize_kv(k8, SCALES.k, q.dtype), dequantize_kv(v8, SCALES.v, q.dtype))
-    torch.testing.assert_close(got, _attend(q, *widened, page_table), atol=1e-6, rtol=1e-6)
+    assert_close(got, _attend(q, *widened, page_table), rel=1e-06)
     # and within e4m3's error of 16-bit (here float32) pages holding the exact values
     k32, v32 = torch.zeros(PAGES, H, D), torch.zeros(PAGES, H, D)
     write_kv_indexed(k32, v32, slots, k_new, v_new)

@@ -5,6 +5,7 @@ that is anything but a plain tensor dict, and the hub ids resolved against fake 
 from __future__ import annotations
 
 import fnmatch
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from kestrel.moondream.region import decode_coordinate
 from kestrel.moondream.text import layer_norm, linear
 from kestrel.moondream.weights import CheckpointError, load_config, load_state_dict
 from kestrel.testing.fp8_checkpoint import fp8_tensors, write_fp8_checkpoint
+from tests.tolerance import assert_close
 from tests.unit.test_weights import FakeHub
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -64,7 +66,7 @@ def test_fixture_is_the_published_form(native) -> None:
             q, scale = sd[f"text.blocks.{i}.mlp.{fc}.weight"], sd[f"text.blocks.{i}.mlp.{fc}.scale"]
             w = native[f"text.blocks.{i}.mlp.{fc}.weight"]
             assert q.dtype == FP8_DTYPE and scale.dtype == torch.float32
-            torch.testing.assert_close(scale, w.abs().amax(-1) / 448, rtol=1e-6, atol=0)
+            assert_close(scale, w.abs().amax(-1) / 448, rel=1e-06)
             err = (q.float() * scale[..., None] - w).abs()
             assert bool((err <= w.abs().amax(-1, keepdim=True) * 2.0**-4).all())
             assert float(err.max()) > 0  # really quantised
@@ -121,10 +123,8 @@ def test_region_ln_when_present(published, tmp_path: Path) -> None:
     assert without.region.ln is None and with_ln.region.ln is not None
     h = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
     want = linear(layer_norm(h, with_ln.region.ln), with_ln.region.coord_decoder)
-    torch.testing.assert_close(decode_coordinate(h, with_ln.region), want)
-    torch.testing.assert_close(
-        decode_coordinate(h, without.region), linear(h, without.region.coord_decoder)
-    )
+    assert_close(decode_coordinate(h, with_ln.region), want)
+    assert_close(decode_coordinate(h, without.region), linear(h, without.region.coord_decoder))
 
 
 def _drop(sd: dict, *keys: str) -> dict:
@@ -239,10 +239,11 @@ def test_hub_ids_resolve_to_their_file(
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     hub = FakeHub(files, tmp_path)
     monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    shards = {"a": PREVIEW[3], "b": PREVIEW[4]}
     for name in fetched:  # what the download would have left in the snapshot
-        (tmp_path / name).write_bytes(b"")
+        (tmp_path / name).write_text(json.dumps({"weight_map": shards}))
     got = resolve_checkpoint(repo, prefer_fp8=prefer_fp8)
-    patterns = hub.downloads[0]["allow_patterns"]
+    patterns = hub.downloads[-1]["allow_patterns"]
     assert sorted(f for f in files if any(fnmatch.fnmatch(f, p) for p in patterns)) == sorted(
         ["config.json", *fetched]
     )

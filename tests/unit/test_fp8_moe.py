@@ -13,6 +13,7 @@ from kestrel.moondream import moe as moe_module
 from kestrel.moondream.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows
 from kestrel.moondream.model import MoeWeights
 from kestrel.moondream.moe import moe_mlp, moe_mlp_static
+from tests.tolerance import assert_close
 from tests.unit.test_moe_static import CFG, random_moe, record
 
 DIM = 32
@@ -50,7 +51,7 @@ def test_fp8_equals_the_dequantised_moe(rows: int, form: str) -> None:
     got, r_got = fn(x_of(rows), q, CFG)
     want, r_want = fn(x_of(rows), deq, CFG)
     assert torch.equal(r_got.experts, r_want.experts)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert_close(got, want, rel=1e-05)
 
 
 class Widened:

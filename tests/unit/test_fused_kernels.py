@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton")
 
 from kestrel_kernels import fused  # noqa: E402
 from kestrel_kernels.counting import LaunchCounter  # noqa: E402
+from tests.tolerance import assert_close  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -47,7 +48,7 @@ def assert_ulp_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) 
         bound = 2.0**-6 * want.float().abs() + 2.0**-8 * scale + 1e-6
         assert torch.all((got.float() - want.float()).abs() <= bound), (got, want)
     else:
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        assert_close(got, want, rel=1e-06)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -151,7 +152,7 @@ def test_model_through_the_fused_kernels_matches_torch(interpreted) -> None:
 
     with torch.inference_mode():
         fused_logits, torch_logits = both(run)
-    torch.testing.assert_close(fused_logits, torch_logits, atol=1e-4, rtol=1e-4)
+    assert_close(fused_logits, torch_logits, rel=0.0001)
 
 
 @pytest.mark.parametrize("kernel", ["rope_kv", "add_ln"])

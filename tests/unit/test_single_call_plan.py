@@ -24,6 +24,7 @@ from kestrel_kernels.segments import (
     choose_segment_plan,
 )
 from kestrel_kernels.torch_backend import paged_attention_segmented, varlen_paged_attention_torch
+from tests.tolerance import assert_close
 
 I32 = torch.int32
 
@@ -212,5 +213,5 @@ def test_one_launch_per_layer(monkeypatch) -> None:
         per_layer[image_end] = (c.launches - planned) / layers
         assert c.by_op["flash_attn"] == layers * (1 if image_end == 60 else 2)
         ref = kk.paged_attention(**args, backend="torch")
-        assert (outs[0].float() - ref.float()).abs().max().item() <= 2e-2
+        assert_close(outs[0], ref, rel=1e-2)  # bf16: a few ulps of the largest output
     assert per_layer == {60: 1, 13: 3}

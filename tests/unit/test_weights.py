@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import sys
@@ -339,9 +340,14 @@ def test_hub_fetches_one_weights_form(
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     hub = FakeHub([*repo_files, *REPO_EXTRAS], tmp_path)
     monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    sharded = fetched == SHARDS
+    for name in fetched:  # what the download leaves in the snapshot
+        (tmp_path / name).write_text(json.dumps({"weight_map": {"a": SHARDS[1], "b": SHARDS[2]}}))
     assert resolve_checkpoint("moondream/moondream3-preview", revision="r1") == tmp_path
-    assert hub.listed == ["r1"] and len(hub.downloads) == 1
-    patterns = hub.downloads[0]["allow_patterns"]
+    # sharded: the index alone first, then the shards it names
+    assert hub.listed == ["r1"] and len(hub.downloads) == 1 + sharded
+    assert not sharded or hub.downloads[0]["allow_patterns"] == [SHARDS[0]]
+    patterns = hub.downloads[-1]["allow_patterns"]
     assert isinstance(patterns, list)
     got = [f for f in hub.files or [] if any(fnmatch.fnmatch(f, p) for p in patterns)]
     assert got == [*fetched, "config.json", "tokenizer.json"]
