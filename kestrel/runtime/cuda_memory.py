@@ -90,8 +90,11 @@ def size_kv_pool(
     fraction: float = DEFAULT_KV_MEMORY_FRACTION,
     backend: str = "auto",
     max_pages: int = MAX_POOL_PAGES,
+    kv_dtype: torch.dtype | None = None,
 ) -> KvPoolReport:
-    """Run the warm-up on ``model``'s CUDA device and size the pool; see the module doc."""
+    """Run the warm-up on ``model``'s CUDA device and size the pool; see the module doc.
+    ``kv_dtype``: the pages' dtype (default the model's; FP8 pages hold twice the positions
+    of 16-bit ones in the same bytes)."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
     dev = model.device
@@ -99,7 +102,7 @@ def size_kv_pool(
         raise ValueError(f"KV sizing from free memory needs a CUDA model, got {dev}")
     text = model.config.text
     per_page = PagedKVCache.bytes_per_page(text.n_layers, text.n_kv_heads, text.head_dim,
-                                           model.dtype)  # fmt: skip
+                                           kv_dtype or model.dtype)  # fmt: skip
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(dev)

@@ -71,12 +71,18 @@ from kestrel.runtime.sequence import (
     image_regions,
     validate_image_regions,
 )
+from kestrel_kernels import pinned
 from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
 
 
 log = logging.getLogger("kestrel.runtime")
+
+
+def _pins_host(device: torch.device) -> bool:
+    """Whether the runtime stages host data in pinned memory (CUDA; tests stand in)."""
+    return device.type == "cuda"
 
 
 def _prepared(image: object) -> tuple[PreparedImage, ...]:
@@ -129,7 +135,10 @@ class MoondreamRuntime(DecodeSteps):
         self.kv_report: KvPoolReport | None = None
         if kv_cache_pages is None and self.device.type == "cuda":
             fraction = kv_memory_fraction or DEFAULT_KV_MEMORY_FRACTION
-            self.kv_report = size_kv_pool(model, fraction=fraction, backend=attention_backend)
+            self.kv_report = size_kv_pool(
+                model, fraction=fraction, backend=attention_backend,
+                kv_dtype=self.dtype if kv_scales is None else KV_FP8_DTYPE,
+            )  # fmt: skip
             log.info("%s", self.kv_report)
             kv_cache_pages = self.kv_report.pages
         elif kv_cache_pages is None:
@@ -154,12 +163,6 @@ class MoondreamRuntime(DecodeSteps):
             kv_scales=kv_scales,
         )
         self.prefix_cache = RadixPrefixCache(self.page_table)
-        # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
-        images = (kv_cache_pages - 1) // self.config.image_tokens if enable_prefix_cache else 0
-        cuda = self.device.type == "cuda"  # uint8 crops in pinned memory, normalized there
-        self.crops = CropPool(
-            self.config.vision, normalize=not cuda, pin_memory=cuda, recent=images
-        )
         self.page_table.set_prefix_cache(self.prefix_cache)
         self.counters = RuntimeCounters()
         self._active: dict[int, SequenceState] = {}
@@ -174,6 +177,24 @@ class MoondreamRuntime(DecodeSteps):
                 model, self.kv, self.page_table.page_table, max_batch_size=max_batch_size,
                 backend=attention_backend, capture=cuda_graphs and graphs, compile=compile,
             )  # fmt: skip
+        self._start_up(kv_cache_pages)
+
+    def _start_up(self, kv_cache_pages: int) -> None:
+        """Before anything is served: the pinned ring for uploads and read-backs, every decode
+        graph captured (``cuda_graphs``: never under traffic), then the crop pool (idle until
+        the first request) with its pinned staging."""
+        pins = _pins_host(self.device)
+        if pins:
+            pinned.reserve(self.device)
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture_all()
+        # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
+        cached = (kv_cache_pages - 1) // self.config.image_tokens
+        images = cached if self.enable_prefix_cache else 0
+        # on CUDA: uint8 crops in pinned staging, normalized on the device
+        self.crops = CropPool(
+            self.config.vision, normalize=not pins, pin_memory=pins, recent=images
+        )
 
     @classmethod
     def from_pretrained(
