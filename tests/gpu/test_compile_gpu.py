@@ -55,7 +55,7 @@ def _generate(model: MoondreamModel, image: np.ndarray) -> tuple[list[torch.Tens
         logits = rt.decode_step(states, [TextToken(t) for t in tokens[-1]])
         out.append(logits.float().cpu())
         tokens.append(logits.argmax(-1).tolist())
-    assert rt.decode_graphs is not None and rt.decode_graphs.captured == (4,)
+    assert rt.decode_graphs is not None and rt.decode_graphs.captured == (1, 2, 4)
     for s in states:
         rt.release_sequence(s)
     rt.check_integrity()
