@@ -43,7 +43,7 @@ from kestrel.tokens import CoordToken, SizeToken, TextToken
 from kestrel_kernels import pinned
 from kestrel_kernels.counting import count_upload
 
-__all__ = ["DecodeGraphs", "GraphCapture", "bucket_sizes", "graphs_supported"]
+__all__ = ["DecodeGraphs", "GraphCapture", "bucket_sizes", "graphs_supported", "upload_into"]
 
 log = logging.getLogger("kestrel.runtime")
 
@@ -68,6 +68,21 @@ def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
         b *= 2
     sizes.append(max_batch_size)
     return tuple(sizes)
+
+
+def upload_into(static: Tensor, host: Tensor) -> None:
+    """``host`` into a graph's input buffer without blocking: on CUDA through a slot of the
+    pinned ring reserved at start-up (pinned per call only where none was reserved)."""
+    ring = pinned.ring(static.device) if static.is_cuda else None
+    staged = ring.staged(host) if ring is not None else None
+    if ring is None or staged is None:
+        if static.is_cuda:
+            host = host.pin_memory()
+        static.copy_(host, non_blocking=True)
+        return
+    slot, view = staged
+    static.copy_(view, non_blocking=True)
+    ring.copied(slot)
 
 
 class GraphCapture:
@@ -166,7 +181,7 @@ class DecodeGraphs:
             [[*rows, *pad], [*lengths, *pad], [*ids, *pad], [*flags, *pad]], dtype=torch.int64
         )
         count_upload(blocking=False)
-        self._upload(bucket.index_4B, host)
+        upload_into(bucket.index_4B, host)
         if ids_B is not None:
             bucket.index_4B[2, :n].copy_(ids_B)  # device to device, after the upload
         elif not all(is_text):
@@ -188,19 +203,6 @@ class DecodeGraphs:
             bucket = self._bucket(size)
             if self.capture and bucket.graph is None and size not in self.failures:
                 self._capture(bucket)
-
-    def _upload(self, index_4B: Tensor, host: Tensor) -> None:
-        """``host`` into the bucket's index buffer, through a pinned ring slot on CUDA."""
-        ring = pinned.ring(index_4B.device) if index_4B.is_cuda else None
-        staged = ring.staged(host) if ring is not None else None
-        if ring is None or staged is None:
-            if index_4B.is_cuda:  # no ring reserved (used on its own): pinned per step
-                host = host.pin_memory()
-            index_4B.copy_(host, non_blocking=True)
-            return
-        slot, view = staged
-        index_4B.copy_(view, non_blocking=True)
-        ring.copied(slot)
 
     # ------------------------------------------------------------------ internals
     def _step(self, bucket: _Bucket) -> tuple[Tensor, Tensor]:

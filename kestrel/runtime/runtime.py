@@ -56,10 +56,12 @@ from kestrel.prefix_cache.node import token_kv_length
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 from kestrel.runtime.compiled import CompiledPrefill, check_compile
 from kestrel.runtime.crop_pool import CropPool
-from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
+from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
 from kestrel.runtime.decode_steps import DecodeSteps
+from kestrel.runtime.graph_set import GraphSet
 from kestrel.runtime.prefill import prefill_batch, prefill_item
+from kestrel.runtime.prefill_graphs import PrefillGraphs
 from kestrel.runtime.sequence import (
     PromptToken,
     RuntimeCounters,
@@ -71,6 +73,7 @@ from kestrel.runtime.sequence import (
     image_regions,
     validate_image_regions,
 )
+from kestrel.runtime.vision_graphs import VisionGraphs
 from kestrel_kernels import pinned
 from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
@@ -170,24 +173,24 @@ class MoondreamRuntime(DecodeSteps):
         if compile:
             check_compile(self.device)
         self.compiled_prefill = CompiledPrefill() if compile else None
-        self.decode_graphs: DecodeGraphs | None = None
-        graphs = graphs_supported(model, attention_backend)
-        if kv_scales is None and (graphs or compile):
-            self.decode_graphs = DecodeGraphs(
-                model, self.kv, self.page_table.page_table, max_batch_size=max_batch_size,
-                backend=attention_backend, capture=cuda_graphs and graphs, compile=compile,
-            )  # fmt: skip
-        self._start_up(kv_cache_pages)
+        graphs = GraphSet.build(
+            model, self.kv, self.page_table.page_table, max_batch_size=max_batch_size,
+            backend=attention_backend, capture=cuda_graphs, compile=compile,
+            fp8_kv=kv_scales is not None,
+        )  # fmt: skip
+        self.decode_graphs: DecodeGraphs | None = graphs.decode
+        self.prefill_graphs: PrefillGraphs | None = graphs.prefill
+        self.vision_graphs: VisionGraphs | None = graphs.vision
+        self._start_up(kv_cache_pages, graphs)
 
-    def _start_up(self, kv_cache_pages: int) -> None:
-        """Before anything is served: the pinned ring for uploads and read-backs, every decode
-        graph captured (``cuda_graphs``: never under traffic), then the crop pool (idle until
-        the first request) with its pinned staging."""
+    def _start_up(self, kv_cache_pages: int, graphs: GraphSet) -> None:
+        """Before anything is served: the pinned ring for uploads and read-backs, every graph
+        captured (decode, prefill, vision: ``graph_set.py``; never under traffic), then the
+        crop pool (idle until the first request) with its pinned staging."""
         pins = _pins_host(self.device)
         if pins:
             pinned.reserve(self.device)
-        if self.decode_graphs is not None:
-            self.decode_graphs.capture_all()
+        graphs.capture_all()
         # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
         cached = (kv_cache_pages - 1) // self.config.image_tokens
         images = cached if self.enable_prefix_cache else 0
@@ -282,6 +285,10 @@ class MoondreamRuntime(DecodeSteps):
         with self.crops.hold(self._images_to_encode(states)):  # all of them start at once
             items = [prefill_item(s, self.model, self.dtype, self._encode_images(s))
                      for s in states]  # fmt: skip
+        if self.prefill_graphs is not None:
+            replayed = self.prefill_graphs.run(items)
+            if replayed is not None:
+                return replayed
         compiled = self.compiled_prefill
         run = prefill_batch if compiled is None else compiled.prefill_batch
         hidden_BC = run(
@@ -383,4 +390,6 @@ class MoondreamRuntime(DecodeSteps):
         dim]."""
         crops = self.crops.pixels(image)
         pixels = crops.encoder_input(self.dtype, self.device)
+        if self.vision_graphs is not None:
+            return self.vision_graphs.encode(pixels, crops.tiling)
         return encode_image(pixels, crops.tiling, self.model.vision, self.config.vision)

@@ -4,24 +4,27 @@ On CUDA the decode graphs are captured at start-up, and pinned host memory (crop
 uploads, read-backs) is taken then too; serving only replays and reuses. Proved here on the CPU
 with recording stand-ins: ``GraphCapture`` (a "graph" that replays by recomputing into its
 captured outputs), ``pinned_empty`` and ``Tensor.pin_memory`` record the thread and whether
-the engine had started. 200 mixed requests from 8 threads then find every bucket captured at
-start-up, nothing captured or pinned after it, and the same greedy answers as an engine
-without graphs. The CUDA half (thread_local capture mode; a failed capture leaves its bucket
-eager) runs against stand-ins of ``torch.cuda``'s capture calls.
+the engine had started. 200 mixed requests from 8 threads then find every decode, prefill and
+vision graph captured at start-up (and replayed), nothing captured or pinned after it, and the
+same greedy answers as an engine without graphs (which runs the eager prefill and encoder).
+The CUDA half (thread_local capture mode; a failed capture leaves its bucket eager) runs
+against stand-ins of ``torch.cuda``'s capture calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
 import kestrel.runtime.runtime as runtime_mod
 from kestrel import Engine
-from kestrel.runtime import cuda_graphs
+from kestrel.runtime import cuda_graphs, graph_set
 from kestrel_kernels import pinned
 from tests.integration.conftest import FIXTURE_MODEL, assert_idle
 
@@ -80,7 +83,7 @@ def record(monkeypatch) -> Record:
         return self
 
     monkeypatch.setattr(cuda_graphs, "GraphCapture", recording_capture(rec))
-    monkeypatch.setattr(runtime_mod, "graphs_supported", lambda model, backend: True)
+    monkeypatch.setattr(graph_set, "graphs_supported", lambda model, backend: True)
     monkeypatch.setattr(runtime_mod, "_pins_host", lambda device: True)  # staged as on CUDA
     monkeypatch.setattr(pinned, "pinned_empty", pinned_empty)
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
@@ -125,30 +128,48 @@ def _serve(engine: Engine, requests: list[tuple]) -> list:
     return [f.result(timeout=300) for f in futures]
 
 
-def test_nothing_captured_or_pinned_while_serving(record, images) -> None:
+@pytest.fixture(scope="module")
+def few_crops(tmp_path_factory) -> str:
+    """The fixture model with at most 2 local crops an image: 3 vision graphs to capture on a
+    CPU instead of 13 (each a full encoder run here)."""
+    src, dst = Path(FIXTURE_MODEL), tmp_path_factory.mktemp("few-crops")
+    for name in ("model.safetensors", "tokenizer.json"):
+        (dst / name).symlink_to(src / name)
+    config = json.loads((src / "config.json").read_text())
+    config["config"]["vision"]["max_crops"] = 2
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_nothing_captured_or_pinned_while_serving(record, images, few_crops) -> None:
     requests = _requests(images)
-    engine = Engine(FIXTURE_MODEL, device="cpu", dtype="float32", kv_cache_pages=6000,
+    engine = Engine(few_crops, device="cpu", dtype="float32", kv_cache_pages=6000,
                     max_batch_size=8)  # fmt: skip
     record.started = True
     try:
-        graphs = engine.runtime.decode_graphs
-        assert graphs is not None and graphs.capture
+        rt = engine.runtime
+        graphs, prefill, vision = rt.decode_graphs, rt.prefill_graphs, rt.vision_graphs
+        assert graphs is not None and prefill is not None and vision is not None
+        n_vision = 1 + rt.config.vision.max_crops
         results = _serve(engine, requests)
         assert_idle(engine)
         assert graphs.captured == graphs.sizes == (1, 2, 4, 8) and graphs.failures == {}
-        assert graphs.replays > 0
+        assert prefill.captured == prefill.shapes and prefill.failures == {}
+        assert vision.captured == tuple(range(1, 1 + n_vision)) and vision.failures == {}
+        assert graphs.replays > 0 and prefill.replays > 0 and vision.replays > 0
         staging = engine.runtime.crops._cropper.staging
         assert staging is not None and staging.takes > 0  # the crops went through it
     finally:
         engine.close()
     captures = record.of("capture", after_start=False)
-    assert len(captures) == 4 and {t for _, t, _ in captures} == {"MainThread"}
+    n_graphs = len(graphs.sizes) + len(prefill.shapes) + n_vision
+    assert len(captures) == n_graphs and {t for _, t, _ in captures} == {"MainThread"}
     assert record.of("capture", after_start=True) == []
     assert record.of("pin", after_start=False)  # the staging, taken at start-up
     assert record.of("pin", after_start=True) == []
     assert len(results) == 200
 
-    plain = Engine(FIXTURE_MODEL, device="cpu", dtype="float32", kv_cache_pages=6000,
+    plain = Engine(few_crops, device="cpu", dtype="float32", kv_cache_pages=6000,
                    max_batch_size=8, attention_backend="torch")  # fmt: skip
     try:
         greedy = [i for i, r in enumerate(requests) if r[0] == "query" and not r[3].get("top_p")]
