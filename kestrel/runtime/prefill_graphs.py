@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import kestrel.runtime.cuda_graphs as cuda_graphs
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, lm_head, text_forward
-from kestrel.runtime import cuda_graphs
 from kestrel.runtime.prefill import PrefillItem, check_items
 from kestrel_kernels.counting import count_upload
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+import kestrel.runtime.cuda_graphs as cuda_graphs
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.vision import (
     check_crops,
@@ -22,7 +23,6 @@ from kestrel.moondream.vision import (
     vision_encoder,
     vision_projection,
 )
-from kestrel.runtime import cuda_graphs
 
 __all__ = ["VisionGraphs"]
 
