@@ -18,7 +18,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 t0=$(date +%s)
 
 echo "== 1/3 probe" >&2
-timeout 120 "$PY" - > "$OUT/probe.json" 2> "$OUT/probe.log" <<'PYEOF'
+timeout 60 "$PY" - > "$OUT/probe.json" 2> "$OUT/probe.log" <<'PYEOF'
 import json
 
 import torch
@@ -41,12 +41,12 @@ probe_rc=$?
 cat "$OUT/probe.json" >&2
 
 echo "== 2/3 pytest -m gpu tests/gpu" >&2
-timeout 170 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+timeout 200 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 pytest_rc=$?
 tail -3 "$OUT/pytest.log" >&2
 
 echo "== 3/3 bench" >&2
-timeout 240 "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
+timeout 200 "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
   --modes direct,cot --sampling greedy,default --startup-threads 16 --allow-busy --summary \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
