@@ -29,8 +29,9 @@ from torch import Tensor
 import kestrel.runtime.cuda_graphs as cuda_graphs
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, lm_head, text_forward
-from kestrel.runtime.prefill import PrefillItem, check_items
+from kestrel.runtime.prefill import PrefillItem, causal_rows, check_items
 from kestrel_kernels.counting import count_upload
+from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
 
 __all__ = ["ForwardBatch", "PrefillGraphs", "prefill_buckets"]
 
@@ -39,40 +40,54 @@ log = logging.getLogger("kestrel.runtime")
 HIT_TOKENS = (16, 32, 64)
 HIT_ROWS = (1, 2, 4, 8)
 _META_ROWS = 6  # per row: KV length, query length, page-table row, block start, block end, pad
+Shape = tuple[int, int, bool, "int | None"]  # rows, tokens, image block, causal-rows bound
 
 
-def prefill_buckets(
-    prefix_len: int, max_context: int, max_batch: int
-) -> list[tuple[int, int, bool]]:
-    """(rows, tokens, image block) of every bucket: hits of up to 64 new positions on up to 8
-    rows, and one-row misses whose prompt is the BOS + image block and a question."""
-    hits = [(r, t, False) for r in HIT_ROWS if r <= max_batch for t in HIT_TOKENS]
-    miss = sorted({min(max_context, -(-(prefix_len + extra) // 64) * 64) for extra in (40, 168)})
-    return hits + [(1, t, True) for t in miss if t > prefix_len]
+def prefill_buckets(prefix_len: int, max_context: int, max_batch: int) -> list[Shape]:
+    """(rows, tokens, image block, causal bound) of every bucket: hits of up to 64 new
+    positions on up to 8 rows, and one-row misses whose prompt is the BOS + image block and a
+    question: one whose question has at most ``SINGLE_CALL_MAX_CAUSAL_ROWS`` positions (one
+    attention call per layer), one for longer questions (two)."""
+    hits = [(r, t, False, None) for r in HIT_ROWS if r <= max_batch for t in HIT_TOKENS]
+    short, long = SINGLE_CALL_MAX_CAUSAL_ROWS, SINGLE_CALL_MAX_CAUSAL_ROWS + 128
+    misses = [(1, min(max_context, -(-(prefix_len + extra) // 64) * 64), True, bound)
+              for extra, bound in ((short, short), (long, None))]  # fmt: skip
+    return hits + [m for m in dict.fromkeys(misses) if m[1] > prefix_len]
 
 
 @dataclass(slots=True)
 class ForwardBatch:
     """The fixed inputs of one prefill shape ``[B, T]`` (module doc): ``x_BTC`` and ``meta``,
-    int32 ``[B * T + 6 * B]``: positions, then per row the fields of ``_META_ROWS``."""
+    int32 ``[B * T + 6 * B]``: positions, then per row the fields of ``_META_ROWS``.
+    ``causal_rows``: the bound on a row's queries outside its image block that the attention
+    plan is built for (None: ``T``)."""
 
     B: int
     T: int
     regions: bool
+    causal_rows: int | None
     x_BTC: Tensor
     meta: Tensor
 
     @classmethod
-    def allocate(cls, B: int, T: int, regions: bool, dim: int, dtype, device) -> ForwardBatch:
+    def allocate(cls, shape: Shape, dim: int, dtype, device) -> ForwardBatch:
+        B, T, regions, causal_rows = shape
         x = torch.zeros(B, T, dim, dtype=dtype, device=device)
         meta = torch.zeros(B * T + _META_ROWS * B, dtype=torch.int32, device=device)
-        batch = cls(B, T, regions, x, meta)
+        batch = cls(B, T, regions, causal_rows, x, meta)
         batch.meta.copy_(batch.host_meta([]))
         return batch
 
+    @property
+    def shape(self) -> Shape:
+        return (self.B, self.T, self.regions, self.causal_rows)
+
     def fits(self, items: Sequence[PrefillItem]) -> bool:
         return len(items) <= self.B and all(
-            it.n <= self.T and it.adapter is None and len(it.regions) == int(self.regions)
+            it.n <= self.T
+            and it.adapter is None
+            and len(it.regions) == int(self.regions)
+            and (self.causal_rows is None or causal_rows(it) <= self.causal_rows)
             for it in items
         )
 
@@ -123,6 +138,8 @@ def prefill_static(
         seqused_q=seqused_q,
         bidir_regions=regions_B2.contiguous() if batch.regions else None,
         backend=backend,
+        causal_rows=batch.causal_rows,
+        zero_padding=False,  # padding positions' outputs are dropped; positions do not mix
     )
     B, T = batch.B, batch.T
     last_B = (seqused_q.long() - 1).clamp(min=0) + torch.arange(B, device=seqused_q.device) * T
@@ -150,27 +167,25 @@ class PrefillGraphs:
         cfg = model.config
         shapes = prefill_buckets(cfg.prefix_len, cfg.text.max_context, max_batch_size)
         dim, dev = cfg.text.dim, page_table_RP.device
-        self._buckets = [
-            _Bucket(ForwardBatch.allocate(B, T, r, dim, model.dtype, dev)) for B, T, r in shapes
-        ]
+        self._buckets = [_Bucket(ForwardBatch.allocate(s, dim, model.dtype, dev)) for s in shapes]
         self._capturer: cuda_graphs.GraphCapture | None = None
-        self.failures: dict[tuple[int, int, bool], str] = {}
+        self.failures: dict[Shape, str] = {}
         self.replays = 0
 
     @property
-    def shapes(self) -> tuple[tuple[int, int, bool], ...]:
-        return tuple((b.batch.B, b.batch.T, b.batch.regions) for b in self._buckets)
+    def shapes(self) -> tuple[Shape, ...]:
+        return tuple(b.batch.shape for b in self._buckets)
 
     @property
-    def captured(self) -> tuple[tuple[int, int, bool], ...]:
-        return tuple((b.batch.B, b.batch.T, b.batch.regions) for b in self._buckets if b.graph)
+    def captured(self) -> tuple[Shape, ...]:
+        return tuple(b.batch.shape for b in self._buckets if b.graph is not None)
 
     def capture_all(self) -> None:
         """Capture every bucket (start-up only; a failure is logged, the bucket runs eagerly)."""
         if not self.capture:
             return
         for bucket in self._buckets:
-            shape = (bucket.batch.B, bucket.batch.T, bucket.batch.regions)
+            shape = bucket.batch.shape
             if bucket.graph is not None or shape in self.failures:
                 continue
             if self._capturer is None:

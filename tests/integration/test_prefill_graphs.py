@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import torch
 
+from kestrel.moondream.model import MoondreamModel
 from kestrel.runtime.prefill import prefill_item
 from kestrel.runtime.prefill_graphs import ForwardBatch, PrefillGraphs, prefill_buckets
+from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.runtime.vision_graphs import VisionGraphs
+from kestrel.tokens import TextToken
+from kestrel_kernels import fa_backend
+from tests.conftest import fixture_dir
 from tests.integration.test_batched_prefill import _batched, _requests
+from tests.unit.test_fa_contract import RecordingBinding
 
 
 def _static(rt, model, calls: list | None = None) -> tuple[PrefillGraphs, VisionGraphs]:
@@ -57,10 +63,14 @@ def test_static_prefill_and_vision_equal_eager(make_runtime, model, images) -> N
 def test_buckets_and_what_fits(model) -> None:
     cfg = model.config
     shapes = prefill_buckets(cfg.prefix_len, cfg.text.max_context, 4)
-    assert (1, 16, False) in shapes and (4, 64, False) in shapes and (8, 16, False) not in shapes
-    misses = [t for b, t, r in shapes if r]
-    assert misses and all(t > cfg.prefix_len and t % 64 == 0 for t in misses)
-    batch = ForwardBatch.allocate(2, 16, False, cfg.text.dim, model.dtype, torch.device("cpu"))
+    hits = [s[:2] for s in shapes if not s[2]]
+    assert (1, 16) in hits and (4, 64) in hits and (8, 16) not in hits
+    misses = [s for s in shapes if s[2]]
+    assert [(b, bound) for b, _t, _r, bound in misses] == [(1, 64), (1, None)]
+    assert all(t > cfg.prefix_len and t % 64 == 0 for _b, t, _r, _c in misses)
+    assert misses[0][1] >= cfg.prefix_len + 64  # a question of 64 positions fits the first
+    batch = ForwardBatch.allocate((2, 16, False, None), cfg.text.dim, model.dtype,
+                                  torch.device("cpu"))  # fmt: skip
     positions, seqused_k, seqused_q, rows, regions = batch.fields()
     assert (positions == -1).all() and seqused_k.tolist() == seqused_q.tolist() == [1, 1]
     assert rows.tolist() == [0, 0] and regions.tolist() == [[0, 0], [0, 0]]
@@ -76,3 +86,57 @@ def test_a_prefill_that_fits_no_bucket_runs_eagerly(make_runtime, model, images)
     assert prefill.run(items) is None
     for s in states:
         rt.abort_sequence(s)
+
+
+class GarbagePadding(RecordingBinding):
+    """The fa stand-in, but rows outside every sequence, and rows that see no key, come back
+    NaN: what uninitialized memory may hold on a GPU. The static prefill asks for no zeroing
+    of padding rows."""
+
+    garbage = 0  # rows made NaN
+
+    def __call__(self, q, k, v, *args, cu_seqlens_q=None, seqused_k=None, **kwargs):
+        out, lse = super().__call__(q, k, v, *args, cu_seqlens_q=cu_seqlens_q,
+                                    seqused_k=seqused_k, **kwargs)  # fmt: skip
+        out, cu = out.clone(), cu_seqlens_q.tolist()
+        out[cu[-1] :] = float("nan")  # rows in no sequence
+        self.garbage += out.shape[0] - cu[-1]
+        for s, keys in enumerate(seqused_k.tolist()):  # rows that see no key
+            if keys == 0:
+                out[cu[s] : cu[s + 1]] = float("nan")
+                self.garbage += cu[s + 1] - cu[s]
+        return out, lse
+
+
+def test_static_prefill_on_the_fa_path_ignores_padding_rows(monkeypatch) -> None:
+    model = MoondreamModel.from_pretrained(fixture_dir(), device="cpu", dtype=torch.bfloat16)
+    binding = GarbagePadding()
+    monkeypatch.setattr(fa_backend, "probe", lambda device=None: fa_backend.FaProbe(True, "fake"))
+    monkeypatch.setattr(fa_backend, "load_binding", lambda: binding)
+    image = torch.randint(0, 256, (378, 378, 3), generator=torch.Generator().manual_seed(3),
+                          dtype=torch.uint8).numpy()  # fmt: skip
+    bos = TextToken(model.config.tokenizer.bos_id)
+    prompts = [[bos, *(TextToken(300 + i) for i in range(n))] for n in (9, 6)]
+    runs, calls = {}, []
+    for how in ("eager", "static"):
+        rt = MoondreamRuntime(model, kv_cache_pages=4000, max_batch_size=4,
+                              attention_backend="fa")  # fmt: skip
+        if how == "static":
+            graphs = PrefillGraphs(
+                model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend="fa",
+                capture=False,
+            )  # fmt: skip
+            step = graphs._step
+            graphs._step = lambda b, step=step: calls.append(b.batch.shape) or step(b)
+            rt.prefill_graphs = graphs
+        out = []
+        for tokens in prompts:  # a miss, then a hit of the same image
+            state, logits = rt.start_sequence(tokens, image, max_new_tokens=2)
+            out.append(logits.float())
+            rt.release_sequence(state)
+        runs[how] = out
+    assert [s[2] for s in calls] == [True, False]  # the miss bucket, then a hit bucket
+    assert binding.garbage > 0
+    for got, want in zip(runs["static"], runs["eager"], strict=True):
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
