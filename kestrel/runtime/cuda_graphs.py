@@ -94,7 +94,7 @@ class GraphCapture:
         self._pool = None
         self.captures = 0
 
-    def capture(self, fn: Callable[[], tuple[Tensor, Tensor]]) -> tuple[object, tuple]:
+    def capture(self, fn: Callable[[], tuple[Tensor, ...]]) -> tuple[object, tuple]:
         """Warm ``fn`` up twice on a side stream (compiles its kernels), then capture it:
         (the graph, ``fn``'s outputs, which every replay overwrites). Raises what CUDA raised
         if the capture failed (after waiting for the device)."""
