@@ -20,7 +20,7 @@ eagerly.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +41,7 @@ HIT_TOKENS = (16, 32, 64)
 HIT_ROWS = (1, 2, 4, 8)
 _META_ROWS = 6  # per row: KV length, query length, page-table row, block start, block end, pad
 Shape = tuple[int, int, bool, "int | None"]  # rows, tokens, image block, causal-rows bound
+Output = tuple[Tensor, Tensor]  # hidden [n, C], logits [n, V]
 
 
 def prefill_buckets(prefix_len: int, max_context: int, max_batch: int) -> list[Shape]:
@@ -216,6 +217,42 @@ class PrefillGraphs:
             hidden, logits = self._step(bucket)
         n = len(items)
         return hidden[:n].clone(), logits[:n].clone()
+
+    def run_all(
+        self, items: Sequence[PrefillItem], eager: Callable[[list[PrefillItem]], Output]
+    ) -> Output:
+        """Every item's (hidden, logits), in item order: all of them from one bucket where
+        they fit one; else each image miss from a miss bucket, the hits in groups of as many
+        rows as a hit bucket holds, and what fits no bucket through ``eager`` (one call)."""
+        whole = self.run(items)
+        if whole is not None:
+            return whole
+        groups: list[list[int]] = []
+        hits, rest = [], []
+        for i, it in enumerate(items):
+            if not any(b.batch.fits([it]) for b in self._buckets):
+                rest.append(i)
+            elif it.regions:
+                groups.append([i])
+            else:
+                hits.append(i)
+        rows = max((b.batch.B for b in self._buckets if not b.batch.regions), default=1)
+        groups += [hits[k : k + rows] for k in range(0, len(hits), rows)]
+        parts: list[tuple[list[int], Output]] = []
+        for group in groups:
+            out = self.run([items[i] for i in group])
+            if out is None:  # every bucket's rows fit, so only a bucket set without one
+                rest += group
+            else:
+                parts.append((group, out))
+        if rest:
+            rest.sort()
+            parts.append((rest, eager([items[i] for i in rest])))
+        at = {i: (k, j) for k, (group, _) in enumerate(parts) for j, i in enumerate(group)}
+        order = [at[i] for i in range(len(items))]  # one cat each: no index upload
+        hidden = torch.cat([parts[k][1][0][j : j + 1] for k, j in order])
+        logits = torch.cat([parts[k][1][1][j : j + 1] for k, j in order])
+        return hidden, logits
 
     def _step(self, bucket: _Bucket) -> tuple[Tensor, Tensor]:
         return prefill_static(self.model, self.kv, self.page_table_RP, bucket.batch, self.backend)

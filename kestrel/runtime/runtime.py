@@ -285,15 +285,16 @@ class MoondreamRuntime(DecodeSteps):
         with self.crops.hold(self._images_to_encode(states)):  # all of them start at once
             items = [prefill_item(s, self.model, self.dtype, self._encode_images(s))
                      for s in states]  # fmt: skip
-        if self.prefill_graphs is not None:
-            replayed = self.prefill_graphs.run(items)
-            if replayed is not None:
-                return replayed
-        compiled = self.compiled_prefill
-        run = prefill_batch if compiled is None else compiled.prefill_batch
-        hidden_BC = run(
-            self.model, self.kv, self.page_table.page_table, items, self.attention_backend
+        if self.prefill_graphs is not None:  # replayed where the items fit its buckets
+            return self.prefill_graphs.run_all(items, self._prefill_eager)
+        return self._prefill_eager(items)
+
+    def _prefill_eager(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        run = (
+            prefill_batch if self.compiled_prefill is None else self.compiled_prefill.prefill_batch
         )
+        hidden_BC = run(self.model, self.kv, self.page_table.page_table, items,
+                        self.attention_backend)  # fmt: skip
         return hidden_BC, lm_head(hidden_BC, self.model.text)
 
     def commit_sequence(self, state: SequenceState, hidden_C: torch.Tensor) -> None:

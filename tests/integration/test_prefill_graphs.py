@@ -15,6 +15,7 @@ from kestrel.runtime.vision_graphs import VisionGraphs
 from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
 from tests.conftest import fixture_dir
+from tests.integration.conftest import text_tokens
 from tests.integration.test_batched_prefill import _batched, _requests
 from tests.unit.test_fa_contract import RecordingBinding
 
@@ -140,3 +141,24 @@ def test_static_prefill_on_the_fa_path_ignores_padding_rows(monkeypatch) -> None
     for got, want in zip(runs["static"], runs["eager"], strict=True):
         assert bool(torch.isfinite(got).all())
         torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
+
+
+def test_a_mixed_wave_is_split_over_buckets(make_runtime, model, images, monkeypatch) -> None:
+    """Two image misses and a text prompt in one prefill fit no single bucket: each miss runs
+    from a miss bucket, the text prompt from a hit bucket, a prompt too long for any bucket
+    eagerly; the logits, in item order, are the eager path's."""
+    first, _ = _requests(model.config, images)
+    bos = model.config.tokenizer.bos_id
+    long_text = (text_tokens([bos, *range(300, 400)]), None)  # 101 positions: no bucket
+    wave = [first[0], first[1], long_text, first[2]]
+    logits, calls = {}, []
+    for how in ("eager", "static"):
+        rt = make_runtime()
+        if how == "static":
+            _static(rt, model, calls)
+        states, logits[how] = _batched(rt, wave)
+        for s in states:
+            rt.release_sequence(s)
+    prefills = [c[1:] for c in calls if c[0] == "prefill"]
+    assert sorted(prefills) == [(1, 16), (1, 832), (1, 832)], calls
+    _close(logits["static"], logits["eager"])
