@@ -12,9 +12,10 @@ and its logits. Padding positions and rows write no K/V (slot -1) and their outp
 dropped, as in the eager padded prefill (``prefill.py``), whose arithmetic per row this is.
 
 Every bucket is captured at start-up (``capture_all``, like the decode graphs: never while
-serving). A prefill that fits no bucket -- LoRA adapters, several image blocks in one row, more
-rows or positions than the largest bucket, Moondream 3's MoE layers, FP8 KV pages -- runs
-eagerly.
+serving). ``run_all`` splits a wave of prefills that fits no single bucket (each image miss
+alone, the hits in groups); what fits no bucket -- LoRA adapters, several image blocks in one
+row, more positions than the largest bucket -- runs eagerly, in one batched forward. Moondream
+3's MoE layers and FP8 KV pages get no prefill graphs at all (``graph_set.py``).
 """
 
 from __future__ import annotations
