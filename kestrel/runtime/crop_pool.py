@@ -176,7 +176,8 @@ class _Cropper:
         np_dtype, _ = self._dtypes()
         out = np.empty((g.n_crops, 3, g.crop, g.crop), np_dtype)
         lut = lut_image(self.table) if self.table is not None else None
-        self._each(lambda part: write_planes(vips_image(pixels), g, out, lut, part), parts)
+        image = vips_image(pixels)  # libvips images are immutable: the parts share it
+        self._each(lambda part: write_planes(image, g, out, lut, part), parts)
         return torch.from_numpy(out)
 
 
