@@ -9,6 +9,7 @@ backend, so importing this package on a CPU machine never touches it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +169,7 @@ def plan_attention(
     dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
     causal_rows: int | None = None,
+    zero_padding: bool = True,
 ) -> AttentionPlan:
     """Build once per forward what every layer's ``paged_attention`` call would rebuild.
 
@@ -175,7 +177,9 @@ def plan_attention(
     CUDA graphs capture records these few kernels once, not once per layer. ``causal_rows``:
     a host-known bound on each row's real queries outside ``bidir_regions`` (None = ``q_len``);
     with regions and a bound of at most ``segments.SINGLE_CALL_MAX_CAUSAL_ROWS``, ``fa`` makes
-    one attention call per layer instead of two.
+    one attention call per layer instead of two. ``zero_padding=False``: padding query rows
+    (beyond ``seqused_q``) may hold anything instead of zeros (one masking launch per layer
+    saved; for callers that drop those rows and whose rows do not mix, as a padded prefill's).
     """
     resolve = _traced_resolve if torch.compiler.is_compiling() else _resolve_for
     resolved = resolve(backend, page_table.device, dtype)
@@ -184,6 +188,8 @@ def plan_attention(
         segments = choose_segment_plan(
             q_len, seqused_k, seqused_q, bidir_regions, causal, causal_rows
         )
+        if not zero_padding and segments.valid_BL is not None:
+            segments = dataclasses.replace(segments, valid_BL=None)
         pages = fa_backend.pages_per_segment(page_table.contiguous(), segments.segs_per_row)
     return AttentionPlan(resolved, q_len, causal, page_table, seqused_k, seqused_q,
                          bidir_regions, segments, pages)  # fmt: skip

@@ -3,9 +3,11 @@
 ``torch.tensor(data, device="cuda")`` copies from pageable host memory: the host waits until
 the copy is done, which means until everything queued on the stream before it is done -- a
 full stall of the pipeline for a few bytes of metadata. ``upload`` builds the tensor on the
-host, pins it (PyTorch's caching host allocator keeps the pinned block alive until the copy
-has run) and copies it with ``non_blocking=True``, so the host goes on queueing work. On a CPU
-it is the plain tensor.
+host, stages it in pinned memory and copies it with ``non_blocking=True``, so the host goes on
+queueing work. The pinned memory is a slot of the ring the runtime reserved at start-up
+(``pinned.py``); without one (kernels used on their own) the tensor is pinned per call, and
+PyTorch's caching host allocator keeps the block alive until the copy has run. On a CPU it is
+the plain tensor.
 
 ``Readback`` is the other direction: a device tensor copied into pinned host memory without
 blocking, with an event behind it, read later. Reading waits for that event only, not for the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kestrel_kernels import pinned
 from kestrel_kernels.counting import active_counter, count_upload
 
 __all__ = ["Readback", "upload"]
@@ -30,7 +33,14 @@ def upload(data: object, dtype: torch.dtype, device: torch.device | str) -> Tens
     count_upload(blocking=False)
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    ring = pinned.ring(device)
+    staged = ring.staged(host.contiguous()) if ring is not None else None
+    if staged is None:
+        return host.pin_memory().to(device, non_blocking=True)
+    slot, view = staged
+    out = view.to(device, non_blocking=True)
+    ring.copied(slot)
+    return out
 
 
 class Readback:
@@ -42,16 +52,25 @@ class Readback:
     (``LaunchCounter.readback``).
     """
 
-    __slots__ = ("_event", "_host", "_mark", "_values")
+    __slots__ = ("_event", "_host", "_mark", "_ring", "_slot", "_values")
 
     def __init__(self, tensor: Tensor) -> None:
         self._values: list | None = None
         self._event = None
+        self._ring: pinned.HostRing | None = None
+        self._slot = -1
         if tensor.is_cuda:
-            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            ring = pinned.ring(tensor.device)
+            taken = ring.empty_like(tensor, self) if ring is not None else None
+            if taken is not None and ring is not None:
+                self._ring, (self._slot, self._host) = ring, taken
+                self._host.copy_(tensor, non_blocking=True)
+                ring.copied(self._slot)
+            else:
+                self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                self._host.copy_(tensor, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
         else:
             self._host = tensor.clone()  # one launch, like the copy it stands for
         counter = active_counter()
@@ -62,6 +81,8 @@ class Readback:
         if self._values is None:
             if self._event is not None:
                 self._event.synchronize()
+            elif self._ring is not None:
+                self._ring.wait(self._slot)
             counter = active_counter()
             if counter is not None:
                 counter.readback(self._mark)
@@ -69,4 +90,11 @@ class Readback:
                     self._values = self._host.tolist()
             else:
                 self._values = self._host.tolist()
+            if self._ring is not None:  # the slot is free again
+                self._ring.released(self._slot, self)
+                self._ring = None
         return self._values
+
+    def settle(self) -> None:
+        """Read now: the ring wants this read-back's slot back."""
+        self.tolist()

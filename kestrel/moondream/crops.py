@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 __all__ = [
     "CropError",
     "CropGeometry",
+    "CropPart",
     "OverlapCrops",
     "check_pixels",
     "crop_geometry",
+    "crop_parts",
     "lut_image",
     "overlap_crops",
     "select_tiling",
@@ -94,6 +96,33 @@ class CropGeometry:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class CropPart:
+    """Some of an image's crops, made on their own: the global crop (``whole``) and the pixel
+    rows ``top <= y < bottom`` of the upscaled copy the local crops are cut from (the rows of
+    every local crop that lie there). Parts of one image write disjoint pixels, so they can run
+    at once (one worker each)."""
+
+    whole: bool
+    top: int
+    bottom: int
+
+
+def crop_parts(g: CropGeometry, n: int) -> list[CropPart]:
+    """Up to ``n`` parts that together make every crop of ``g``, about equal in the pixels
+    they resample: bands of the upscaled copy's rows, the first one shortened by the global
+    crop's pixels, which it also makes."""
+    height, width = g.resized
+    k = max(1, min(n, height))
+    total = g.crop * g.crop + height * width
+    edges = [0]
+    for i in range(1, k):  # band i ends where i / k of the work is done
+        edges.append(min(height, max(edges[-1], round((total * i / k - g.crop**2) / width))))
+    edges.append(height)
+    parts = [CropPart(i == 0, edges[i], edges[i + 1]) for i in range(k)]
+    return [p for p in parts if p.whole or p.bottom > p.top]
+
+
 def crop_geometry(
     height: int, width: int, config: VisionConfig, max_crops: int | None = None
 ) -> CropGeometry:
@@ -155,15 +184,25 @@ def lut_image(lut: np.ndarray) -> pyvips.Image:
     return pyvips.Image.new_from_memory(table.tobytes(), 256, 1, 1, "float")
 
 
-def _fit(image: pyvips.Image, height: int, width: int, lut: pyvips.Image | None) -> np.ndarray:
+def _fit(
+    image: pyvips.Image,
+    height: int,
+    width: int,
+    lut: pyvips.Image | None,
+    area: tuple[int, int, int, int] | None = None,
+) -> np.ndarray:
     """``image`` resized to ``height`` x ``width`` (independent scales, lanczos3), through
     ``lut`` if given, rendered in one libvips call: [height, width, 3] uint8 (float32 with a
-    table)."""
+    table). ``area`` = (top, left, h, w) renders only that rectangle of the result (libvips
+    computes what it is asked for; the pixels are those of the whole render)."""
     out = image.resize(width / image.width, vscale=height / image.height)
     if out.width != width or out.height != height:
         # libvips hits the requested size for every geometry we tried; should it ever miss,
         # the reference keeps the top-left corner and leaves any missing edge zero.
         out = out.embed(0, 0, width, height)
+    if area is not None:
+        top, left, height, width = area
+        out = out.crop(left, top, width, height)
     if lut is not None:
         out = out.maplut(lut)
     dtype = np.float32 if lut is not None else np.uint8
@@ -200,16 +239,36 @@ def overlap_crops(
 
 
 def write_planes(
-    image: pyvips.Image, g: CropGeometry, out: np.ndarray, lut: pyvips.Image | None = None
+    image: pyvips.Image,
+    g: CropGeometry,
+    out: np.ndarray,
+    lut: pyvips.Image | None = None,
+    part: CropPart | None = None,
 ) -> None:
     """Write the crops of ``image`` channel-major into ``out`` [N, 3, crop, crop]: uint8, or
-    float32 mapped through ``lut`` (256 entries, one per pixel value)."""
+    float32 mapped through ``lut`` (256 entries, one per pixel value). ``part``: only those
+    crops (``crop_parts``); the others are left as they are."""
     want = (g.n_crops, 3, g.crop, g.crop)
     dtype = np.dtype(np.float32 if lut is not None else np.uint8)
     if out.shape != want or out.dtype != dtype or not out.flags.c_contiguous:
         raise CropError(
             f"crop planes need a C-contiguous {dtype} {want} array, got {out.dtype} {out.shape}"
         )
-    np.copyto(out[0], _fit(image, g.crop, g.crop, lut).transpose(2, 0, 1))
+    height, width = g.resized
+    part = part or CropPart(True, 0, height)
+    if part.whole:
+        np.copyto(out[0], _fit(image, g.crop, g.crop, lut).transpose(2, 0, 1))
+    if part.bottom <= part.top:
+        return
+    band = _fit(image, height, width, lut, (part.top, 0, part.bottom - part.top, width))
     local = out[1:].reshape(g.rows, g.cols, 3, g.crop, g.crop)
-    np.copyto(local, _windows(_fit(image, *g.resized, lut), g, planar=True))
+    s0, s1, s2 = band.strides
+    for r in range(g.rows):  # the rows of tile row r inside the band
+        a, b = max(part.top, r * g.window), min(part.bottom, r * g.window + g.crop)
+        if a >= b:
+            continue
+        rows = band[a - part.top : b - part.top]
+        tiles = np.lib.stride_tricks.as_strided(
+            rows, (g.cols, 3, b - a, g.crop), (g.window * s1, s2, s0, s1), writeable=False
+        )
+        np.copyto(local[r, :, :, a - r * g.window : b - r * g.window], tiles)

@@ -107,6 +107,7 @@ def text_forward(
     routing_sink: RoutingSink | None = None,
     moe_static: bool = False,
     causal_rows: int | None = None,
+    zero_padding: bool = True,
 ) -> Tensor:
     """Run the decoder over T new positions per row; return hidden states BEFORE post_ln.
 
@@ -120,6 +121,8 @@ def text_forward(
     moe_static: run the MoE layers in their static-shape, sync-free form (``moe.moe_mlp_static``,
     for decode on CUDA) instead of grouped by expert. causal_rows: a host-known bound on each
     row's real queries outside bidir_regions (``kestrel_kernels.plan_attention``), or None.
+    zero_padding=False: padding query rows' attention outputs may hold anything (their hidden
+    states are then meaningless; the caller drops them).
     """
     B, T, C = x_BTC.shape
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -128,6 +131,7 @@ def text_forward(
     attn_plan = kestrel_kernels.plan_attention(
         T, page_table, seqused_k, seqused_q=seqused_q, causal=True,
         bidir_regions=bidir_regions, dtype=x_BTC.dtype, backend=backend, causal_rows=causal_rows,
+        zero_padding=zero_padding,
     )  # fmt: skip
     kv_scales = getattr(kv, "kv_scales", None)  # per-layer scales of FP8 KV pages, or None
     x, blocks = x_BTC, w.blocks

@@ -36,6 +36,7 @@ __all__ = [
     "CropError",
     "OverlapCrops",
     "VisionOutputs",
+    "check_crops",
     "encode_image",
     "encode_image_with_intermediates",
     "normalize_pixels",
@@ -180,7 +181,7 @@ def vision_projection(z_PC: Tensor, w: VisionWeights) -> Tensor:
     return linear(linear_gelu(z_PC, w.proj_fc1.weight, w.proj_fc1.bias), w.proj_fc2)
 
 
-def _check_crops(pixels_NCHW: Tensor, tiling: tuple[int, int], cfg: VisionConfig) -> None:
+def check_crops(pixels_NCHW: Tensor, tiling: tuple[int, int], cfg: VisionConfig) -> None:
     rows, cols = tiling
     want = (1 + rows * cols, cfg.in_channels, cfg.crop_size, cfg.crop_size)
     if rows < 1 or cols < 1 or tuple(pixels_NCHW.shape) != want:
@@ -194,7 +195,7 @@ def encode_image_with_intermediates(
     pixels_NCHW: Tensor, tiling: tuple[int, int], w: VisionWeights, cfg: VisionConfig
 ) -> VisionOutputs:
     """Like encode_image, also returning encoder features and the projection input."""
-    _check_crops(pixels_NCHW, tiling, cfg)
+    check_crops(pixels_NCHW, tiling, cfg)
     pixels_NCHW = pixels_NCHW.to(device=w.pos_emb.device, dtype=w.pos_emb.dtype)
     features = vision_encoder(pixels_NCHW, w, cfg)
     local = pooled_local_features(features[1:], tiling, cfg)

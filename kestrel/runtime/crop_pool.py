@@ -5,9 +5,12 @@ some milliseconds of host work per new image. Made on the scheduler thread they 
 running sequence; made on a plain worker thread they stall on the GIL: every libvips, numpy or
 torch call that lets the GIL go has to win it back from the process's busy Python threads,
 about one switch interval (5 ms) each time. So the pool hands each image to a crop worker
-process (``crop_worker.py``) through shared memory: its threads only copy the pixels in, send
-one message and wait for the reply; the result is a tensor over that shared memory (copied
-once into pinned memory for a CUDA model, whose upload then needs no host sync).
+process (``crop_worker.py``, started by ``crop_procs.py``) through shared memory: its threads
+only copy the pixels in, send one message and wait for the reply; the result is a tensor over
+that shared memory (copied once into pinned staging taken at start-up for a CUDA model, whose
+upload then needs no host sync: ``crop_staging.py``). One image's crops are split into parts
+(bands of the upscaled image) made at once by as many worker processes, so a lone request
+waits for a fraction of the serial time.
 
 - ``hold(images)``: the Engine calls it on the caller's thread when it submits a request; the
   crops start at once (up to ``prefetch`` images not yet taken; more wait their turn, first
@@ -23,17 +26,13 @@ all.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import mmap
 import os
-import socket
-import subprocess
-import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,141 +42,24 @@ import torch
 from kestrel.images import PreparedImage
 from kestrel.moondream.config import VisionConfig
 from kestrel.moondream.crops import (
-    CropError,
     CropGeometry,
+    CropPart,
     check_pixels,
     crop_geometry,
+    crop_parts,
     lut_image,
     vips_image,
     write_planes,
 )
-from kestrel.moondream.vision import normalize_pixels, pixel_table
-from kestrel.runtime.crop_worker import CROPS_SOURCE
+from kestrel.moondream.vision import pixel_table
+from kestrel.runtime.crop_procs import WORKERS, WorkerGone, processes_supported
+from kestrel.runtime.crop_staging import CropPixels, CropStaging
 
 __all__ = ["CropHold", "CropPixels", "CropPool", "processes_supported"]
 
 log = logging.getLogger("kestrel.runtime")
-
-WORKER_SCRIPT = CROPS_SOURCE.parents[1] / "runtime" / "crop_worker.py"
-# Run the worker script by its path, without the current directory on sys.path.
-_BOOT = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_name='__main__')"
 _MAX_FAILURES = 3  # worker processes that die in a row before a pool stops starting them
-
-
-def processes_supported() -> bool:
-    """Crop worker processes need Linux's memfd_create and descriptor passing."""
-    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class CropPixels:
-    """An image's crops on the host, channel-major [N, 3, crop, crop]: normalized float32, or
-    uint8 to be normalized on the device; ``tiling`` = (rows, cols)."""
-
-    pixels: torch.Tensor
-    tiling: tuple[int, int]
-
-    def encoder_input(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """The vision encoder's input: normalized, in ``dtype`` on ``device`` (uploaded without
-        a host sync when the crops are in pinned memory)."""
-        pixels = self.pixels.to(device=device, non_blocking=self.pixels.is_pinned())
-        if pixels.dtype == torch.uint8:  # the same arithmetic, on the device
-            return normalize_pixels(pixels.permute(0, 2, 3, 1), dtype, device)
-        return pixels.to(dtype=dtype)
-
-
-class _WorkerGone(RuntimeError):
-    """The worker process is not there (did not start, exited, closed its socket)."""
-
-
-class _Worker:
-    """One crop worker process and our end of its socket; one request at a time."""
-
-    def __init__(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            fd = theirs.fileno()
-            cmd = [sys.executable, "-c", _BOOT, str(WORKER_SCRIPT), str(fd)]
-            self.proc = subprocess.Popen(cmd, pass_fds=[fd], stdin=subprocess.DEVNULL)
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        self.sock = ours
-
-    def run(self, message: bytes, fd: int) -> None:
-        try:
-            socket.send_fds(self.sock, [message], [fd])
-            reply = self.sock.recv(1 << 16)
-        except OSError as exc:
-            raise _WorkerGone(f"the crop worker process is gone: {exc}") from exc
-        if not reply:
-            raise _WorkerGone("the crop worker process exited")
-        if reply != b"ok":
-            raise CropError(reply.decode(errors="replace").removeprefix("error: "))
-
-    def stop(self) -> None:
-        self.sock.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-class _Workers:
-    """The process's crop workers, shared by every pool: started on demand, kept while idle,
-    stopped at exit."""
-
-    def __init__(self) -> None:
-        self._forget()
-        atexit.register(self.stop_all)
-        if hasattr(os, "register_at_fork"):  # a forked child must not talk to our workers
-            os.register_at_fork(after_in_child=self._forget)
-
-    def _forget(self) -> None:
-        for worker in getattr(self, "_all", ()):
-            worker.sock.close()  # this process's copy; the worker stays its parent's
-        self._lock = threading.Lock()
-        self._idle: list[_Worker] = []
-        self._all: set[_Worker] = set()
-
-    def run(self, message: bytes, fd: int) -> None:
-        with self._lock:
-            worker = self._idle.pop() if self._idle else None
-        if worker is None:
-            try:
-                worker = _Worker()
-            except OSError as exc:
-                raise _WorkerGone(f"cannot start a crop worker process: {exc}") from exc
-            with self._lock:
-                self._all.add(worker)
-        try:
-            worker.run(message, fd)
-        except CropError:
-            self._give_back(worker)  # a bad request; the worker is fine
-            raise
-        except BaseException:  # gone, or interrupted mid-request: never reuse it
-            self._discard(worker)
-            raise
-        self._give_back(worker)
-
-    def _give_back(self, worker: _Worker) -> None:
-        with self._lock:
-            self._idle.append(worker)
-
-    def _discard(self, worker: _Worker) -> None:
-        with self._lock:
-            self._all.discard(worker)
-        worker.stop()
-
-    def stop_all(self) -> None:
-        with self._lock:
-            workers, self._all, self._idle = list(self._all), set(), []
-        for w in workers:
-            w.stop()
-
-
-_WORKERS = _Workers()
+_WORKERS = WORKERS  # the process's crop workers (tests stop them)
 
 
 def _aligned(n: int) -> int:
@@ -185,33 +67,79 @@ def _aligned(n: int) -> int:
 
 
 class _Cropper:
-    """Makes one image's crops, in a worker process or, failing that, here."""
+    """Makes one image's crops in ``parallel`` parts at once (``crops.crop_parts``), each in a
+    worker process or, failing that, on a thread here; stages them when ``staging`` is set."""
 
-    def __init__(self, config: VisionConfig, normalize: bool, processes: bool, pin: bool) -> None:
+    def __init__(
+        self,
+        config: VisionConfig,
+        normalize: bool,
+        processes: bool,
+        parallel: int,
+        staging: CropStaging | None,
+    ) -> None:
         self.config = config
-        self.normalize, self.pin = normalize, pin
+        self.normalize, self.staging, self.parallel = normalize, staging, parallel
         self.processes = processes and processes_supported()
         self.failures = 0
         self.table = pixel_table() if normalize else None
+        self._parts = (
+            ThreadPoolExecutor(parallel - 1, thread_name_prefix="kestrel-crops-part")
+            if parallel > 1
+            else None
+        )
 
     def crop(self, image: PreparedImage) -> CropPixels:
         pixels = check_pixels(image.pixels)
         g = crop_geometry(pixels.shape[0], pixels.shape[1], self.config)
-        planes = self._in_worker(pixels, g) if self.processes else None
+        parts = crop_parts(g, self.parallel)
+        planes = self._in_worker(pixels, g, parts) if self.processes else None
         if planes is None:
-            planes = self._here(pixels, g)
-        return CropPixels(planes.pin_memory() if self.pin else planes, (g.rows, g.cols))
+            planes = self._here(pixels, g, parts)
+        if self.staging is not None:
+            return self.staging.stage(planes, (g.rows, g.cols))
+        return CropPixels(planes, (g.rows, g.cols))
+
+    def close(self) -> None:
+        if self._parts is not None:
+            self._parts.shutdown(wait=False, cancel_futures=True)
+
+    def _each(self, fn: Callable[[CropPart], None], parts: list[CropPart]) -> None:
+        """``fn(part)`` for every part at once: the first on this thread, the others on the
+        part threads (here, once those are closed); waits for all, raises the first error."""
+        futures: list[Future | None] = []
+        for part in parts[1:]:
+            try:
+                futures.append(self._parts.submit(fn, part) if self._parts else None)
+            except RuntimeError:  # closed
+                futures.append(None)
+        errors: list[BaseException] = []
+        for part, future in zip(parts, [None, *futures], strict=True):
+            try:
+                if future is None or future.cancelled():
+                    fn(part)
+                else:
+                    try:
+                        future.result()
+                    except CancelledError:
+                        fn(part)
+            except BaseException as exc:  # every part ends before the memory is let go
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def _dtypes(self) -> tuple[np.dtype, torch.dtype]:
         if self.normalize:
             return np.dtype(np.float32), torch.float32
         return np.dtype(np.uint8), torch.uint8
 
-    def _in_worker(self, pixels: np.ndarray, g: CropGeometry) -> torch.Tensor | None:
-        """The crops made by a worker process; None if none could (then made here)."""
+    def _in_worker(
+        self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]
+    ) -> torch.Tensor | None:
+        """The crops made by worker processes; None if they could not (then made here)."""
         try:
-            planes = self._shipped(pixels, g)
-        except (_WorkerGone, OSError) as exc:  # no worker, or no shared memory to give it
+            planes = self._shipped(pixels, g, parts)
+        except (WorkerGone, OSError) as exc:  # no worker, or no shared memory to give it
             self.failures += 1
             if self.failures >= _MAX_FAILURES:
                 self.processes = False
@@ -220,7 +148,7 @@ class _Cropper:
         self.failures = 0
         return planes
 
-    def _shipped(self, pixels: np.ndarray, g: CropGeometry) -> torch.Tensor:
+    def _shipped(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> torch.Tensor:
         n_in, (np_dtype, dtype) = pixels.size, self._dtypes()
         count = g.n_crops * 3 * g.crop * g.crop
         out_at = _aligned(n_in)
@@ -233,17 +161,23 @@ class _Cropper:
             head = {"size": size, "height": pixels.shape[0], "width": pixels.shape[1],
                     "out": out_at, "geometry": _fields(g)}  # fmt: skip
             table = self.table.tobytes() if self.table is not None else b""
-            _WORKERS.run(json.dumps(head).encode() + b"\n" + table, fd)
+
+            def run(part: CropPart) -> None:
+                spec = {**head, "part": [part.whole, part.top, part.bottom]}
+                WORKERS.run(json.dumps(spec).encode() + b"\n" + table, fd)
+
+            self._each(run, parts)
         finally:
             os.close(fd)
         planes = torch.frombuffer(memory, dtype=dtype, count=count, offset=out_at)
         return planes.view(g.n_crops, 3, g.crop, g.crop)
 
-    def _here(self, pixels: np.ndarray, g: CropGeometry) -> torch.Tensor:
+    def _here(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> torch.Tensor:
         np_dtype, _ = self._dtypes()
         out = np.empty((g.n_crops, 3, g.crop, g.crop), np_dtype)
         lut = lut_image(self.table) if self.table is not None else None
-        write_planes(vips_image(pixels), g, out, lut)
+        image = vips_image(pixels)  # libvips images are immutable: the parts share it
+        self._each(lambda part: write_planes(image, g, out, lut, part), parts)
         return torch.from_numpy(out)
 
 
@@ -282,10 +216,12 @@ class CropPool:
 
     ``normalize``: float32 crops ready for the encoder (on a CPU model), else uint8 planes that
     ``CropPixels.encoder_input`` normalizes on the device (4x less to upload); ``pin_memory``:
-    the crops in pinned memory (a CUDA model's: uploaded without a host sync). ``prefetch``
-    bounds the images started but not yet taken (their memory); ``recent`` is how many lately
-    encoded images ``hold(skip_recent=True)`` leaves alone (0: none). ``processes=False``
-    makes the crops on the pool's threads.
+    uint8 crops staged in pinned memory taken now, once (``crop_staging.py``; a CUDA model's:
+    uploaded without a host sync). ``parallel`` (default ``workers``): the parts one image's
+    crops are split into and made at once, so a lone request's crops take a fraction of the
+    time. ``prefetch`` bounds the images started but not yet taken (their memory); ``recent``
+    is how many lately encoded images ``hold(skip_recent=True)`` leaves alone (0: none).
+    ``processes=False`` makes the crops on the pool's threads.
     """
 
     def __init__(
@@ -298,11 +234,16 @@ class CropPool:
         prefetch: int = 16,
         recent: int = 0,
         processes: bool = True,
+        parallel: int | None = None,
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        workers = workers or max(1, min(4, (os.cpu_count() or 2) // 4))
-        self._cropper = _Cropper(config, normalize, processes, pin_memory)
+        if pin_memory and normalize:
+            raise ValueError("pinned crop staging holds uint8 crops: pass normalize=False")
+        workers = workers or max(2, min(4, (os.cpu_count() or 2) // 4))
+        parallel = parallel or workers
+        staging = CropStaging(config, prefetch + workers + 2) if pin_memory else None
+        self._cropper = _Cropper(config, normalize, processes, parallel, staging)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-crops")
         self._lock = threading.Lock()
         self._entries: dict[bytes, _Entry] = {}  # by image digest, in arrival order
@@ -349,6 +290,7 @@ class CropPool:
         """Stop the pool's threads (crops not yet started are dropped); ``pixels`` still works,
         on the calling thread."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._cropper.close()
         with self._lock:
             self._entries.clear()
 

@@ -8,10 +8,12 @@ serves one request at a time:
 
 - request: a shared-memory file descriptor (``memfd``) passed with the message, and the
   message: one JSON line (``size`` of the memory, the image's ``height`` and ``width``, whose
-  H x W x 3 uint8 pixels start at offset 0, the ``geometry`` fields, the ``out`` offset), then,
+  H x W x 3 uint8 pixels start at offset 0, the ``geometry`` fields, the ``out`` offset, and
+  optionally ``part`` = [whole, top, bottom]: only those crops, ``crops.CropPart``), then,
   when the crops are to be normalized, the 256-entry float32 pixel table;
-- work: ``write_planes`` writes the crops [N, 3, crop, crop] at ``out`` (float32 through the
-  table, else uint8);
+- work: ``write_planes`` writes the crops [N, 3, crop, crop] (or the part's) at ``out``
+  (float32 through the table, else uint8); several workers may write parts of one image's
+  crops into the same memory at once;
 - reply: ``ok``, or ``error: <message>``.
 
 It exits when the other end of the socket closes.
@@ -60,7 +62,8 @@ def _handle(crops: ModuleType, message: bytes, fd: int) -> None:
         dtype = np.float32 if lut is not None else np.uint8
         count = g.n_crops * 3 * g.crop * g.crop
         out = np.frombuffer(memory, dtype, count=count, offset=req["out"])
-        crops.write_planes(src, g, out.reshape(g.n_crops, 3, g.crop, g.crop), lut)
+        part = crops.CropPart(*req["part"]) if "part" in req else None
+        crops.write_planes(src, g, out.reshape(g.n_crops, 3, g.crop, g.crop), lut, part)
         del src, out
     finally:
         with contextlib.suppress(BufferError):  # a view outlived the request: freed with it

@@ -13,12 +13,21 @@ copies it without blocking, replays, and clones the outputs (the next replay ove
 Text tokens are embedded inside the graph. Coordinate and size tokens (point / detect feedback)
 need the region encoders: those steps embed on the host side first (a synchronising upload) and
 pass the rows through the override buffer.
+
+Every bucket is captured at start-up (``capture_all``, which the runtime calls before it serves
+anything), never on first use: a capture while requests run would share the process with crop
+threads and uploads, and one forbidden call on another thread during a global-mode capture
+invalidates it and fails the request in that step. Captures run in CUDA's ``thread_local``
+capture mode (only this thread's calls are checked), and the per-step index upload is staged in
+the pinned ring reserved at start-up (``kestrel_kernels/pinned.py``), so nothing is pinned while
+serving. A capture that fails at start-up is logged with its reason (``failures``) and that
+bucket decodes eagerly.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +40,10 @@ from kestrel.moondream.text import PagedKV
 from kestrel.runtime.compiled import CompiledDecode
 from kestrel.runtime.decode import decode_static
 from kestrel.tokens import CoordToken, SizeToken, TextToken
+from kestrel_kernels import pinned
 from kestrel_kernels.counting import count_upload
 
-__all__ = ["DecodeGraphs", "bucket_sizes", "graphs_supported"]
+__all__ = ["DecodeGraphs", "GraphCapture", "bucket_sizes", "graphs_supported", "upload_into"]
 
 log = logging.getLogger("kestrel.runtime")
 
@@ -60,6 +70,53 @@ def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def upload_into(static: Tensor, host: Tensor) -> None:
+    """``host`` into a graph's input buffer without blocking: on CUDA through a slot of the
+    pinned ring reserved at start-up (pinned per call only where none was reserved)."""
+    ring = pinned.ring(static.device) if static.is_cuda else None
+    staged = ring.staged(host) if ring is not None else None
+    if ring is None or staged is None:
+        if static.is_cuda:
+            host = host.pin_memory()
+        static.copy_(host, non_blocking=True)
+        return
+    slot, view = staged
+    static.copy_(view, non_blocking=True)
+    ring.copied(slot)
+
+
+class GraphCapture:
+    """Captures CUDA graphs on one device into one shared memory pool, in ``thread_local``
+    capture mode; ``captures`` counts them (tests stand in for this class)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool = None
+        self.captures = 0
+
+    def capture(self, fn: Callable[[], tuple[Tensor, ...]]) -> tuple[object, tuple]:
+        """Warm ``fn`` up twice on a side stream (compiles its kernels), then capture it:
+        (the graph, ``fn``'s outputs, which every replay overwrites). Raises what CUDA raised
+        if the capture failed (after waiting for the device)."""
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        self.captures += 1
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = fn()
+        except RuntimeError:
+            torch.cuda.synchronize(self.device)
+            raise
+        return graph, out
+
+
 @dataclass(slots=True)
 class _Bucket:
     """Static buffers of one batch size and, once captured, its graph."""
@@ -69,7 +126,7 @@ class _Bucket:
     override_BC: Tensor  # embeddings of the override rows
     hidden_BC: Tensor | None = None
     logits_BV: Tensor | None = None
-    graph: torch.cuda.CUDAGraph | None = None
+    graph: object | None = None  # a torch.cuda.CUDAGraph: replay()
 
 
 class DecodeGraphs:
@@ -93,7 +150,8 @@ class DecodeGraphs:
         self.compiled = CompiledDecode() if compile else None
         self.sizes = bucket_sizes(max_batch_size)
         self._buckets: dict[int, _Bucket] = {}
-        self._pool = None
+        self._capturer: GraphCapture | None = None
+        self.failures: dict[int, str] = {}  # bucket size -> why its capture failed
         self.replays = 0
 
     @property
@@ -122,10 +180,8 @@ class DecodeGraphs:
         host = torch.tensor(
             [[*rows, *pad], [*lengths, *pad], [*ids, *pad], [*flags, *pad]], dtype=torch.int64
         )
-        if bucket.index_4B.is_cuda:
-            host = host.pin_memory()  # lets the upload run without blocking the host
         count_upload(blocking=False)
-        bucket.index_4B.copy_(host, non_blocking=True)
+        upload_into(bucket.index_4B, host)
         if ids_B is not None:
             bucket.index_4B[2, :n].copy_(ids_B)  # device to device, after the upload
         elif not all(is_text):
@@ -140,9 +196,13 @@ class DecodeGraphs:
         return bucket.hidden_BC[:n].clone(), bucket.logits_BV[:n].clone()
 
     def capture_all(self) -> None:
-        """Capture every bucket now (start-up cost instead of first-request cost)."""
+        """Make every bucket's buffers and, with ``capture``, capture its graph: at start-up,
+        before any request runs (the module doc says why never later). A failed capture is
+        logged and kept in ``failures``; that bucket decodes eagerly."""
         for size in self.sizes:
-            self._bucket(size)
+            bucket = self._bucket(size)
+            if self.capture and bucket.graph is None and size not in self.failures:
+                self._capture(bucket)
 
     # ------------------------------------------------------------------ internals
     def _step(self, bucket: _Bucket) -> tuple[Tensor, Tensor]:
@@ -166,29 +226,17 @@ class DecodeGraphs:
                 torch.zeros(size, dim, dtype=self.model.dtype, device=dev),
             )
             self._buckets[size] = bucket
-            if self.capture:
-                self._capture(bucket)
         return bucket
 
     def _capture(self, bucket: _Bucket) -> None:
-        """Warm up on a side stream (compiles kernels), then capture; eager if capture fails.
-
-        The buffers hold padding rows while this runs, so no KV page is written.
-        """
-        stream = torch.cuda.Stream(device=bucket.index_4B.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(bucket)
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
+        """Capture ``bucket``'s step; on failure log why and leave it eager. The buffers hold
+        padding rows while this runs, so no KV page is written."""
+        if self._capturer is None:
+            self._capturer = GraphCapture(bucket.index_4B.device)
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                hidden, logits = self._step(bucket)
-        except RuntimeError as exc:  # e.g. a kernel that syncs; keep serving, eagerly
+            graph, (hidden, logits) = self._capturer.capture(lambda: self._step(bucket))
+        except RuntimeError as exc:  # e.g. a kernel that syncs; serve this bucket eagerly
+            self.failures[bucket.size] = str(exc)
             log.warning("decode graph capture failed for batch %d (%s); eager", bucket.size, exc)
-            torch.cuda.synchronize()
             return
         bucket.hidden_BC, bucket.logits_BV, bucket.graph = hidden, logits, graph

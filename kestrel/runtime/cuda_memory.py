@@ -24,7 +24,13 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import text_forward
 from kestrel.moondream.vision import encode_image
 
-__all__ = ["DEFAULT_KV_MEMORY_FRACTION", "MAX_POOL_PAGES", "KvPoolReport", "size_kv_pool"]
+__all__ = [
+    "DEFAULT_KV_MEMORY_FRACTION",
+    "MAX_POOL_PAGES",
+    "KvPoolReport",
+    "pool_pages",
+    "size_kv_pool",
+]
 
 DEFAULT_KV_MEMORY_FRACTION = 0.9
 # Host bookkeeping is per page (free list, page states); past a million pages a small model
@@ -90,8 +96,11 @@ def size_kv_pool(
     fraction: float = DEFAULT_KV_MEMORY_FRACTION,
     backend: str = "auto",
     max_pages: int = MAX_POOL_PAGES,
+    kv_dtype: torch.dtype | None = None,
 ) -> KvPoolReport:
-    """Run the warm-up on ``model``'s CUDA device and size the pool; see the module doc."""
+    """Run the warm-up on ``model``'s CUDA device and size the pool; see the module doc.
+    ``kv_dtype``: the pages' dtype (default the model's; FP8 pages hold twice the positions
+    of 16-bit ones in the same bytes)."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
     dev = model.device
@@ -99,7 +108,7 @@ def size_kv_pool(
         raise ValueError(f"KV sizing from free memory needs a CUDA model, got {dev}")
     text = model.config.text
     per_page = PagedKVCache.bytes_per_page(text.n_layers, text.n_kv_heads, text.head_dim,
-                                           model.dtype)  # fmt: skip
+                                           kv_dtype or model.dtype)  # fmt: skip
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(dev)
@@ -121,3 +130,26 @@ def size_kv_pool(
         )
     capped = pages > max_pages
     return KvPoolReport(min(pages, max_pages), per_page, free, peak, fraction, capped)
+
+
+def pool_pages(
+    model: MoondreamModel,
+    pages: int | None,
+    *,
+    max_batch_size: int,
+    fraction: float | None,
+    backend: str,
+    kv_dtype: torch.dtype,
+) -> tuple[int, KvPoolReport | None]:
+    """The KV pool's page count and, where it was sized from free memory, how: ``pages`` when
+    given; on CUDA ``size_kv_pool``; elsewhere a full context for every batch row plus the
+    reserved page 0."""
+    if pages is not None:
+        return pages, None
+    if model.device.type == "cuda":
+        report = size_kv_pool(
+            model, fraction=fraction or DEFAULT_KV_MEMORY_FRACTION, backend=backend,
+            kv_dtype=kv_dtype,
+        )  # fmt: skip
+        return report.pages, report
+    return max_batch_size * model.config.text.max_context + 1, None

@@ -30,6 +30,7 @@ from kestrel_kernels.transfer import upload
 __all__ = [
     "MAX_PADDING",
     "PrefillItem",
+    "causal_rows",
     "check_items",
     "group_by_length",
     "prefill_batch",
@@ -148,7 +149,7 @@ def _forward(
         bidir_regions=meta.regions,
         lora=adapters if any(a is not None for a in adapters) else None,
         backend=backend,
-        causal_rows=None if meta.regions is None else max(_causal_rows(it) for it in items),
+        causal_rows=None if meta.regions is None else max(causal_rows(it) for it in items),
     )
     if meta.last_B is None:  # every row ends at T - 1
         return hidden_BTC[:, -1]
@@ -207,7 +208,7 @@ class _Metadata:
         )
 
 
-def _causal_rows(item: PrefillItem) -> int:
+def causal_rows(item: PrefillItem) -> int:
     """The item's computed positions outside its bidirectional blocks (the host's count, which
     lets the attention plan take its one-call form for a short question after an image)."""
     lo, hi = item.skip, item.prompt_length

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.images import PreparedImage, image_hash_int, prepare_image
+from kestrel.images import PreparedImage, image_hash_int
 from kestrel.kv.page_table import PagedKVCache, PageTable
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.lora import LoraAdapter
@@ -57,12 +57,14 @@ from kestrel.prefix_cache.node import token_kv_length
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 from kestrel.runtime.compiled import CompiledPrefill, check_compile
 from kestrel.runtime.crop_pool import CropPool
-from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
-from kestrel.runtime.cuda_memory import DEFAULT_KV_MEMORY_FRACTION, KvPoolReport, size_kv_pool
+from kestrel.runtime.cuda_graphs import DecodeGraphs
+from kestrel.runtime.cuda_memory import KvPoolReport, pool_pages
 from kestrel.runtime.decode_steps import DecodeSteps
 from kestrel.runtime.embeddings import EmbeddingBatch, embedding_tier
+from kestrel.runtime.graph_set import GraphSet
 from kestrel.runtime.host_kv import host_kv_tier
 from kestrel.runtime.prefill import prefill_batch, prefill_item
+from kestrel.runtime.prefill_graphs import PrefillGraphs
 from kestrel.runtime.sequence import (
     PromptToken,
     RuntimeCounters,
@@ -72,8 +74,12 @@ from kestrel.runtime.sequence import (
     cacheable_prefix,
     check_request,
     image_regions,
+    images_to_encode,
+    prepared_images,
     validate_image_regions,
 )
+from kestrel.runtime.vision_graphs import VisionGraphs
+from kestrel_kernels import pinned
 from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
@@ -82,13 +88,9 @@ __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceStat
 log = logging.getLogger("kestrel.runtime")
 
 
-def _prepared(image: object) -> tuple[PreparedImage, ...]:
-    """``image`` (None, one image or a tuple of them) as prepared images: the Engine passes
-    them decoded and hashed; anything else is prepared here, once."""
-    if image is None:
-        return ()
-    items = image if isinstance(image, tuple) else (image,)
-    return tuple(im if isinstance(im, PreparedImage) else prepare_image(im) for im in items)
+def _pins_host(device: torch.device) -> bool:
+    """Whether the runtime stages host data in pinned memory (CUDA; tests stand in)."""
+    return device.type == "cuda"
 
 
 class MoondreamRuntime(DecodeSteps):
@@ -134,16 +136,14 @@ class MoondreamRuntime(DecodeSteps):
         self.attention_backend = attention_backend
         self.enable_prefix_cache = enable_prefix_cache
         text = self.config.text
-        self.kv_report: KvPoolReport | None = None
-        if kv_cache_pages is None and self.device.type == "cuda":
-            fraction = kv_memory_fraction or DEFAULT_KV_MEMORY_FRACTION
-            self.kv_report = size_kv_pool(model, fraction=fraction, backend=attention_backend)
-            log.info("%s", self.kv_report)
-            kv_cache_pages = self.kv_report.pages
-        elif kv_cache_pages is None:
-            # Enough for every slot to hold a full context, plus the reserved page 0.
-            kv_cache_pages = max_batch_size * text.max_context + 1
         kv_dt = self.dtype if kv_scales is None else KV_FP8_DTYPE
+        self.kv_report: KvPoolReport | None
+        kv_cache_pages, self.kv_report = pool_pages(
+            model, kv_cache_pages, max_batch_size=max_batch_size, fraction=kv_memory_fraction,
+            backend=attention_backend, kv_dtype=kv_dt,
+        )  # fmt: skip
+        if self.kv_report is not None:
+            log.info("%s", self.kv_report)
         kv_cache_pages, self.embeddings = embedding_tier(  # embeddings.py
             model, kv_cache_pages, kv_dt, embedding_cache_bytes,
             prefix_cache=enable_prefix_cache, carve=self.kv_report is not None,
@@ -169,12 +169,6 @@ class MoondreamRuntime(DecodeSteps):
         self.prefix_cache = RadixPrefixCache(self.page_table)
         if host_kv_bytes:  # evicted KV kept in pinned host memory (CUDA; host_kv.py)
             self.prefix_cache.host = host_kv_tier(self.kv, host_kv_bytes)
-        # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
-        images = (kv_cache_pages - 1) // self.config.image_tokens if enable_prefix_cache else 0
-        cuda = self.device.type == "cuda"  # uint8 crops in pinned memory, normalized there
-        self.crops = CropPool(
-            self.config.vision, normalize=not cuda, pin_memory=cuda, recent=images
-        )
         self.page_table.set_prefix_cache(self.prefix_cache)
         self.counters = RuntimeCounters()
         self._active: dict[int, SequenceState] = {}
@@ -182,13 +176,31 @@ class MoondreamRuntime(DecodeSteps):
         if compile:
             check_compile(self.device)
         self.compiled_prefill = CompiledPrefill() if compile else None
-        self.decode_graphs: DecodeGraphs | None = None
-        graphs = graphs_supported(model, attention_backend)
-        if kv_scales is None and (graphs or compile):
-            self.decode_graphs = DecodeGraphs(
-                model, self.kv, self.page_table.page_table, max_batch_size=max_batch_size,
-                backend=attention_backend, capture=cuda_graphs and graphs, compile=compile,
-            )  # fmt: skip
+        graphs = GraphSet.build(
+            model, self.kv, self.page_table.page_table, max_batch_size=max_batch_size,
+            backend=attention_backend, capture=cuda_graphs, compile=compile,
+            fp8_kv=kv_scales is not None,
+        )  # fmt: skip
+        self.decode_graphs: DecodeGraphs | None = graphs.decode
+        self.prefill_graphs: PrefillGraphs | None = graphs.prefill
+        self.vision_graphs: VisionGraphs | None = graphs.vision
+        self._start_up(kv_cache_pages, graphs)
+
+    def _start_up(self, kv_cache_pages: int, graphs: GraphSet) -> None:
+        """Before anything is served: the pinned ring for uploads and read-backs, every graph
+        captured (decode, prefill, vision: ``graph_set.py``; never under traffic), then the
+        crop pool (idle until the first request) with its pinned staging."""
+        pins = _pins_host(self.device)
+        if pins:
+            pinned.reserve(self.device)
+        graphs.capture_all()
+        # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
+        cached = (kv_cache_pages - 1) // self.config.image_tokens
+        images = cached if self.enable_prefix_cache else 0
+        # on CUDA: uint8 crops in pinned staging, normalized on the device
+        self.crops = CropPool(
+            self.config.vision, normalize=not pins, pin_memory=pins, recent=images
+        )
 
     @classmethod
     def from_pretrained(
@@ -224,7 +236,7 @@ class MoondreamRuntime(DecodeSteps):
 
         Same arguments as ``start_sequence``. Follow with ``prefill_sequence`` and
         ``commit_sequence``, or ``abort_sequence`` on failure."""
-        images = _prepared(image)
+        images = prepared_images(image)
         check_request(self.config, tokens, len(images), max_new_tokens)
         cfg = self.config
         hashes = [image_hash_int(im.digest) for im in images]
@@ -275,17 +287,22 @@ class MoondreamRuntime(DecodeSteps):
             if s.lease.phase is not LeasePhase.PREPARED or s.released:
                 raise SequenceError(f"sequence in batch row {s.batch_idx} is not prepared")
         # cached embeddings pinned, the misses' crops all started at once
-        found = self.embeddings.batch(self._images_to_encode(states))
+        found = self.embeddings.batch(images_to_encode(states))
         with found, self.crops.hold(found.to_encode):
             items = [prefill_item(s, self.model, self.dtype, self._encode_images(s, found))
                      for s in states]  # fmt: skip
         for s in states:
             s.vision_encoded = s.image_encodes > 0
-        compiled = self.compiled_prefill
-        run = prefill_batch if compiled is None else compiled.prefill_batch
-        hidden_BC = run(
-            self.model, self.kv, self.page_table.page_table, items, self.attention_backend
+        if self.prefill_graphs is not None:  # replayed where the items fit its buckets
+            return self.prefill_graphs.run_all(items, self._prefill_eager)
+        return self._prefill_eager(items)
+
+    def _prefill_eager(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        run = (
+            prefill_batch if self.compiled_prefill is None else self.compiled_prefill.prefill_batch
         )
+        hidden_BC = run(self.model, self.kv, self.page_table.page_table, items,
+                        self.attention_backend)  # fmt: skip
         return hidden_BC, lm_head(hidden_BC, self.model.text)
 
     def commit_sequence(self, state: SequenceState, hidden_C: torch.Tensor) -> None:
@@ -360,29 +377,12 @@ class MoondreamRuntime(DecodeSteps):
             s.check_running(self.page_table.capacity(s.batch_idx), self.enable_prefix_cache)
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _computed(state: SequenceState) -> list[bool]:
-        """For each of the sequence's images: does its prefill compute it (the image's block
-        ends past the reused positions)? If not, it is served from cache."""
-        return [end > state.reused_page_count for _start, end in state.image_regions]
-
-    def _images_to_encode(
-        self, states: Sequence[SequenceState]
-    ) -> list[tuple[str | None, PreparedImage]]:
-        """(salt, image) of every image the prefill of ``states`` computes."""
-        return [
-            (s.namespace.salt, image)
-            for s in states
-            for image, computed in zip(s.images, self._computed(s), strict=True)
-            if computed
-        ]
-
     def _encode_images(
         self, state: SequenceState, found: EmbeddingBatch
     ) -> list[torch.Tensor | None]:
         """Each of the sequence's images' embedding if its prefill computes it (the embedding
         tier's, else the vision encoder's); None for an image whose KV is cached."""
-        return found.for_sequence(state, self._computed(state), self._encode_image)
+        return found.for_sequence(state, state.images_computed(), self._encode_image)
 
     def _encode_image(self, image: PreparedImage) -> torch.Tensor:
         """Vision encoder: the prepared pixels' crops (made off this thread) -> [image_tokens,
@@ -390,4 +390,6 @@ class MoondreamRuntime(DecodeSteps):
         self.counters.encoder_runs += 1
         crops = self.crops.pixels(image)
         pixels = crops.encoder_input(self.dtype, self.device)
+        if self.vision_graphs is not None:
+            return self.vision_graphs.encode(pixels, crops.tiling)
         return encode_image(pixels, crops.tiling, self.model.vision, self.config.vision)

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kestrel.images import PreparedImage
+from kestrel.images import PreparedImage, prepare_image
 from kestrel.prefix_cache.lease import LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.tokens import IMAGE_TAG, CoordToken, ImageToken, SizeToken, TextToken
@@ -34,6 +34,8 @@ __all__ = [
     "check_decode_batch",
     "check_request",
     "image_regions",
+    "images_to_encode",
+    "prepared_images",
     "validate_image_regions",
 ]
 
@@ -109,6 +111,11 @@ class SequenceState:
     def cache_owned_page_count(self) -> int:
         return self.lease.cache_owned
 
+    def images_computed(self) -> list[bool]:
+        """For each image: does the prefill compute it (its block ends past the reused
+        positions)? If not, it is served from the cache."""
+        return [end > self.reused_page_count for _start, end in self.image_regions]
+
     @property
     def cache_lock_node(self) -> TreeNode | None:
         return self.lease.lock_node
@@ -155,6 +162,25 @@ class SequenceState:
     def remaining(self) -> int:
         """Tokens that can still be fed before the row's pages run out."""
         return self.max_length - self.length
+
+
+def prepared_images(image: object) -> tuple[PreparedImage, ...]:
+    """``image`` (None, one image or a tuple of them) as prepared images: the Engine passes
+    them decoded and hashed; anything else is prepared here, once."""
+    if image is None:
+        return ()
+    items = image if isinstance(image, tuple) else (image,)
+    return tuple(im if isinstance(im, PreparedImage) else prepare_image(im) for im in items)
+
+
+def images_to_encode(states: Sequence[SequenceState]) -> list[tuple[str | None, PreparedImage]]:
+    """(salt, image) of every image the prefill of ``states`` computes."""
+    return [
+        (s.namespace.salt, image)
+        for s in states
+        for image, computed in zip(s.images, s.images_computed(), strict=True)
+        if computed
+    ]
 
 
 def validate_image_regions(regions: Sequence[tuple[int, int]], config: MoondreamConfig) -> None:

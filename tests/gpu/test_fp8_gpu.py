@@ -137,3 +137,25 @@ def test_fp8_kv_pages_on_device(fp8_model) -> None:
     for g, w in zip(decode(rt), want, strict=True):
         assert bool(torch.isfinite(g).all())
         assert float((g - w).abs().max()) < 0.25 * float(w.abs().max())
+
+
+def test_fp8_kv_pool_is_sized_at_fp8_bytes_per_page(fp8_model) -> None:
+    """``kv_cache_pages=None`` with FP8 pages: the pool's bytes per page are FP8's (half of
+    bfloat16's), so the same memory holds about twice the positions."""
+    from kestrel.kv.storage import PagedKVCache
+    from kestrel.runtime.runtime import MoondreamRuntime
+    from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
+
+    text = fp8_model.config.text
+    ones = torch.ones(1, device="cuda")
+    scales = [KvScales(ones, ones) for _ in range(text.n_layers)]
+    kw = {"kv_cache_pages": None, "kv_memory_fraction": 0.05, "max_batch_size": 1}
+    rt = MoondreamRuntime(fp8_model, kv_scales=scales, **kw)
+    per_page = PagedKVCache.bytes_per_page(text.n_layers, text.n_kv_heads, text.head_dim,
+                                           KV_FP8_DTYPE)  # fmt: skip
+    assert rt.kv_report is not None and rt.kv_report.bytes_per_page == per_page
+    assert rt.kv.bytes // rt.kv.n_pages == per_page
+    del rt
+    torch.cuda.empty_cache()
+    plain = MoondreamRuntime(fp8_model, **kw)
+    assert plain.kv_report is not None and plain.kv_report.bytes_per_page == 2 * per_page

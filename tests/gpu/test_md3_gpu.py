@@ -76,7 +76,7 @@ def run(model, image, n: int, **kw) -> tuple[list[torch.Tensor], MoondreamRuntim
 def test_md3_graph_decode_matches_eager(fa_ready, model, image, n) -> None:
     captured, rt = run(model, image, n, attention_backend="fa", cuda_graphs=True)
     bucket = 1 if n == 1 else 4
-    assert rt.decode_graphs is not None and rt.decode_graphs.captured == (bucket,)
+    assert rt.decode_graphs is not None and rt.decode_graphs.captured == (1, 2, 4)
     assert rt.decode_graphs.replays == STEPS
     assert gathers_experts(bucket, model.config.text.moe) == (n == 1)
     eager, _ = run(model, image, n, attention_backend="fa", cuda_graphs=False)
@@ -87,8 +87,8 @@ def test_md3_graph_decode_matches_eager(fa_ready, model, image, n) -> None:
 def test_md3_graph_decode_does_not_sync(fa_ready, model, image) -> None:
     rt = MoondreamRuntime(model, kv_cache_pages=4000, max_batch_size=4, attention_backend="fa")
     states = [rt.start_sequence(p, image, max_new_tokens=5)[0] for p in prompts(model, 2)]
-    rt.decode_step(states, [TextToken(5), TextToken(6)])  # captures the bucket
-    assert rt.decode_graphs is not None and rt.decode_graphs.captured == (2,)
+    assert rt.decode_graphs is not None and rt.decode_graphs.captured == (1, 2, 4)  # start-up
+    rt.decode_step(states, [TextToken(5), TextToken(6)])
     with syncs_raise():
         for t in range(3):
             rt.decode_step(states, [TextToken(7 + t), TextToken(9 + t)])

@@ -171,7 +171,8 @@ def test_graph_decode_matches_eager(fa_ready, runtimes, model, tokenizer, image)
             rt.release_sequence(s)
         assert rt.decode_graphs is not None
         if graphs:
-            assert rt.decode_graphs.captured == (4,) and rt.decode_graphs.replays == STEPS
+            assert rt.decode_graphs.captured == (1, 2, 4)  # every bucket, at start-up
+            assert rt.decode_graphs.replays == STEPS
     for g, e in zip(logits[True], logits[False], strict=True):
         assert_close(g, e, rel=0.01)
 
@@ -180,7 +181,7 @@ def test_decode_step_does_not_sync(fa_ready, runtimes, model, tokenizer, image) 
     rt = runtimes(attention_backend="fa")
     states = [rt.start_sequence(prompt(model, tokenizer, q), image, max_new_tokens=4)[0]
               for q in ("What is this?", "Is it red?")]  # fmt: skip
-    rt.decode_step(states, [TextToken(5), TextToken(6)])  # captures the bucket
+    rt.decode_step(states, [TextToken(5), TextToken(6)])  # captured at start-up: a replay
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

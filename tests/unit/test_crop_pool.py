@@ -132,6 +132,9 @@ class Recorder:
         self.calls.append(image.digest)
         return CropPixels(torch.zeros(1), (1, 1))
 
+    def close(self) -> None:
+        """The pool closes its cropper (which has no threads of its own here)."""
+
 
 def _recording_pool(**kw) -> tuple[CropPool, Recorder]:
     pool = CropPool(VISION, processes=False, **kw)

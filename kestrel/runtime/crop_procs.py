@@ -1,0 +1,120 @@
+"""Crop worker processes: started on demand, one request at a time each, shared by every
+crop pool of the process, kept while idle and stopped at exit (``crop_worker.py`` is what each
+one runs; ``crop_pool.py`` hands them images)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+from kestrel.moondream.crops import CropError
+from kestrel.runtime.crop_worker import CROPS_SOURCE
+
+__all__ = ["WORKERS", "WorkerGone", "processes_supported"]
+
+WORKER_SCRIPT = CROPS_SOURCE.parents[1] / "runtime" / "crop_worker.py"
+# Run the worker script by its path, without the current directory on sys.path.
+_BOOT = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_name='__main__')"
+
+
+def processes_supported() -> bool:
+    """Crop worker processes need Linux's memfd_create and descriptor passing."""
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+
+class WorkerGone(RuntimeError):
+    """The worker process is not there (did not start, exited, closed its socket)."""
+
+
+class _Worker:
+    """One crop worker process and our end of its socket; one request at a time."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            fd = theirs.fileno()
+            cmd = [sys.executable, "-c", _BOOT, str(WORKER_SCRIPT), str(fd)]
+            self.proc = subprocess.Popen(cmd, pass_fds=[fd], stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+
+    def run(self, message: bytes, fd: int) -> None:
+        try:
+            socket.send_fds(self.sock, [message], [fd])
+            reply = self.sock.recv(1 << 16)
+        except OSError as exc:
+            raise WorkerGone(f"the crop worker process is gone: {exc}") from exc
+        if not reply:
+            raise WorkerGone("the crop worker process exited")
+        if reply != b"ok":
+            raise CropError(reply.decode(errors="replace").removeprefix("error: "))
+
+    def stop(self) -> None:
+        self.sock.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+class _Workers:
+    """The process's crop workers, shared by every pool: started on demand, kept while idle,
+    stopped at exit."""
+
+    def __init__(self) -> None:
+        self._forget()
+        atexit.register(self.stop_all)
+        if hasattr(os, "register_at_fork"):  # a forked child must not talk to our workers
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        for worker in getattr(self, "_all", ()):
+            worker.sock.close()  # this process's copy; the worker stays its parent's
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self._all: set[_Worker] = set()
+
+    def run(self, message: bytes, fd: int) -> None:
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            try:
+                worker = _Worker()
+            except OSError as exc:
+                raise WorkerGone(f"cannot start a crop worker process: {exc}") from exc
+            with self._lock:
+                self._all.add(worker)
+        try:
+            worker.run(message, fd)
+        except CropError:
+            self._give_back(worker)  # a bad request; the worker is fine
+            raise
+        except BaseException:  # gone, or interrupted mid-request: never reuse it
+            self._discard(worker)
+            raise
+        self._give_back(worker)
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._lock:
+            self._idle.append(worker)
+
+    def _discard(self, worker: _Worker) -> None:
+        with self._lock:
+            self._all.discard(worker)
+        worker.stop()
+
+    def stop_all(self) -> None:
+        with self._lock:
+            workers, self._all, self._idle = list(self._all), set(), []
+        for w in workers:
+            w.stop()
+
+
+WORKERS = _Workers()

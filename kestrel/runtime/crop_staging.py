@@ -1,0 +1,105 @@
+"""An image's crops on the host (``CropPixels``) and the pinned memory they are staged in.
+
+On CUDA the crops are uploaded from page-locked memory, so the upload needs no host sync. That
+memory is taken once, when the crop pool is made (start-up), as ``CropStaging``: ``count``
+slots, each big enough for the most crops an image can have. A crop thread takes a free slot
+and copies an image's crops in; the crops give the slot back when they are gone (garbage
+collected), and the slot is reused once the upload queued from it (a CUDA event) has run.
+Nothing is pinned per image, so no crop thread ever calls into the driver while the scheduler
+thread might capture a CUDA graph. With every slot in use, the crops stay in plain memory and
+their upload waits for the copy (``misses`` counts those).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.moondream.config import VisionConfig
+from kestrel.moondream.vision import normalize_pixels
+from kestrel_kernels import pinned
+
+__all__ = ["CropPixels", "CropStaging"]
+
+
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
+class CropPixels:
+    """An image's crops on the host, channel-major [N, 3, crop, crop]: normalized float32, or
+    uint8 to be normalized on the device; ``tiling`` = (rows, cols). ``staging``: the slot of
+    pinned memory ``pixels`` lies in (None: plain memory)."""
+
+    pixels: torch.Tensor
+    tiling: tuple[int, int]
+    staging: tuple[CropStaging, int] | None = None
+
+    def encoder_input(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """The vision encoder's input: normalized, in ``dtype`` on ``device`` (uploaded without
+        a host sync when the crops are staged in pinned memory)."""
+        device = torch.device(device)
+        to_cuda = device.type == "cuda" and self.staging is not None
+        pixels = self.pixels.to(device=device, non_blocking=to_cuda)
+        if to_cuda and self.staging is not None:
+            staging, slot = self.staging
+            staging.uploaded(slot)
+        if pixels.dtype == torch.uint8:  # the same arithmetic, on the device
+            return normalize_pixels(pixels.permute(0, 2, 3, 1), dtype, device)
+        return pixels.to(dtype=dtype)
+
+
+class CropStaging:
+    """``count`` slots of pinned memory for one vision config's uint8 crops (module doc)."""
+
+    def __init__(self, config: VisionConfig, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"crop staging needs at least one slot, got {count}")
+        self.max_crops = 1 + config.max_crops
+        self.crop = config.crop_size
+        self.slot_bytes = self.max_crops * 3 * self.crop * self.crop
+        self._memory = pinned.pinned_empty(count * self.slot_bytes)
+        self._free = list(range(count))
+        self._events: list = [None] * count  # the upload last queued from each slot
+        self._lock = threading.Lock()
+        self.count = count
+        self.takes = 0
+        self.misses = 0
+
+    def stage(self, planes: torch.Tensor, tiling: tuple[int, int]) -> CropPixels:
+        """``planes`` (uint8 [N, 3, crop, crop]) copied into a free slot; in plain memory as
+        they are when no slot is free."""
+        slot = self._take() if planes.dtype == torch.uint8 else None
+        if slot is None or planes.shape[0] > self.max_crops:
+            if slot is not None:
+                self._give_back(slot)
+            with self._lock:
+                self.misses += 1
+            return CropPixels(planes, tiling)
+        start = slot * self.slot_bytes
+        view = self._memory[start : start + planes.numel()].view(planes.shape)
+        view.copy_(planes)
+        crops = CropPixels(view, tiling, (self, slot))
+        weakref.finalize(crops, self._give_back, slot)
+        return crops
+
+    def uploaded(self, slot: int) -> None:
+        """An upload from ``slot`` is queued on the current stream: the slot is not reused
+        before it has run."""
+        event = torch.cuda.Event()
+        event.record()
+        self._events[slot] = event
+
+    def _take(self) -> int | None:
+        with self._lock:
+            for i, slot in enumerate(self._free):
+                event = self._events[slot]
+                if event is None or event.query():
+                    self._events[slot] = None
+                    self.takes += 1
+                    return self._free.pop(i)
+        return None
+
+    def _give_back(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)

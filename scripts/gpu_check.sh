@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One-shot GPU check, about 6 minutes on an H100 (docs/benchmarks.md):
+#   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend, pyvips);
+#   2. pytest -m gpu tests/gpu;
+#   3. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
+#      16 threads submitting while the engine starts;
+#   4. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
+#      captures (the last line of stdout).
+# On the GPU machine here, run it through the staged FlashAttention 4 (see the GPU tools' README):
+#   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
+# Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kestrel-gpu-check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+t0=$(date +%s)
+
+echo "== 1/3 probe" >&2
+timeout 60 "$PY" - > "$OUT/probe.json" 2> "$OUT/probe.log" <<'PYEOF'
+import json
+
+import torch
+
+from kestrel_kernels import fa_backend
+
+out = {"torch": torch.__version__, "cuda": torch.version.cuda,
+       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+probe = fa_backend.probe("cuda")
+out["fa"] = "ok" if probe.ok else probe.reason
+try:
+    import pyvips  # noqa: F401
+
+    out["pyvips"] = "ok"
+except Exception as exc:  # reported, not fatal: the crops then fail, and say so
+    out["pyvips"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+PYEOF
+probe_rc=$?
+cat "$OUT/probe.json" >&2
+
+echo "== 2/3 pytest -m gpu tests/gpu" >&2
+timeout 200 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+pytest_rc=$?
+tail -3 "$OUT/pytest.log" >&2
+
+echo "== 3/3 bench" >&2
+timeout 200 "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
+  --modes direct,cot --sampling greedy,default --startup-threads 16 --allow-busy --summary \
+  > "$OUT/bench.log" 2>&1
+bench_rc=$?
+grep '^| ' "$OUT/bench.log" >&2
+
+"$PY" - "$OUT" "$probe_rc" "$pytest_rc" "$bench_rc" "$(( $(date +%s) - t0 ))" <<'PYEOF'
+import json
+import re
+import sys
+from pathlib import Path
+
+out, probe_rc, pytest_rc, bench_rc, seconds = Path(sys.argv[1]), *map(int, sys.argv[2:])
+try:
+    probe = json.loads((out / "probe.json").read_text())
+except (OSError, ValueError):
+    probe = None
+log = (out / "pytest.log").read_text(errors="replace") if (out / "pytest.log").exists() else ""
+counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", log)}
+bench = None
+for line in reversed((out / "bench.log").read_text(errors="replace").splitlines()):
+    if line.startswith("{") and '"req_s"' in line:
+        bench = json.loads(line)
+        break
+print(json.dumps({
+    "probe": probe, "probe_rc": probe_rc,
+    "pytest": {**counts, "rc": pytest_rc},
+    "req_s": bench["req_s"] if bench else None,
+    "failed_requests": bench["failed_requests"] if bench else None,
+    "failed_captures": bench["failed_captures"] if bench else None,
+    "captured": bench["captured"] if bench else None,
+    "bench_rc": bench_rc, "seconds": seconds,
+}))
+PYEOF
