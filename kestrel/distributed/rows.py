@@ -44,11 +44,9 @@ REQUEST_SCHEMA = pa.schema(
         ("key", pa.string()),  # the routing key
     ]
 )
+_ARROW_TYPES = {"float": pa.float64(), "int": pa.int64(), "str": pa.string()}
 _METRICS = pa.struct(
-    [
-        (f.name, pa.float64() if f.type in (float, "float") else pa.int64())
-        for f in fields(RequestMetrics)
-    ]
+    [(f.name, _ARROW_TYPES[getattr(f.type, "__name__", f.type)]) for f in fields(RequestMetrics)]
 )
 # One row per answered or failed request: kestrel batch's record, plus the serving replica.
 OUTPUT_SCHEMA = pa.schema(
