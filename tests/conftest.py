@@ -46,6 +46,15 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_checkout}_{_capability}"
     )
 
+# The test command runs the suite on every core (pytest-xdist, ``-n auto``); each worker takes
+# an equal share of the cores for torch's intra-op threads, so the workers never oversubscribe
+# the machine (and a timing inside a test is not inflated by its neighbours' threads).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _workers > 1:
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
 # Without a GPU the fused Triton kernels run under Triton's interpreter. The flag must be set
 # before triton is first imported (its standard library, tl.sum and the like, is built then).
 if not _cuda_available():
