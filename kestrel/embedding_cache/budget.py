@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterable
 from numbers import Real
+from typing import Protocol, TypeVar
 
-__all__ = ["GIB", "MIB", "BudgetError", "budget_bytes", "host_memory_bytes"]
+__all__ = ["GIB", "MIB", "BudgetError", "budget_bytes", "host_memory_bytes", "make_room"]
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -51,3 +53,36 @@ def budget_bytes(value: object, *, name: str, unit: int, limit: int | None) -> i
             f"{unit_name} below that"
         )
     return size
+
+
+class _Sized(Protocol):
+    nbytes: int
+
+
+_E = TypeVar("_E", bound=_Sized)
+
+
+def make_room(
+    entries: Iterable[_E],
+    used: int,
+    budget: int,
+    nbytes: int,
+    evictable: Callable[[_E], bool],
+    remove: Callable[[_E], None],
+) -> int | None:
+    """Make ``nbytes`` more fit under ``budget`` (``used`` taken): the first ``evictable`` of
+    ``entries`` (oldest first) that together free enough go through ``remove``. Returns how
+    many were evicted, or None when all of them cannot free enough (then none is)."""
+    need = used + nbytes - budget
+    victims, freed = [], 0
+    for entry in entries:
+        if freed >= need:
+            break
+        if evictable(entry):
+            victims.append(entry)
+            freed += entry.nbytes
+    if freed < need:
+        return None
+    for entry in victims:
+        remove(entry)
+    return len(victims)

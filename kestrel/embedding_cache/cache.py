@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kestrel.embedding_cache.budget import make_room
+
 __all__ = ["EmbeddingCache", "EmbeddingIntegrityError", "EmbeddingKey", "EmbeddingStats"]
 
 
@@ -179,21 +181,17 @@ class EmbeddingCache:
     def _make_room(self, nbytes: int) -> bool:
         """Evict unpinned entries, oldest first, until ``nbytes`` more fit; evict nothing and
         return False if the unpinned entries cannot free enough."""
-        need = self._bytes + nbytes - self.budget
-        if need <= 0:
-            return True
-        victims, freed = [], 0
-        for entry in self._lru.values():
-            if entry.refs == 0:
-                victims.append(entry)
-                freed += entry.nbytes
-                if freed >= need:
-                    break
-        if freed < need:
+        evicted = make_room(
+            self._lru.values(),
+            self._bytes,
+            self.budget,
+            nbytes,
+            lambda e: e.refs == 0,
+            self._remove,
+        )
+        if evicted is None:
             return False
-        for entry in victims:
-            self._remove(entry)
-            self._evictions += 1
+        self._evictions += evicted
         return True
 
     def _remove(self, entry: _Entry) -> None:

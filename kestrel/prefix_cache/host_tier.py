@@ -42,6 +42,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kestrel.embedding_cache.budget import make_room
+
 __all__ = ["HostEntry", "HostKVTier", "HostState", "HostTierStats", "KVMover"]
 
 log = logging.getLogger("kestrel.prefix_cache")
@@ -145,21 +147,17 @@ class HostKVTier:
         return True
 
     def _make_room(self, nbytes: int) -> bool:
-        need = self._bytes + nbytes - self.budget
-        if need <= 0:
-            return True
-        victims, freed = [], 0
-        for entry in self._lru.values():
-            if entry.state is HostState.HOST:
-                victims.append(entry)
-                freed += entry.nbytes
-                if freed >= need:
-                    break
-        if freed < need:
+        evicted = make_room(
+            self._lru.values(),
+            self._bytes,
+            self.budget,
+            nbytes,
+            lambda e: e.state is HostState.HOST,
+            self._remove,
+        )
+        if evicted is None:
             return False
-        for entry in victims:
-            self._remove(entry)
-            self._evictions += 1
+        self._evictions += evicted
         return True
 
     def _remove(self, entry: HostEntry) -> None:
