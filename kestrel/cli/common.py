@@ -84,18 +84,18 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="read images in their stored orientation instead of turning them upright by their "
         "EXIF orientation tag (coordinates then refer to the stored pixels)",
     )  # fmt: skip
-    group.add_argument(
-        "--embedding-cache-mb", type=budget_number, default=None, metavar="MB",
-        help="budget of the image-embedding tier, which keeps what the vision encoder made for "
-        "an image after its KV is evicted (default: sized from the KV pool; 0: off)",
-    )  # fmt: skip
-    group.add_argument(
-        "--host-kv-gb", type=budget_number, default=None, metavar="GB",
-        help="CUDA only: keep KV pages the prefix cache evicts in this much pinned host memory "
-        "and copy them back on a later match (default and 0: off)",
-    )  # fmt: skip
+    for flag, unit, text in _TIER_FLAGS:  # the cache tiers past the KV pool
+        group.add_argument(flag, type=budget_number, default=None, metavar=unit, help=text)
     add_model_loading_options(group)
 
+
+_TIER_FLAGS = (
+    ("--embedding-cache-mb", "MB", "budget of the image-embedding tier, which keeps what the "
+     "vision encoder made for an image after its KV is evicted (default: sized from the KV "
+     "pool; 0: off)"),
+    ("--host-kv-gb", "GB", "CUDA only: keep KV pages the prefix cache evicts in this much "
+     "pinned host memory and copy them back on a later match (default and 0: off)"),
+)  # fmt: skip
 
 # --moe-weights / --kv-dtype: the command-line spelling -> the Engine kwarg ("auto" is None)
 MOE_WEIGHTS_CHOICES = ("auto", "fp8", "dequantize")

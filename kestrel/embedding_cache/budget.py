@@ -8,13 +8,21 @@ cannot succeed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
 from numbers import Real
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["GIB", "MIB", "BudgetError", "budget_bytes", "host_memory_bytes", "make_room"]
+__all__ = [
+    "GIB",
+    "MIB",
+    "BudgetError",
+    "ByteLRU",
+    "budget_bytes",
+    "host_memory_bytes",
+]
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -56,33 +64,47 @@ def budget_bytes(value: object, *, name: str, unit: int, limit: int | None) -> i
 
 
 class _Sized(Protocol):
+    seq: int
     nbytes: int
 
 
 _E = TypeVar("_E", bound=_Sized)
 
 
-def make_room(
-    entries: Iterable[_E],
-    used: int,
-    budget: int,
-    nbytes: int,
-    evictable: Callable[[_E], bool],
-    remove: Callable[[_E], None],
-) -> int | None:
-    """Make ``nbytes`` more fit under ``budget`` (``used`` taken): the first ``evictable`` of
-    ``entries`` (oldest first) that together free enough go through ``remove``. Returns how
-    many were evicted, or None when all of them cannot free enough (then none is)."""
-    need = used + nbytes - budget
-    victims, freed = [], 0
-    for entry in entries:
-        if freed >= need:
-            break
-        if evictable(entry):
-            victims.append(entry)
-            freed += entry.nbytes
-    if freed < need:
-        return None
-    for entry in victims:
-        remove(entry)
-    return len(victims)
+class ByteLRU(Generic[_E]):
+    """Entries held under ``budget`` bytes, oldest first by their ``seq``: the bookkeeping both
+    cache tiers share. A tier says which entries may go (``_evictable``) and takes one out of
+    its own indexes as well (``_remove``, which also gives its bytes back)."""
+
+    def __init__(self, budget: int, what: str) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"{what} needs a budget >= 1 byte, got {budget!r}")
+        self.budget = budget
+        self._lru: OrderedDict[int, _E] = OrderedDict()  # by entry seq, oldest first
+        self._seq = itertools.count()
+        self._bytes = 0
+        self._evictions = 0
+
+    def _evictable(self, entry: _E) -> bool:
+        raise NotImplementedError
+
+    def _remove(self, entry: _E) -> None:
+        raise NotImplementedError
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict the oldest evictable entries until ``nbytes`` more fit; evict nothing and
+        return False when all of them cannot free enough."""
+        need = self._bytes + nbytes - self.budget
+        victims, freed = [], 0
+        for entry in self._lru.values():
+            if freed >= need:
+                break
+            if self._evictable(entry):
+                victims.append(entry)
+                freed += entry.nbytes
+        if freed < need:
+            return False
+        for entry in victims:
+            self._remove(entry)
+        self._evictions += len(victims)
+        return True

@@ -26,14 +26,12 @@ image's crops unmade) while the scheduler thread looks up and inserts.
 
 from __future__ import annotations
 
-import itertools
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from kestrel.embedding_cache.budget import make_room
+from kestrel.embedding_cache.budget import ByteLRU
 
 __all__ = ["EmbeddingCache", "EmbeddingIntegrityError", "EmbeddingKey", "EmbeddingStats"]
 
@@ -95,19 +93,14 @@ class EmbeddingLease:
             self._cache._unpin(entry)
 
 
-class EmbeddingCache:
+class EmbeddingCache(ByteLRU[_Entry]):
     """Image embeddings by (salt, key), LRU by bytes under ``budget`` bytes (module doc)."""
 
     def __init__(self, budget: int) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"an embedding cache needs a budget >= 1 byte, got {budget!r}")
-        self.budget = budget
+        super().__init__(budget, "an embedding cache")
         self._lock = threading.Lock()
         self._spaces: dict[str | None, dict[EmbeddingKey, _Entry]] = {}
-        self._lru: OrderedDict[int, _Entry] = OrderedDict()  # by entry seq, oldest first
-        self._seq = itertools.count()
-        self._bytes = 0
-        self._hits = self._misses = self._inserts = self._evictions = self._refused = 0
+        self._hits = self._misses = self._inserts = self._refused = 0
 
     # ------------------------------------------------------------------ reads
     def lookup(self, salt: str | None, key: EmbeddingKey) -> EmbeddingLease | None:
@@ -178,21 +171,8 @@ class EmbeddingCache:
             self._inserts += 1
             return True
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Evict unpinned entries, oldest first, until ``nbytes`` more fit; evict nothing and
-        return False if the unpinned entries cannot free enough."""
-        evicted = make_room(
-            self._lru.values(),
-            self._bytes,
-            self.budget,
-            nbytes,
-            lambda e: e.refs == 0,
-            self._remove,
-        )
-        if evicted is None:
-            return False
-        self._evictions += evicted
-        return True
+    def _evictable(self, entry: _Entry) -> bool:
+        return entry.refs == 0  # a pinned entry stays
 
     def _remove(self, entry: _Entry) -> None:
         del self._lru[entry.seq]

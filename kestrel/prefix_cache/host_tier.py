@@ -33,16 +33,14 @@ host buffers. Bytes held (every entry, in flight or not) never exceed ``budget``
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from kestrel.embedding_cache.budget import make_room
+from kestrel.embedding_cache.budget import ByteLRU
 
 __all__ = ["HostEntry", "HostKVTier", "HostState", "HostTierStats", "KVMover"]
 
@@ -100,20 +98,15 @@ class HostTierStats:
     refused: int  # spills not kept: larger than the budget, or no room among idle entries
 
 
-class HostKVTier:
+class HostKVTier(ByteLRU[HostEntry]):
     """The host tier's entries under ``budget`` bytes, moved by ``mover`` (module doc)."""
 
     def __init__(self, budget: int, mover: KVMover) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"a host KV tier needs a budget >= 1 byte, got {budget!r}")
-        self.budget, self.mover = budget, mover
+        super().__init__(budget, "a host KV tier")  # every entry held, in ``_lru``
+        self.mover = mover
         self._index: dict[tuple, dict[tuple, HostEntry]] = {}
-        self._lru: OrderedDict[int, HostEntry] = OrderedDict()  # every entry held, oldest first
         self._in_flight: list[HostEntry] = []  # SPILLING and COPYING_IN entries
-        self._seq = itertools.count()
-        self._bytes = 0
-        self._spills = self._spilled = self._hits = self._restored = 0
-        self._evictions = self._refused = 0
+        self._spills = self._spilled = self._hits = self._restored = self._refused = 0
 
     # ------------------------------------------------------------------ spill
     def spill(self, start: tuple, tokens: Sequence, keys: tuple, pages: np.ndarray) -> bool:
@@ -146,19 +139,8 @@ class HostKVTier:
         self._spilled += n
         return True
 
-    def _make_room(self, nbytes: int) -> bool:
-        evicted = make_room(
-            self._lru.values(),
-            self._bytes,
-            self.budget,
-            nbytes,
-            lambda e: e.state is HostState.HOST,
-            self._remove,
-        )
-        if evicted is None:
-            return False
-        self._evictions += evicted
-        return True
+    def _evictable(self, entry: HostEntry) -> bool:
+        return entry.state is HostState.HOST  # no copy in flight
 
     def _remove(self, entry: HostEntry) -> None:
         del self._lru[entry.seq]
@@ -285,18 +267,10 @@ class HostKVTier:
         return self._bytes
 
     def stats(self) -> HostTierStats:
-        return HostTierStats(
-            budget_bytes=self.budget,
-            bytes=self._bytes,
-            entries=sum(len(at) for at in self._index.values()),
-            in_flight=len(self._in_flight),
-            spills=self._spills,
-            spilled_pages=self._spilled,
-            hits=self._hits,
-            restored_pages=self._restored,
-            evictions=self._evictions,
-            refused=self._refused,
-        )
+        entries = sum(len(at) for at in self._index.values())
+        counts = (self._spills, self._spilled, self._hits, self._restored, self._evictions)
+        held = (self.budget, self._bytes, entries, len(self._in_flight))
+        return HostTierStats(*held, *counts, self._refused)  # in the fields' order
 
     def check_integrity(self) -> None:
         """Bytes accounted = the held entries' bytes <= budget; the index holds exactly the
