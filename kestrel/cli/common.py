@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "add_region_command",
     "check_image_arg",
     "engine_kwargs",
+    "int_in",
     "note_if_empty",
     "open_engine",
     "positive_int",
@@ -307,22 +309,28 @@ def print_json(obj: Any) -> None:
     print(json.dumps(obj, ensure_ascii=False))
 
 
+_DECIMAL = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")  # no inf, nan or words
+
+
 def budget_number(text: str) -> float:
     """A cache budget: a finite number >= 0 (0 turns the tier off)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
+    value = float(text) if _DECIMAL.fullmatch(text) else -1.0
+    if not math.isfinite(value) or value < 0:  # 1e999 is inf
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
 
 
-def positive_int(text: str) -> int:
+def int_in(text: str, low: int, high: int | None, what: str) -> int:
+    """``text`` as an integer in ``low..high`` (``high`` None: no upper bound); argparse's error
+    naming ``what`` otherwise."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return int_in(text, 1, None, "a positive integer")

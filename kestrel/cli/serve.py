@@ -257,13 +257,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
-    return value
+    return common.int_in(text, 0, 65535, "a port number in 0..65535")
 
 
 def _adapter_spec(text: str) -> tuple[str, Path]:

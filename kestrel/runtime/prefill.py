@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -89,6 +90,31 @@ def check_items(items: Sequence[PrefillItem]) -> None:
             raise ValueError(f"prefill covers {it.skip}+{it.n} != prompt {it.prompt_length}")
 
 
+def paged_text_forward(
+    model: MoondreamModel,
+    kv: PagedKV,
+    x_BTC: torch.Tensor,
+    positions_BT: torch.Tensor,
+    pages_BK: torch.Tensor,
+    *,
+    padded: bool,
+    **options: Any,
+) -> torch.Tensor:
+    """``text_forward`` of rows whose K/V go to pages: row b's position t writes page
+    ``pages_BK[b, positions_BT[b, t]]``. With ``padded``, a position of -1 is padding: it is
+    computed at position 0 and writes no K/V (slot -1). ``options``: text_forward's others."""
+    positions_BT = positions_BT.long()
+    if padded:
+        real_BT, positions_BT = positions_BT >= 0, positions_BT.clamp(min=0)
+        slots = torch.where(real_BT, pages_BK.gather(1, positions_BT), -1)
+    else:
+        slots = pages_BK.gather(1, positions_BT)
+    return text_forward(
+        x_BTC, model.text, model.config.text, positions_BT=positions_BT, kv=kv,
+        slot_mapping=slots.reshape(-1), page_table=pages_BK, **options,
+    )  # fmt: skip
+
+
 def prefill_batch(
     model: MoondreamModel,
     kv: PagedKV,
@@ -129,21 +155,14 @@ def _forward(
         pages_BK = page_table_RP[rows[0] : rows[0] + B, :max_k]
     else:
         pages_BK = page_table_RP[:, :max_k].index_select(0, meta.rows_B)
-    positions_BT = meta.positions_BT.long()  # padding: -1
-    if padded:  # padding computes at position 0 and writes no K/V (slot -1)
-        real_BT, positions_BT = positions_BT >= 0, positions_BT.clamp(min=0)
-        slots = torch.where(real_BT, pages_BK.gather(1, positions_BT), -1)
-    else:
-        slots = pages_BK.gather(1, positions_BT)
     adapters = [it.adapter for it in items]
-    hidden_BTC = text_forward(
+    hidden_BTC = paged_text_forward(
+        model,
+        kv,
         x_BTC,
-        model.text,
-        model.config.text,
-        positions_BT=positions_BT,
-        kv=kv,
-        slot_mapping=slots.reshape(-1),
-        page_table=pages_BK,
+        meta.positions_BT,
+        pages_BK,
+        padded=padded,
         seqused_k=meta.seqused_k,
         seqused_q=meta.seqused_q,
         bidir_regions=meta.regions,

@@ -29,8 +29,8 @@ from torch import Tensor
 
 import kestrel.runtime.cuda_graphs as cuda_graphs
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.text import PagedKV, lm_head, text_forward
-from kestrel.runtime.prefill import PrefillItem, causal_rows, check_items
+from kestrel.moondream.text import PagedKV, lm_head
+from kestrel.runtime.prefill import PrefillItem, causal_rows, check_items, paged_text_forward
 from kestrel_kernels.counting import count_upload
 from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
 
@@ -124,18 +124,14 @@ def prefill_static(
     """The whole padded prefill of ``batch`` as a pure function of its buffers (no host sync):
     (hidden before post_ln [B, C], logits [B, V]) of each row's last real position."""
     positions_BT, seqused_k, seqused_q, rows_B, regions_B2 = batch.fields()
-    positions = positions_BT.long()
-    real_BT, positions = positions >= 0, positions.clamp(min=0)
     pages_BP = page_table_RP.index_select(0, rows_B.long())
-    slots_BT = torch.where(real_BT, pages_BP.gather(1, positions), -1)
-    hidden_BTC = text_forward(
+    hidden_BTC = paged_text_forward(
+        model,
+        kv,
         batch.x_BTC,
-        model.text,
-        model.config.text,
-        positions_BT=positions,
-        kv=kv,
-        slot_mapping=slots_BT.reshape(-1),
-        page_table=pages_BP,
+        positions_BT,
+        pages_BP,
+        padded=True,
         seqused_k=seqused_k,
         seqused_q=seqused_q,
         bidir_regions=regions_B2.contiguous() if batch.regions else None,
