@@ -257,7 +257,7 @@ def prefill_item(
                 raise SequenceError(f"the image at position {pos} is neither cached nor encoded")
             parts += [embed_tokens(text, model)] if text else []
             parts.append(emb.to(dtype))
-            text, state.vision_encoded = [], True
+            text = []
         elif pos + tok.kv_length() > skip:
             raise SequenceError(f"reused positions ({skip}) end inside a cache token")
         pos += tok.kv_length()

@@ -291,8 +291,6 @@ class MoondreamRuntime(DecodeSteps):
         with found, self.crops.hold(found.to_encode):
             items = [prefill_item(s, self.model, self.dtype, self._encode_images(s, found))
                      for s in states]  # fmt: skip
-        for s in states:
-            s.vision_encoded = s.image_encodes > 0
         if self.prefill_graphs is not None:  # replayed where the items fit its buckets
             return self.prefill_graphs.run_all(items, self._prefill_eager)
         return self._prefill_eager(items)

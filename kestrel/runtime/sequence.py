@@ -85,7 +85,6 @@ class SequenceState:
     prompt: tuple[PromptToken, ...] = ()
     images: tuple[PreparedImage, ...] = ()
     fed: list[PromptToken] = field(default_factory=list)
-    vision_encoded: bool = False  # the prefill ran the vision encoder
     embedding_hits: int = 0  # images the prefill took from the embedding tier
     image_encodes: int = 0  # images the prefill encoded
     host_pages: int = 0  # reused pages copied back from the host KV tier
@@ -110,6 +109,11 @@ class SequenceState:
     @property
     def cache_owned_page_count(self) -> int:
         return self.lease.cache_owned
+
+    @property
+    def vision_encoded(self) -> bool:
+        """Whether the prefill ran the vision encoder (for at least one image)."""
+        return self.image_encodes > 0
 
     def images_computed(self) -> list[bool]:
         """For each image: does the prefill compute it (its block ends past the reused
