@@ -14,25 +14,18 @@ from kestrel.kv.storage import PagedKVCache
 from kestrel.prefix_cache.host_tier import HostKVTier
 from tests.integration.test_runtime_cache import REL, greedy, query_prompt
 from tests.tolerance import assert_close
+from tests.unit.test_host_tier import FakeEvents
 
 MIB = 1 << 20
 
 
-class _Event:
-    finished = False
-
-
-class TensorMover:
+class TensorMover(FakeEvents):
     """Copies pages' K and V between the runtime's pool and host tensors, at once."""
 
     def __init__(self, kv: PagedKVCache) -> None:
+        super().__init__()
         self.kv = kv
         self.bytes_per_page = kv.bytes_per_page(kv.n_layers, kv.n_kv_heads, kv.head_dim, kv.dtype)
-        self.events: list[_Event] = []
-
-    def _event(self) -> _Event:
-        self.events.append(_Event())
-        return self.events[-1]
 
     def copy_out(self, pages):
         idx = torch.from_numpy(np.array(pages, dtype=np.int64))
@@ -46,16 +39,6 @@ class TensorMover:
             for layer in range(self.kv.n_layers):
                 side[layer].index_copy_(0, idx, buffer[i, layer])
         return self._event()
-
-    def done(self, event) -> bool:
-        return event.finished
-
-    def wait(self, event) -> None:
-        event.finished = True
-
-    def finish_all(self) -> None:
-        for e in self.events:
-            e.finished = True
 
 
 def test_an_evicted_image_is_served_from_host_memory(make_runtime, model, images):

@@ -23,29 +23,16 @@ class Event:
         self.finished = False
 
 
-class StandInMover:
-    """Copies between ``device`` (the pool's pages) and host buffers; events finish on demand."""
+class FakeEvents:
+    """The event half of a stand-in mover: a copy's event finishes when the test says."""
 
-    bytes_per_page = WIDTH * 8
-
-    def __init__(self, n_pages: int) -> None:
-        self.device = np.zeros((n_pages, WIDTH))
+    def __init__(self) -> None:
         self.events: list[Event] = []
-        self.copies_out = self.copies_in = 0
 
     def _event(self) -> Event:
         e = Event()
         self.events.append(e)
         return e
-
-    def copy_out(self, pages):
-        self.copies_out += 1
-        return self.device[pages].copy(), self._event()
-
-    def copy_in(self, buffer, pages):
-        self.copies_in += 1
-        self.device[pages] = buffer
-        return self._event()
 
     def done(self, event) -> bool:
         return event.finished
@@ -56,6 +43,26 @@ class StandInMover:
     def finish_all(self) -> None:
         for e in self.events:
             e.finished = True
+
+
+class StandInMover(FakeEvents):
+    """Copies between ``device`` (the pool's pages) and host buffers; events finish on demand."""
+
+    bytes_per_page = WIDTH * 8
+
+    def __init__(self, n_pages: int) -> None:
+        super().__init__()
+        self.device = np.zeros((n_pages, WIDTH))
+        self.copies_out = self.copies_in = 0
+
+    def copy_out(self, pages):
+        self.copies_out += 1
+        return self.device[pages].copy(), self._event()
+
+    def copy_in(self, buffer, pages):
+        self.copies_in += 1
+        self.device[pages] = buffer
+        return self._event()
 
 
 def kv_value(ns_key: tuple, keys: tuple) -> list[float]:
