@@ -88,6 +88,7 @@ if TYPE_CHECKING:
 
     from kestrel.tokens import CacheToken
 
+    from .host_tier import HostKVTier
     from .namespace import CacheNamespace
     from .node import InsertResult, MatchResult, TreeNode
 
@@ -104,6 +105,10 @@ class InsertError(ValueError):
 
 class BasePrefixCache(ABC):
     """Abstract prefix cache; see the module docstring for the full contract."""
+
+    # Optional second tier: the KV of evicted leaves kept in host memory and copied back on a
+    # later match (``host_tier.py``); None: no such tier.
+    host: HostKVTier | None = None
 
     @abstractmethod
     def match_prefix(

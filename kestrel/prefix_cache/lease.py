@@ -143,7 +143,7 @@ class CacheLease:
         pt, cache = self.page_table, self.cache
         held = None
         if cache is not None:
-            host = getattr(cache, "host", None)
+            host = cache.host
             if host is not None:  # copy back what the host tier holds past the device match
                 held, self.restored = host.restore(cache, self.tokens, self.namespace)
                 if held is not None:

@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from kestrel.kv.page_table import PageTable
     from kestrel.tokens import CacheToken
 
-    from .host_tier import HostKVTier
 
 __all__ = ["CacheStats", "InsertResult", "MatchResult", "RadixPrefixCache", "TreeNode"]
 
@@ -75,8 +74,6 @@ class RadixPrefixCache(BasePrefixCache):
         self._reclaimable = 0
         self._node_count = 0
         self._evicted_pages = 0
-        # Optional second tier: evicted leaves' KV kept in host memory (host_tier.py).
-        self.host: HostKVTier | None = None
 
     # ----------------------------------------------------------------- queries
     @property
