@@ -32,9 +32,14 @@ SLOT_COUNT = 64
 _ALIGN = 64
 
 
-def pinned_empty(nbytes: int) -> Tensor:
-    """``nbytes`` of page-locked host memory (uint8)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def pinned_empty(nbytes: int, *, pin: bool = True) -> Tensor:
+    """``nbytes`` of page-locked host memory (uint8; plain memory with ``pin=False``).
+
+    Always a normal tensor, even when the runtime is built under ``torch.inference_mode``:
+    crop threads and request threads write into it outside inference mode, and an in-place
+    write to an inference tensor there raises."""
+    with torch.inference_mode(False):
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 class Settles(Protocol):
@@ -56,7 +61,7 @@ class HostRing:
         self.slot_bytes = (slot_bytes + _ALIGN - 1) // _ALIGN * _ALIGN
         self.pin = pin
         total = self.count * self.slot_bytes
-        self._memory = pinned_empty(total) if pin else torch.empty(total, dtype=torch.uint8)
+        self._memory = pinned_empty(total, pin=pin)
         self._events: list = [torch.cuda.Event() for _ in range(count)] if pin else []
         self._recorded = [False] * count
         self._readers: list[Settles | None] = [None] * count

@@ -52,6 +52,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from kestrel import Engine
+from kestrel_kernels import fused
 
 PUBLISHED_REQ_S = {1: 41.9, 64: 57.0}  # Kestrel, Moondream 2, ChartQA, one H100
 OURS_BEFORE_REQ_S = {1: 11.7, 64: 17.2}  # bench_gpu_runtime.py, one H100 (docs/kernels.md)
@@ -365,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
                    f"chart; direct max {DIRECT_TOKENS} tokens, cot max "
                    f"{args.cot_tokens}; torch.compile "
                    f"{'on' if args.compile else 'off'}; decode look-ahead "
-                   f"{'on' if engine._runner.lookahead else 'off'}")  # fmt: skip
+                   f"{'on' if engine._runner.lookahead else 'off'}; fused ops "
+                   f"{fused.fused_backend(torch.device(device))}")  # fmt: skip
         startup = traffic.join()
         bench.emit(f"start-up traffic: {startup[0]} requests served, {startup[1]} failed")
         for b in args.batches:  # warm: allocator, attention kernels of each shape

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 import kestrel_kernels
+import kestrel_kernels.fused
 from kestrel.images import image_digest, load_image
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.vision import encode_image, normalize_pixels, overlap_crops
@@ -157,6 +158,30 @@ def profile_request(rt: MoondreamRuntime) -> None:
     print(events.table(sort_by="self_cpu_time_total", row_limit=12))
 
 
+def profile_decode(rt: MoondreamRuntime, batch: int = 1) -> None:
+    """The GPU kernels of one decode step at ``batch`` rows (a graph replay): how many, and
+    the ten that take the most device time."""
+    img = image(1)
+    states = [rt.start_sequence(prompt(rt, 60 + i), img, max_new_tokens=8)[0]
+              for i in range(batch)]  # fmt: skip
+    feed = [TextToken(500 + i) for i in range(batch)]
+    rt.decode_step(states, feed)
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        rt.decode_step(states, feed)
+        torch.cuda.synchronize()
+    for s in states:
+        rt.release_sequence(s)
+    events = prof.key_averages()
+    cuda = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in cuda)
+    print(f"\ndecode step, batch {batch}: {sum(e.count for e in cuda)} GPU kernels, "
+          f"{total / 1e3:.2f} ms of device time; the ten longest:")  # fmt: skip
+    for e in sorted(cuda, key=lambda e: -e.self_device_time_total)[:10]:
+        print(f"  {e.self_device_time_total:8.0f} us  x{e.count:<4d} {e.key[:90]}")
+
+
 def qa_rate(rt: MoondreamRuntime, batch: int, n_requests: int) -> float:
     """Requests/s: new image per request, ANSWER_TOKENS greedy tokens, up to ``batch`` at once."""
     images = [image(10_000 + i) for i in range(n_requests)]
@@ -199,7 +224,9 @@ def main() -> None:
                           kv_memory_fraction=args.kv_memory_fraction)  # fmt: skip
     t_rt = time.perf_counter() - t_rt
     backend = kestrel_kernels.resolve_backend("auto", "cuda")
-    print(f"device: {name}; attention backend: {backend}; torch {torch.__version__}")
+    fused_ops = kestrel_kernels.fused.fused_backend(torch.device("cuda"))
+    print(f"device: {name}; attention backend: {backend}; fused ops: {fused_ops}; "
+          f"torch {torch.__version__}")  # fmt: skip
     print(f"{rt.kv_report}  [runtime built in {t_rt:.1f} s]")
     assert rt.decode_graphs is not None, "decode graphs need the fa backend"
     if args.profile:
@@ -220,6 +247,8 @@ def main() -> None:
         sheet = f"{r['tb_s'] / datasheet:.0%}" if datasheet else "n/a"
         print(f"| {b} | {r['step_ms']:.2f} | {r['tokens_s']:.0f} | {r['bytes_per_step'] / 1e9:.2f}"
               f" | {r['tb_s']:.2f} | {r['tb_s'] / copy_tb_s:.0%} | {sheet} |")  # fmt: skip
+    profile_decode(rt, 1)
+    profile_decode(rt, 64)
     results["ttft_ms"] = t = ttft(rt)
     print(f"\nTTFT (median of 10): miss {t['miss']:.1f} ms, hit {t['hit']:.1f} ms")
     print("\n| image QA | requests/s | Kestrel published (H100) |\n|---|---|---|")

@@ -15,7 +15,7 @@ request does not pay for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,10 +50,15 @@ class KvPoolReport:
     warmup_peak_bytes: int  # extra memory the warm-up needed at its peak
     fraction: float
     capped: bool  # limited by MAX_POOL_PAGES rather than by memory
+    carved_pages: int = 0  # given up to the image-embedding tier (runtime/embeddings.py)
 
     @property
     def kv_bytes(self) -> int:
         return self.pages * self.bytes_per_page
+
+    def carve(self, pages: int) -> KvPoolReport:
+        """This report once the pool has given up all but ``pages`` pages (to the tier)."""
+        return replace(self, pages=pages, carved_pages=self.carved_pages + self.pages - pages)
 
     def __str__(self) -> str:
         limit = f"capped at {MAX_POOL_PAGES} pages" if self.capped else "memory-bound"
@@ -61,8 +66,10 @@ class KvPoolReport:
             f"KV pool: {self.pages:,} pages x {self.bytes_per_page / 1024:.0f} KiB = "
             f"{self.kv_bytes / _GIB:.2f} GiB ({limit}; fraction {self.fraction:.2f} of "
             f"{self.free_bytes / _GIB:.2f} GiB free after warm-up, minus a "
-            f"{self.warmup_peak_bytes / _GIB:.2f} GiB warm-up peak)"
-        )
+            f"{self.warmup_peak_bytes / _GIB:.2f} GiB warm-up peak"
+            + (f"; {self.carved_pages * self.bytes_per_page / _GIB:.2f} GiB of it to the "
+               "image-embedding tier)" if self.carved_pages else ")")
+        )  # fmt: skip
 
 
 def _warmup(model: MoondreamModel, backend: str) -> None:

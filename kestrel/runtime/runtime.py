@@ -148,6 +148,8 @@ class MoondreamRuntime(DecodeSteps):
             model, kv_cache_pages, kv_dt, embedding_cache_bytes,
             prefix_cache=enable_prefix_cache, carve=self.kv_report is not None,
         )  # fmt: skip
+        if self.kv_report is not None:  # the tier's bytes came out of the sized pool
+            self.kv_report = self.kv_report.carve(kv_cache_pages)
         if kv_cache_pages < 2:
             raise ValueError(f"kv_cache_pages must be >= 2, got {kv_cache_pages}")
         self.page_table = PageTable(

@@ -16,7 +16,7 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.runtime.host_kv import PinnedKVMover
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
-from kestrel_kernels.contract import KV_FP8_DTYPE
+from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 from tests.conftest import fixture_dir
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +26,9 @@ MIB = 1 << 20
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, KV_FP8_DTYPE], ids=["bf16", "fp8"])
 def test_pinned_mover_round_trip_is_exact(dtype):
-    kv = PagedKVCache(64, 3, 2, 16, dtype, "cuda")
+    scales = [KvScales(torch.tensor([0.02]), torch.tensor([0.03])) for _ in range(3)]
+    fp8 = dtype == KV_FP8_DTYPE
+    kv = PagedKVCache(64, 3, 2, 16, dtype, "cuda", kv_scales=scales if fp8 else None)
     for side in (kv.k, kv.v):
         for t in side:
             t.copy_(torch.randn(t.shape, device="cuda").to(dtype))

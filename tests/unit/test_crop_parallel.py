@@ -115,3 +115,20 @@ def test_staging_is_taken_once_and_reused(monkeypatch) -> None:
         pool.close()
     with pytest.raises(ValueError, match="uint8"):
         CropPool(VISION, normalize=True, pin_memory=True)
+
+
+def test_staging_made_in_inference_mode_is_written_outside_it(monkeypatch) -> None:
+    """The runtime is built under ``torch.inference_mode`` (the engine's start-up) while crop
+    threads and direct callers write the staging memory outside it: the memory must be a
+    normal tensor, or the first staged image raises (seen on an H200)."""
+    real = crop_staging.pinned.pinned_empty
+    monkeypatch.setattr(crop_staging.pinned, "pinned_empty", lambda n: real(n, pin=False))
+    with torch.inference_mode():
+        staging = crop_staging.CropStaging(VISION, 2)
+    assert not staging._memory.is_inference()
+    planes = torch.randint(0, 256, (3, 3, 378, 378), dtype=torch.uint8)
+    staged = staging.stage(planes, (1, 2))  # outside inference mode, as a crop thread runs
+    assert staged.staging is not None and torch.equal(staged.pixels, planes)
+    with torch.inference_mode():  # and inside it, as the scheduler thread runs
+        again = staging.stage(planes.flip(0), (1, 2))
+    assert again.staging is not None and torch.equal(again.pixels, planes.flip(0))

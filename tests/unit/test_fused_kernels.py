@@ -171,3 +171,23 @@ def test_kernels_compile_for_sm90(kernel, tmp_path) -> None:
     assert got["target"] and got["cubin_bytes"] > 0
     assert got["spill_bytes"] == 0, got["report"]
     assert 0 < got["registers"] <= 128, got["report"]
+
+
+def test_fused_ops_trace_whole_under_torch_compile(interpreted) -> None:
+    """Under ``torch.compile`` the fused ops take their torch forms, with nothing Dynamo
+    cannot trace: with the Triton forms forced (as "auto" is on CUDA), the package probe and
+    the launchers broke the compiled decode on an H200 (``find_spec`` is not traceable)."""
+    fused.set_fused_backend("triton")
+    gen = torch.Generator().manual_seed(0)
+    x, d = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen)
+    w, b = torch.randn(64, generator=gen), torch.randn(64, generator=gen)
+
+    def step(x, d):
+        return fused.add_layer_norm(x, (d,), w, b, 1e-5)
+
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="eager")(x, d)
+    fused.set_fused_backend("torch")
+    want = step(x, d)
+    for g, r in zip(got, want, strict=True):
+        assert_close(g, r)
