@@ -92,7 +92,7 @@ class _Cropper:
     def crop(self, image: PreparedImage) -> CropPixels:
         pixels = check_pixels(image.pixels)
         g = crop_geometry(pixels.shape[0], pixels.shape[1], self.config)
-        parts = crop_parts(g, self.parallel)
+        parts = crop_parts(g, self.parallel, pixels.shape[0] * pixels.shape[1])
         planes = self._in_worker(pixels, g, parts) if self.processes else None
         if planes is None:
             planes = self._here(pixels, g, parts)
