@@ -30,7 +30,8 @@ class RequestMetrics:
     ``cache_tier`` says which tier served the prompt: ``"kv"`` (its image KV, or any prefix of
     a text prompt, was in the prefix cache), ``"host"`` (the same, partly copied back from
     host memory), ``"embedding"`` (the image's KV was computed from a cached embedding,
-    without the vision encoder) or ``"none"``."""
+    without the vision encoder) or ``"none"``. ``reasoning_tokens``: tokens generated while
+    reasoning (``reasoning=True``), before the ``output_tokens`` of the answer."""
 
     input_tokens: int
     cached_tokens: int
@@ -40,6 +41,7 @@ class RequestMetrics:
     decode_ms: float  # first token -> finished
     queue_ms: float  # submit -> admitted by the scheduler
     cache_tier: str = "none"
+    reasoning_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -152,7 +152,8 @@ def measure(engine: Engine, queries: list[Query], batch: int, settings: dict, co
         if future.exception() is not None:
             errors.append(future.exception())
         else:
-            tokens.append(future.result().metrics.output_tokens)
+            m = future.result().metrics
+            tokens.append(m.output_tokens + m.reasoning_tokens)  # CoT: thinking + answer
         slots.release()
         with lock:
             if len(latency) == len(queries):
@@ -373,8 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         for b in args.batches:  # warm: allocator, attention kernels of each shape
             measure(engine, sample[:b], b, {"temperature": 0.0, "max_tokens": 2}, False)
         runs = bench.run(variants(engine, args, n_tokens))
-        metrics = {"rps": "requests/s", "p50_ms": "p50 latency ms", "tokens": "tokens out",
-                   "failed": "failed"}  # fmt: skip
+        metrics = {"rps": "requests/s", "p50_ms": "p50 latency ms",
+                   "tokens": "tokens out (thinking + answer)", "failed": "failed"}  # fmt: skip
         bench.table(runs, metrics, fmt=".1f")
         compare(bench, runs)
         engine.check_integrity()

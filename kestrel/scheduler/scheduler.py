@@ -283,7 +283,8 @@ class Scheduler:
         if error is None:
             skill = request.skill
             try:
-                result = request.build_result(skill, run.metrics(len(skill.output_tokens())))
+                metrics = run.metrics(len(skill.output_tokens()), skill.reasoning_tokens())
+                result = request.build_result(skill, metrics)
             except Exception as exc:
                 error = as_request_error(exc)
         if error is not None:

@@ -40,7 +40,7 @@ class SequenceRun:
     def budget(self) -> int:
         return self.budget_end - self.fed
 
-    def metrics(self, output_tokens: int) -> RequestMetrics:
+    def metrics(self, output_tokens: int, reasoning_tokens: int = 0) -> RequestMetrics:
         now = time.perf_counter()
         req = self.request
         first = self.first_token_at if self.first_token_at is not None else now
@@ -53,6 +53,7 @@ class SequenceRun:
             decode_ms=(now - first) * 1e3,
             queue_ms=(self.admitted_at - req.submitted_at) * 1e3,
             cache_tier=self.cache_tier,
+            reasoning_tokens=reasoning_tokens,
         )
 
 

@@ -177,11 +177,15 @@ def start_chat(engine: ServedEngine, call: ChatCall) -> Any:
 
 
 def usage(metrics: RequestMetrics) -> dict[str, Any]:
+    """OpenAI's usage object: the completion counts the reasoning tokens too, and says how
+    many of them there were."""
+    completion = metrics.output_tokens + metrics.reasoning_tokens
     return {
         "prompt_tokens": metrics.input_tokens,
-        "completion_tokens": metrics.output_tokens,
-        "total_tokens": metrics.input_tokens + metrics.output_tokens,
+        "completion_tokens": completion,
+        "total_tokens": metrics.input_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": metrics.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": metrics.reasoning_tokens},
     }
 
 

@@ -129,7 +129,8 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS, registry=r,
         )  # fmt: skip
         self.tokens = Counter(
-            "kestrel_tokens", "prompt positions (input, cached) and generated tokens (output)",
+            "kestrel_tokens",
+            "prompt positions (input, cached), generated tokens (output, reasoning)",
             ["route", "kind"], registry=r,
         )  # fmt: skip
         self._engine = _EngineCollector()
@@ -147,6 +148,7 @@ class ServerMetrics:
         self.tokens.labels(route, "input").inc(metrics.input_tokens)
         self.tokens.labels(route, "cached").inc(metrics.cached_tokens)
         self.tokens.labels(route, "output").inc(metrics.output_tokens)
+        self.tokens.labels(route, "reasoning").inc(metrics.reasoning_tokens)
 
     def render(self, stats: EngineStats | None, in_flight: int, max_queue: int) -> bytes:
         """The exposition text, with this engine snapshot and server state."""

@@ -145,5 +145,10 @@ class Skill(ABC):
     def output_tokens(self) -> tuple[int, ...]:
         """The id view of what was generated (the answer's ids; coord/size ids for regions)."""
 
+    def reasoning_tokens(self) -> int:
+        """How many tokens were generated while reasoning, before the answer (not among
+        ``output_tokens``); 0 for a skill that does not reason."""
+        return 0
+
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason

@@ -228,6 +228,9 @@ class QuerySkill(_AnswerSkill):
         self._answering = True
         return TextToken(self.ops.tokens.answer_id)
 
+    def reasoning_tokens(self) -> int:
+        return 0 if self.reasoning is None else len(self.reasoning.tokens)
+
     def reasoning_output(self) -> tuple[str, tuple[GroundingChunk, ...]] | None:
         """The reasoning text and its grounded chunks (None without reasoning)."""
         if self.reasoning is None:

@@ -34,7 +34,7 @@ BODY_LIMIT = 1 << 20
 PIXEL_LIMIT = 1_000_000
 IMAGE = data_url(SHAPES)
 METRIC_KEYS = {"input_tokens", "cached_tokens", "output_tokens", "ttft_ms", "prefill_ms",
-               "decode_ms", "queue_ms", "cache_tier"}  # fmt: skip
+               "decode_ms", "queue_ms", "cache_tier", "reasoning_tokens"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +151,9 @@ def test_each_route_answers_like_the_engine(client, engine) -> None:
     got = _post(client, "query", {"question": "Hi?", "settings": GREEDY, "reasoning": True})
     assert got.json()["reasoning"] == want.reasoning.to_dict()
     assert got.json()["answer"] == want.answer
+    # the thinking is counted apart from the answer, and within its own max_tokens
+    assert 0 < want.metrics.reasoning_tokens <= GREEDY["max_tokens"]
+    assert got.json()["metrics"]["reasoning_tokens"] == want.metrics.reasoning_tokens
 
 
 def _events(response) -> list[dict]:

@@ -68,6 +68,7 @@ def test_completion_object_equals_engine_chat(client, engine) -> None:
     usage = body["usage"]
     assert usage["prompt_tokens"] == want.metrics.input_tokens > engine.config.image_tokens
     assert usage["completion_tokens"] == want.metrics.output_tokens
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= engine.config.image_tokens
 
@@ -97,6 +98,11 @@ def test_reasoning_and_a_second_turn(client) -> None:
     first = client.post(ROUTE, json={**BODY, "reasoning": True}, headers=AUTH).json()
     message = first["choices"][0]["message"]
     assert set(message) == {"role", "content", "reasoning"}
+    usage, metrics = first["usage"], first["metrics"]
+    thought = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert thought == metrics["reasoning_tokens"] > 0  # it thought before it answered
+    assert usage["completion_tokens"] == metrics["output_tokens"] + thought
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     follow = {"messages": [*MESSAGES, message, _user("And?")], "max_completion_tokens": 3}
     second = client.post(ROUTE, json=follow, headers=AUTH).json()
     assert second["usage"]["completion_tokens"] <= 3
