@@ -7,10 +7,11 @@ torch call that lets the GIL go has to win it back from the process's busy Pytho
 about one switch interval (5 ms) each time. So the pool hands each image to a crop worker
 process (``crop_worker.py``, started by ``crop_procs.py``) through shared memory: its threads
 only copy the pixels in, send one message and wait for the reply; the result is a tensor over
-that shared memory (copied once into pinned staging taken at start-up for a CUDA model, whose
-upload then needs no host sync: ``crop_staging.py``). One image's crops are split into parts
-(bands of the upscaled image) made at once by as many worker processes, so a lone request
-waits for a fraction of the serial time.
+that shared memory, or, for a CUDA model, copied once into pinned staging taken at start-up
+(whose upload then needs no host sync: ``crop_staging.py``) out of one of the process's
+reused shared-memory arenas (``crop_arenas.py``: no fresh pages to allocate per image). One
+image's crops are split into parts (bands of the upscaled image) made at once by as many worker
+processes, so a lone request waits for a fraction of the serial time.
 
 - ``hold(images)``: the Engine calls it on the caller's thread when it submits a request; the
   crops start at once (up to ``prefetch`` images not yet taken; more wait their turn, first
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -52,6 +52,7 @@ from kestrel.moondream.crops import (
     write_planes,
 )
 from kestrel.moondream.vision import pixel_table
+from kestrel.runtime.crop_arenas import ARENAS, one_off
 from kestrel.runtime.crop_procs import WORKERS, WorkerGone, processes_supported
 from kestrel.runtime.crop_staging import CropPixels, CropStaging
 
@@ -93,9 +94,10 @@ class _Cropper:
         pixels = check_pixels(image.pixels)
         g = crop_geometry(pixels.shape[0], pixels.shape[1], self.config)
         parts = crop_parts(g, self.parallel, pixels.shape[0] * pixels.shape[1])
-        planes = self._in_worker(pixels, g, parts) if self.processes else None
-        if planes is None:
-            planes = self._here(pixels, g, parts)
+        made = self._in_worker(pixels, g, parts) if self.processes else None
+        if made is not None:
+            return made
+        planes = self._here(pixels, g, parts)
         if self.staging is not None:
             return self.staging.stage(planes, (g.rows, g.cols))
         return CropPixels(planes, (g.rows, g.cols))
@@ -135,7 +137,7 @@ class _Cropper:
 
     def _in_worker(
         self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]
-    ) -> torch.Tensor | None:
+    ) -> CropPixels | None:
         """The crops made by worker processes; None if they could not (then made here)."""
         try:
             planes = self._shipped(pixels, g, parts)
@@ -148,29 +150,46 @@ class _Cropper:
         self.failures = 0
         return planes
 
-    def _shipped(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> torch.Tensor:
+    def _shipped(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> CropPixels:
+        """The worker processes make the crops in shared memory: with pinned staging (a CUDA
+        model) a reused arena (``crop_arenas.py``) the crops are copied out of; otherwise a
+        file of this image's own, which the crops then stay in."""
         n_in, (np_dtype, dtype) = pixels.size, self._dtypes()
         count = g.n_crops * 3 * g.crop * g.crop
         out_at = _aligned(n_in)
         size = out_at + count * np_dtype.itemsize
-        fd = os.memfd_create("kestrel-crops", os.MFD_CLOEXEC)
+        arena = ARENAS.take(size) if self.staging is not None else None
+        shared = arena if arena is not None else one_off(size)
         try:
-            os.ftruncate(fd, size)
-            memory = mmap.mmap(fd, size)
-            np.frombuffer(memory, np.uint8, count=n_in)[:] = pixels.reshape(-1)
-            head = {"size": size, "height": pixels.shape[0], "width": pixels.shape[1],
+            np.frombuffer(shared.memory, np.uint8, count=n_in)[:] = pixels.reshape(-1)
+            head = {"size": shared.size, "height": pixels.shape[0], "width": pixels.shape[1],
                     "out": out_at, "geometry": _fields(g)}  # fmt: skip
+            if arena is not None:
+                head["arena"] = list(arena.key)
             table = self.table.tobytes() if self.table is not None else b""
 
             def run(part: CropPart) -> None:
                 spec = {**head, "part": [part.whole, part.top, part.bottom]}
-                WORKERS.run(json.dumps(spec).encode() + b"\n" + table, fd)
+                message = json.dumps(spec).encode() + b"\n" + table
+                WORKERS.run(message, shared.fd, None if arena is None else arena.key)
 
             self._each(run, parts)
+            planes = torch.frombuffer(shared.memory, dtype=dtype, count=count, offset=out_at)
+            return self._kept(planes.view(g.n_crops, 3, g.crop, g.crop), g, arena is not None)
         finally:
-            os.close(fd)
-        planes = torch.frombuffer(memory, dtype=dtype, count=count, offset=out_at)
-        return planes.view(g.n_crops, 3, g.crop, g.crop)
+            if arena is not None:
+                ARENAS.give(arena)
+            else:
+                os.close(shared.fd)  # the mapping lives on in the crops' tensor
+
+    def _kept(self, planes: torch.Tensor, g: CropGeometry, borrowed: bool) -> CropPixels:
+        """``planes`` as the crops handed out: staged, or as they are, or (``borrowed``: in
+        memory that is reused) copied when no staging slot is free."""
+        tiling = (g.rows, g.cols)
+        crops = self.staging.stage(planes, tiling) if self.staging is not None else None
+        if crops is not None and (crops.staging is not None or not borrowed):
+            return crops
+        return CropPixels(planes.clone() if borrowed else planes, tiling)
 
     def _here(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> torch.Tensor:
         np_dtype, _ = self._dtypes()

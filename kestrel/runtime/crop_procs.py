@@ -12,7 +12,7 @@ import sys
 import threading
 
 from kestrel.moondream.crops import CropError
-from kestrel.runtime.crop_worker import CROPS_SOURCE
+from kestrel.runtime.crop_worker import CROPS_SOURCE, NOT_MAPPED
 
 __all__ = ["WORKERS", "WorkerGone", "processes_supported"]
 
@@ -45,17 +45,33 @@ class _Worker:
         finally:
             theirs.close()
         self.sock = ours
+        self.mapped: dict[int, int] = {}  # arena slot -> the generation this worker mapped
 
-    def run(self, message: bytes, fd: int) -> None:
+    def run(self, message: bytes, fd: int, arena: tuple[int, int] | None = None) -> None:
+        """One request; ``arena`` = (slot, generation) when ``fd`` is a reused arena's, whose
+        descriptor goes only to a worker that has not mapped that generation yet (and again,
+        once, if the worker says it has not)."""
+        send_fd = arena is None or self.mapped.pop(arena[0], None) != arena[1]
+        reply = self._ask(message, fd if send_fd else None)
+        if reply == NOT_MAPPED and not send_fd:
+            reply = self._ask(message, fd)
+        if arena is not None and reply == b"ok":
+            self.mapped[arena[0]] = arena[1]
+        if reply != b"ok":
+            raise CropError(reply.decode(errors="replace").removeprefix("error: "))
+
+    def _ask(self, message: bytes, fd: int | None) -> bytes:
         try:
-            socket.send_fds(self.sock, [message], [fd])
+            if fd is not None:
+                socket.send_fds(self.sock, [message], [fd])
+            else:
+                self.sock.sendall(message)
             reply = self.sock.recv(1 << 16)
         except OSError as exc:
             raise WorkerGone(f"the crop worker process is gone: {exc}") from exc
         if not reply:
             raise WorkerGone("the crop worker process exited")
-        if reply != b"ok":
-            raise CropError(reply.decode(errors="replace").removeprefix("error: "))
+        return reply
 
     def stop(self) -> None:
         self.sock.close()
@@ -81,7 +97,9 @@ class _Workers:
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()
 
-    def run(self, message: bytes, fd: int) -> None:
+    def run(self, message: bytes, fd: int, arena: tuple[int, int] | None = None) -> None:
+        """``message`` and the memory ``fd`` to an idle worker (started if none is): see
+        ``_Worker.run`` for ``arena``."""
         with self._lock:
             worker = self._idle.pop() if self._idle else None
         if worker is None:
@@ -92,7 +110,7 @@ class _Workers:
             with self._lock:
                 self._all.add(worker)
         try:
-            worker.run(message, fd)
+            worker.run(message, fd, arena)
         except CropError:
             self._give_back(worker)  # a bad request; the worker is fine
             raise

@@ -6,15 +6,20 @@ of a ``SOCK_SEQPACKET`` socket pair. It imports numpy, pyvips and ``kestrel/moon
 crops.py`` (loaded by its path, so neither torch nor the rest of kestrel is imported) and
 serves one request at a time:
 
-- request: a shared-memory file descriptor (``memfd``) passed with the message, and the
-  message: one JSON line (``size`` of the memory, the image's ``height`` and ``width``, whose
-  H x W x 3 uint8 pixels start at offset 0, the ``geometry`` fields, the ``out`` offset, and
-  optionally ``part`` = [whole, top, bottom]: only those crops, ``crops.CropPart``), then,
-  when the crops are to be normalized, the 256-entry float32 pixel table;
+- request: one JSON line (``size`` of the shared memory, the image's ``height`` and
+  ``width``, whose H x W x 3 uint8 pixels start at offset 0, the ``geometry`` fields, the
+  ``out`` offset, and optionally ``part`` = [whole, top, bottom]: only those crops,
+  ``crops.CropPart``), then, when the crops are to be normalized, the 256-entry float32 pixel
+  table. The memory is a shared-memory file (``memfd``) passed with the message: for this
+  request alone, or, with ``arena`` = [slot, generation], one of the pool's reused arenas,
+  kept mapped here under that slot until a later generation of it replaces it (its
+  descriptor comes only with the slot's first request to this worker; later ones reuse the
+  mapping, so neither side maps or faults in fresh pages per image);
 - work: ``write_planes`` writes the crops [N, 3, crop, crop] (or the part's) at ``out``
   (float32 through the table, else uint8); several workers may write parts of one image's
   crops into the same memory at once;
-- reply: ``ok``, or ``error: <message>``.
+- reply: ``ok``, ``not mapped`` (an arena request without the descriptor for a generation this
+  worker has not mapped: send it again with the descriptor), or ``error: <message>``.
 
 It exits when the other end of the socket closes.
 """
@@ -33,10 +38,15 @@ from types import ModuleType
 
 import numpy as np
 
-__all__ = ["CROPS_SOURCE", "load_crops", "serve"]
+__all__ = ["CROPS_SOURCE", "NOT_MAPPED", "load_crops", "serve"]
 
 CROPS_SOURCE = Path(__file__).resolve().parents[1] / "moondream" / "crops.py"
 _MAX_MESSAGE = 1 << 16
+NOT_MAPPED = b"not mapped"
+
+
+class _NotMapped(LookupError):
+    pass
 
 
 def load_crops() -> ModuleType:
@@ -50,10 +60,32 @@ def load_crops() -> ModuleType:
     return module
 
 
-def _handle(crops: ModuleType, message: bytes, fd: int) -> None:
+def _memory(req: dict, fd: int | None, arenas: dict[int, tuple[int, mmap.mmap]]) -> mmap.mmap:
+    """The request's shared memory: mapped from ``fd`` (and, for an arena, kept under its
+    slot), or the mapping kept for its arena."""
+    if "arena" not in req:
+        if fd is None:
+            raise ValueError("a request without an arena carries one memory descriptor")
+        return mmap.mmap(fd, req["size"])
+    slot, generation = req["arena"]
+    if fd is not None:
+        old = arenas.pop(slot, None)
+        if old is not None:
+            with contextlib.suppress(BufferError):
+                old[1].close()
+        arenas[slot] = (generation, mmap.mmap(fd, req["size"]))
+    kept = arenas.get(slot)
+    if kept is None or kept[0] != generation or len(kept[1]) < req["size"]:
+        raise _NotMapped(f"arena {slot} generation {generation}")
+    return kept[1]
+
+
+def _handle(
+    crops: ModuleType, message: bytes, fd: int | None, arenas: dict[int, tuple[int, mmap.mmap]]
+) -> None:
     head, _, table = message.partition(b"\n")
     req = json.loads(head)
-    memory = mmap.mmap(fd, req["size"])
+    memory = _memory(req, fd, arenas)
     try:
         h, w = req["height"], req["width"]
         src = crops.pyvips.Image.new_from_memory(memoryview(memory)[: h * w * 3], w, h, 3, "uchar")
@@ -66,13 +98,15 @@ def _handle(crops: ModuleType, message: bytes, fd: int) -> None:
         crops.write_planes(src, g, out.reshape(g.n_crops, 3, g.crop, g.crop), lut, part)
         del src, out
     finally:
-        with contextlib.suppress(BufferError):  # a view outlived the request: freed with it
-            memory.close()
+        if "arena" not in req:
+            with contextlib.suppress(BufferError):  # a view outlived the request: freed later
+                memory.close()
 
 
 def serve(sock: socket.socket, crops: ModuleType) -> None:
     """Answer requests on ``sock`` until its other end closes."""
     crops.pyvips.cache_set_max(0)  # nothing may keep a request's memory alive
+    arenas: dict[int, tuple[int, mmap.mmap]] = {}
     while True:
         try:
             message, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 1)
@@ -81,10 +115,12 @@ def serve(sock: socket.socket, crops: ModuleType) -> None:
         if not message:
             return
         try:
-            if len(fds) != 1:
+            if len(fds) > 1:
                 raise ValueError(f"a request carries one memory descriptor, got {len(fds)}")
-            _handle(crops, message, fds[0])
+            _handle(crops, message, fds[0] if fds else None, arenas)
             reply = b"ok"
+        except _NotMapped:
+            reply = NOT_MAPPED
         except Exception as exc:  # reported to the caller, who raises it there
             reply = f"error: {type(exc).__name__}: {exc}".encode()
         finally:
