@@ -151,14 +151,15 @@ class _Cropper:
         return planes
 
     def _shipped(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> CropPixels:
-        """The worker processes make the crops in shared memory: with pinned staging (a CUDA
-        model) a reused arena (``crop_arenas.py``) the crops are copied out of; otherwise a
-        file of this image's own, which the crops then stay in."""
+        """The worker processes make the crops in shared memory: uint8 crops (a CUDA model's)
+        in a reused arena (``crop_arenas.py``) they are copied out of, into pinned staging
+        where there is some; float32 crops (4x the bytes: a copy costs what the arena saves),
+        or any when no arena is free, in a file of this image's own, which they stay in."""
         n_in, (np_dtype, dtype) = pixels.size, self._dtypes()
         count = g.n_crops * 3 * g.crop * g.crop
         out_at = _aligned(n_in)
         size = out_at + count * np_dtype.itemsize
-        arena = ARENAS.take(size) if self.staging is not None else None
+        arena = None if self.normalize else ARENAS.take(size)
         shared = arena if arena is not None else one_off(size)
         try:
             np.frombuffer(shared.memory, np.uint8, count=n_in)[:] = pixels.reshape(-1)
