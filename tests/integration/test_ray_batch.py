@@ -56,7 +56,7 @@ def local_ray():
     # Ray keeps at most num_cpus idle workers by default and kills the rest within a second,
     # so each job here paid for fresh processes importing torch and kestrel for its reading and
     # writing tasks (the replicas and shuffle actors take worker slots too). A pool of 8 keeps
-    # those workers warm from one job to the next: the same jobs, half the time.
+    # those workers warm from one job to the next; what the jobs do is unchanged.
     ray.init(
         num_cpus=2,
         include_dashboard=False,
