@@ -34,6 +34,7 @@ from kestrel.runtime.decode import decode_static
 from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
 from tests.conftest import FIXTURES, fixture_dir
+from tests.integration.conftest import scheduler_paused
 from tests.integration.test_batched_prefill import _batched, _greedy, _requests
 from tests.integration.test_runtime_cache import query_prompt
 from tests.tolerance import assert_close
@@ -94,7 +95,9 @@ def test_compiled_decode_equals_eager(make_runtime, model, monkeypatch) -> None:
     feeds = [[TextToken(11), TextToken(12), TextToken(13)],
              [coord_token(300, region), TextToken(14), size_token(500, 600, region)],
              [TextToken(15), TextToken(16), TextToken(17)]]  # fmt: skip
-    make = lambda: make_runtime(kv_cache_pages=300, max_batch_size=4, attention_backend="torch")  # noqa: E731
+    # The runtime's shapes are the compiled engine's below (6000 pages, 8 rows): inductor builds
+    # this bucket's graph once for both tests (its cache keys on shapes, not on objects).
+    make = lambda: make_runtime(attention_backend="torch")  # noqa: E731
     eager = _decode_run(make(), model, feeds)
     step = CompiledDecode()
     monkeypatch.setattr(graphs_mod, "decode_static", step)  # what DecodeGraphs(compile=True) does
@@ -202,20 +205,31 @@ def test_compile_refused_with_its_reason(monkeypatch) -> None:
         setup.load_runtime(None, **options, compile="yes")
 
 
-@pytest.mark.slow  # ~20 s: a decode bucket and two prefill buckets compiled by inductor
+@pytest.mark.slow  # a decode and three prefill buckets: the graphs the tests above compiled
 def test_engine_compile_answers_as_eager(make_engine, images) -> None:
     """``Engine(compile=True)`` end to end: the runtime decodes through ``CompiledDecode`` and
-    prefills through ``CompiledPrefill``, and the answers equal the eager engine's."""
+    prefills through ``CompiledPrefill``, and the answers equal the eager engine's. Two waves of
+    three requests admitted together (two images and a text-only question; the second wave's
+    image questions hit the first's cached prefixes): the shapes of the runtime tests above, so
+    the graphs they compiled serve this engine from inductor's cache."""
+    shapes, tall = images["shapes_378"], images["tall_300x1000"]
+    # the long text-only question prefills apart from the two short hits (group_by_length)
+    farewell = "Say goodbye to everyone in the room, politely and at length."
+    waves = [[(shapes, "what is this?"), (tall, "which colour?"), (None, "Say hello.")],
+             [(shapes, "which colour?"), (tall, "what is this?"), (None, farewell)]]  # fmt: skip
     settings = {"temperature": 0.0, "max_tokens": 6}
-    image = images["shapes_378"]
     answers = {}
     for compile_ in (False, True):
-        engine = make_engine(max_batch_size=1, compile=compile_)
+        engine = make_engine(compile=compile_)
         rt = engine.runtime
         assert isinstance(getattr(rt.decode_graphs, "compiled", None), CompiledDecode) is compile_
         assert isinstance(rt.compiled_prefill, CompiledPrefill) is compile_
-        answers[compile_] = [engine.query(image, q, settings=settings).answer
-                             for q in ("what is this?", "which colour?")]  # fmt: skip
+        answers[compile_] = []
+        for wave in waves:
+            with scheduler_paused(engine):
+                futures = [engine.submit_query(img, q, settings=settings) for img, q in wave]
+            answers[compile_] += [f.result(timeout=300).answer for f in futures]
+        assert engine.stats().vision_encodes_skipped == 2  # the second wave's images hit
     assert answers[True] == answers[False]
 
 

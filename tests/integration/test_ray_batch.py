@@ -53,7 +53,16 @@ ERROR_KEYS = ["id", "image", "question", "error", "error_type", "replica"]
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    # Ray keeps at most num_cpus idle workers by default and kills the rest within a second,
+    # so each job here paid for fresh processes importing torch and kestrel for its reading and
+    # writing tasks (the replicas and shuffle actors take worker slots too). A pool of 8 keeps
+    # those workers warm from one job to the next; what the jobs do is unchanged.
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        _system_config={"num_workers_soft_limit": 8},
+    )
     yield
     ray.shutdown()
 
