@@ -17,7 +17,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kestrel.kv.page_table import BatchSlotsExhausted, PagePoolExhausted, PageTable
 from kestrel.prefix_cache import ImageToken, RadixPrefixCache, TextToken
 
-from .cache_protocol import FAIL_POINTS, FakeRuntime, InjectedFailure, Prompt, check_all
+from .cache_protocol import (
+    FAIL_POINTS,
+    FakeRuntime,
+    InjectedFailure,
+    Prompt,
+    check_all,
+    make_cache,
+)
 
 LORAS = (None, "a@0123456789abcdef", "b@fedcba9876543210")
 IMAGES = (None, (11, 3), (12, 3), (13, 729), (14, 729))
@@ -136,11 +143,14 @@ class CacheProtocolMachine(RuleBasedStateMachine):
         taken = node is not None and any(
             c.key == TextToken(f).key for c in node.children.values() for f in seq.fed[:1]
         )  # another request's copy of this answer's first token is cached there already
-        eligible = retain and bool(seq.fed) and lease.can_retain() and not taken
+        # The lease asks the cache to insert whenever it may retain; the insert itself finds
+        # another copy and inserts nothing, so an injected insert failure fires either way.
+        attempted = retain and bool(seq.fed) and lease.can_retain()
+        eligible = attempted and not taken
         try:
             self.rt.release(seq, retain, fail)
         except InjectedFailure:
-            assert eligible and fail == "insert" and lease.released
+            assert attempted and fail == "insert" and lease.released
             return
         assert lease.released and lease.retained in (0, len(seq.fed))
         assert bool(lease.retained) == eligible
@@ -185,3 +195,27 @@ CacheProtocolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCacheProtocol = CacheProtocolMachine.TestCase
+
+
+@pytest.mark.parametrize("fail", [None, "insert"])
+def test_retaining_an_answer_another_request_cached_first(fail: str | None) -> None:
+    """The machine's shrunk counterexample, kept as a fixed case: an extension caches the
+    answer's first token under the prompt before the answer is retained. The lease still asks
+    the cache to insert (which finds that copy and inserts nothing), so an insert that fails
+    there fails the release after releasing everything."""
+    pt, cache = make_cache(n_pages=64, max_batch_size=2)
+    rt = FakeRuntime(pt, cache)
+    base = Prompt((5, 6))
+    seq = rt.start(base)
+    other = rt.start(base.extended([4]), 2)  # BOS 5 6 4 cached by another request
+    rt.release(other, retain=False)
+    rt.decode(seq, (4, 1, 1))
+    lease = seq.lease
+    if fail is None:
+        rt.release(seq, True, fail)
+        assert lease.released and lease.retained == 0  # the copy cached first stays
+    else:
+        with pytest.raises(InjectedFailure):
+            rt.release(seq, True, fail)
+        assert lease.released
+    check_all(rt)
