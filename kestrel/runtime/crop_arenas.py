@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import mmap
 import os
 import threading
@@ -26,6 +27,10 @@ __all__ = ["ARENAS", "Arena", "Arenas"]
 SLOTS = 8
 MAX_BYTES = 48 << 20  # a 13-crop float32 image and its 2000 x 2000 source fit
 _GRAIN = 1 << 20
+# Slot numbers are unique in the process: the workers, shared by every set of arenas, keep
+# their mappings by slot (a second set, as tests make, must not find the first one's there).
+_SLOT_NUMBERS = itertools.count()
+_SLOT_LOCK = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -68,9 +73,11 @@ class Arenas:
     def __init__(self, slots: int = SLOTS, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._free: list[int] = list(range(slots))
+        with _SLOT_LOCK:
+            self.slots = tuple(next(_SLOT_NUMBERS) for _ in range(slots))
+        self._free: list[int] = list(self.slots)
         self._arenas: dict[int, Arena] = {}
-        self._generations = [0] * slots
+        self._generations = dict.fromkeys(self.slots, 0)
         self.made = 0  # files made for arenas (a reused arena makes none)
 
     def take(self, size: int) -> Arena | None:
