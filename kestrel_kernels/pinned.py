@@ -25,19 +25,23 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["HostRing", "Settles", "pinned_empty", "reserve", "ring"]
+__all__ = ["HostRing", "Settles", "host_empty", "pinned_empty", "reserve", "ring"]
 
 SLOT_BYTES = 512 << 10  # a 64-row prefill of 760 positions uploads ~200 KiB of metadata
 SLOT_COUNT = 64
 _ALIGN = 64
 
 
-def pinned_empty(nbytes: int, *, pin: bool = True) -> Tensor:
-    """``nbytes`` of page-locked host memory (uint8; plain memory with ``pin=False``).
+def pinned_empty(nbytes: int) -> Tensor:
+    """``nbytes`` of page-locked host memory (uint8)."""
+    return host_empty(nbytes, pin=True)
 
-    Always a normal tensor, even when the runtime is built under ``torch.inference_mode``:
-    crop threads and request threads write into it outside inference mode, and an in-place
-    write to an inference tensor there raises."""
+
+def host_empty(nbytes: int, *, pin: bool) -> Tensor:
+    """``nbytes`` of host memory (uint8), page-locked with ``pin``. Always a normal tensor,
+    even when the runtime is built under ``torch.inference_mode``: crop threads and request
+    threads write into it outside inference mode, where an in-place write to an inference
+    tensor raises (seen on an H200)."""
     with torch.inference_mode(False):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
@@ -61,7 +65,7 @@ class HostRing:
         self.slot_bytes = (slot_bytes + _ALIGN - 1) // _ALIGN * _ALIGN
         self.pin = pin
         total = self.count * self.slot_bytes
-        self._memory = pinned_empty(total, pin=pin)
+        self._memory = pinned_empty(total) if pin else host_empty(total, pin=False)
         self._events: list = [torch.cuda.Event() for _ in range(count)] if pin else []
         self._recorded = [False] * count
         self._readers: list[Settles | None] = [None] * count

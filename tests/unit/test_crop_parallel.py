@@ -122,8 +122,8 @@ def test_staging_made_in_inference_mode_is_written_outside_it(monkeypatch) -> No
     """The runtime is built under ``torch.inference_mode`` (the engine's start-up) while crop
     threads and direct callers write the staging memory outside it: the memory must be a
     normal tensor, or the first staged image raises (seen on an H200)."""
-    real = crop_staging.pinned.pinned_empty
-    monkeypatch.setattr(crop_staging.pinned, "pinned_empty", lambda n: real(n, pin=False))
+    plain = crop_staging.pinned.host_empty  # the pinned allocation, less the page-locking
+    monkeypatch.setattr(crop_staging.pinned, "pinned_empty", lambda n: plain(n, pin=False))
     with torch.inference_mode():
         staging = crop_staging.CropStaging(VISION, 2)
     assert not staging._memory.is_inference()
