@@ -82,6 +82,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=256)
 def plan_decode(batch: int, max_pages: int, q_heads: int, config: DecodeConfig) -> DecodePlan:
     """The launch for ``batch`` rows, a page table ``max_pages`` wide and ``q_heads`` heads:
     a function of those numbers and ``config`` alone (what makes the call capturable)."""

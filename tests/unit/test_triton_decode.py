@@ -267,6 +267,34 @@ def test_dispatch_keeps_todays_path_when_tracing_or_not_interpreted(
         dispatch.set_decode_kernel("flash")
 
 
+def test_compiled_call_traces_whole_with_the_switch_on(interpreted, monkeypatch) -> None:
+    """``torch.compile`` traces the call as the opaque attention op (nothing of the kernel's
+    launcher is traced); at run time that op runs the switched-on kernel."""
+    case = make_case(4, 2, torch.bfloat16, seed=9)
+    case["k_cache"] = quantize_kv(case["k_cache"], SCALES.k)
+    case["v_cache"] = quantize_kv(case["v_cache"], SCALES.v)
+    seqused_q = (case["seqused_k"] > 0).to(torch.int32)
+    dispatch.set_decode_kernel("triton")
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return paged_decode(*args, **kw)
+
+    monkeypatch.setattr(triton_decode, "paged_decode", counted)
+
+    def step(q, k, v, table, lens, used):
+        return kk.paged_attention(q, k, v, table, lens, seqused_q=used, softmax_scale=SCALE,
+                                  backend="torch", kv_scales=SCALES)  # fmt: skip
+
+    kk.prepare_compile()
+    torch._dynamo.reset()
+    args = (*case.values(), seqused_q)
+    got = torch.compile(step, fullgraph=True, backend="eager", dynamic=False)(*args)
+    assert calls == [1]
+    assert_close(got[:, 0], reference(case, SCALES))
+
+
 def test_switch_read_from_the_environment() -> None:
     code = (
         "import importlib, os; import kestrel_kernels as kk; from kestrel_kernels import dispatch\n"
