@@ -111,8 +111,8 @@ def _interpret() -> bool:
 
 
 @functools.cache
-def _build(interpret: bool):
-    """The jitted (split, combine) kernels (one pair per interpreter mode)."""
+def _build_split(interpret: bool):
+    """The jitted split kernel (one per interpreter mode)."""
     del interpret  # part of the cache key: triton.jit reads the knob when it decorates
     import triton
     import triton.language as tl
@@ -173,6 +173,16 @@ def _build(interpret: bool):
             tl.store(part_acc + row[:, None] * D + d[None, :], acc,
                      mask=h_ok[:, None] & d_ok[None, :])  # fmt: skip
 
+    return split_kernel
+
+
+@functools.cache
+def _build_combine(interpret: bool):
+    """The jitted combine kernel (one per interpreter mode)."""
+    del interpret  # part of the cache key
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def combine_kernel(
         part_m, part_l, part_acc, out, H,
@@ -201,7 +211,11 @@ def _build(interpret: bool):
         o = tl.where(l_run > 0, acc / tl.maximum(l_run, 1e-30), 0.0)
         tl.store(out + (b * H + h) * D + d, o.to(out.dtype.element_ty), mask=d_ok)
 
-    return split_kernel, combine_kernel
+    return combine_kernel
+
+
+def _build(interpret: bool):
+    return _build_split(interpret), _build_combine(interpret)
 
 
 def kernels():
