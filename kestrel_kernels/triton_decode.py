@@ -12,9 +12,10 @@ Two launches (one when a single split covers the page table):
 
 1. ``split``: grid ``(splits, head blocks, B)``. A program takes ``heads`` query heads of one
    row and one chunk of that row's positions; it reads each position's K and V for those heads
-   (for Moondream's 32 x 64 heads a block of 8 heads is 1 KiB of contiguous bf16 per page), keeps
-   an online softmax in float32 (base 2: scores carry ``log2(e)``), and writes its partial
-   maximum, sum and unnormalised output.
+   (for Moondream's 32 x 64 heads a block of 8 heads is 1 KiB of contiguous bf16 per page; the
+   next block's page ids are loaded with the current block's K/V), keeps an online softmax
+   in float32 (base 2: scores carry ``log2(e)``), and writes its partial maximum, sum and
+   unnormalised output.
 2. ``combine``: grid ``(B, heads)``: merges the splits of one row and head.
 
 The grid, the split count and the work buffers depend only on ``B``, the page table's width
@@ -140,19 +141,28 @@ def _build_split(interpret: bool):
         m = tl.full([HEADS], -1.0e30, tl.float32)  # finite: an empty split stays NaN-free
         l_sum = tl.zeros([HEADS], tl.float32)
         acc = tl.zeros([HEADS, BLOCK_D], tl.float32)
+        ks = 1.0
+        vs = 1.0
+        if SCALED:
+            ks = tl.load(k_scale)
+            vs = tl.load(v_scale)
         start = s * chunk
         stop = tl.minimum(start + chunk, k_len)
+        rows = page_table + b * stride_pt + tl.arange(0, BLOCK_N)
+        page = tl.load(rows + start, mask=start + tl.arange(0, BLOCK_N) < stop, other=0)
         for n0 in range(start, stop, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < stop
-            page = tl.load(page_table + b * stride_pt + n, mask=n_ok, other=0).to(tl.int64)
-            at = page[:, None, None] * stride_page + kv_off  # [BLOCK_N, HEADS, BLOCK_D]
+            # [BLOCK_N, HEADS, BLOCK_D] offsets of this block's K/V; the next block's page
+            # ids are loaded beside them, so the two loads do not wait on each other
+            at = page.to(tl.int64)[:, None, None] * stride_page + kv_off
             ok = n_ok[:, None, None] & hd_ok
             kt = tl.load(k_cache + at, mask=ok, other=0.0)
             vt = tl.load(v_cache + at, mask=ok, other=0.0)
+            page = tl.load(rows + n0 + BLOCK_N, mask=n + BLOCK_N < stop, other=0)
             if SCALED:  # stored * scale, rounded to q's dtype (contract.dequantize_kv)
-                kt = (kt.to(tl.float32) * tl.load(k_scale)).to(qv.dtype)
-                vt = (vt.to(tl.float32) * tl.load(v_scale)).to(qv.dtype)
+                kt = (kt.to(tl.float32) * ks).to(qv.dtype)
+                vt = (vt.to(tl.float32) * vs).to(qv.dtype)
             sc = tl.sum(kt.to(tl.float32) * qf[None, :, :], axis=2)  # [BLOCK_N, HEADS]
             sc = tl.where(n_ok[:, None], sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, axis=0))
