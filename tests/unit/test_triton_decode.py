@@ -295,6 +295,46 @@ def test_compiled_call_traces_whole_with_the_switch_on(interpreted, monkeypatch)
     assert_close(got[:, 0], reference(case, SCALES))
 
 
+def test_model_decodes_over_fp8_pages_through_the_kernel(interpreted, monkeypatch) -> None:
+    """The md3 fixture's decode over FP8 pages with the switch on: every layer of every decode
+    step runs the kernel (prefill keeps the torch reference), and the logits equal those of
+    the switch off."""
+    from kestrel.moondream.model import MoondreamModel
+    from kestrel.runtime.runtime import MoondreamRuntime
+    from kestrel.tokens import TextToken
+    from tests.conftest import FIXTURES
+
+    model = MoondreamModel.from_pretrained(FIXTURES / "md3-tiny-a-fp8")
+    layers = model.config.text.n_layers
+    scales = [KvScales(torch.tensor([0.5]), torch.tensor([0.3])) for _ in range(layers)]
+    prompt = [TextToken(i) for i in (0, 439, 2, 302, 333, 272, 271, 3)]
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return paged_decode(*args, **kw)
+
+    monkeypatch.setattr(triton_decode, "paged_decode", counted)
+
+    def run() -> torch.Tensor:
+        rt = MoondreamRuntime(model, kv_cache_pages=600, max_batch_size=2, kv_scales=scales,
+                              enable_prefix_cache=False)  # fmt: skip
+        state, logits = rt.start_sequence(prompt, None, max_new_tokens=4)
+        out = [logits]
+        for t in range(3):
+            out.append(rt.decode_step([state], [TextToken(100 + 7 * t)])[0])
+        return torch.stack(out)
+
+    with torch.inference_mode():
+        dispatch.set_decode_kernel("fa")
+        want = run()
+        assert calls == []
+        dispatch.set_decode_kernel("triton")
+        got = run()
+    assert len(calls) == 3 * layers
+    assert_close(got, want, rel=1e-5)
+
+
 def test_switch_read_from_the_environment() -> None:
     code = (
         "import importlib, os; import kestrel_kernels as kk; from kestrel_kernels import dispatch\n"
