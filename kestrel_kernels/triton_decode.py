@@ -52,7 +52,7 @@ class DecodeConfig:
     positions per loop iteration; ``target_programs``: the split programs aimed for;
     ``min_chunk``: fewest positions a split covers; ``splits``: a fixed split count (None:
     from the target); ``num_warps``: warps per split program. First guesses, to be tuned on a
-    GPU (``scripts/bench_attention.py --decode``)."""
+    GPU (``scripts/bench_attention.py --only gpu --sweep``)."""
 
     heads: int = 8
     block_n: int = 4
