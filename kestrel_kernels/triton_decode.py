@@ -21,7 +21,9 @@ Two launches (one when a single split covers the page table):
 The grid, the split count and the work buffers depend only on ``B``, the page table's width
 and the head counts (``plan_decode``), never on the lengths' values, and nothing is read back
 to the host: a CUDA graph captures the call and replays it with new lengths and page tables.
-Splits past a row's length run no loop iteration and write an empty partial.
+Splits past a row's length run no loop iteration and write an empty partial. The split count
+is a run-time argument, so batch sizes share one compiled kernel per dtype (one more for the
+single-split form).
 
 FP8 pages (the contract's scaled case): each value read is ``stored * scale`` rounded to q's
 dtype, as ``contract.dequantize_kv`` computes it; the scales are loaded on the device.
@@ -122,9 +124,9 @@ def _build_split(interpret: bool):
     def split_kernel(
         q, k_cache, v_cache, page_table, seqused_k, seqused_q, k_scale, v_scale,
         part_m, part_l, part_acc, out, qk_scale, stride_qb, stride_qh, stride_page,
-        stride_kvh, stride_pt, chunk, H, G,
+        stride_kvh, stride_pt, chunk, H, G, splits,
         D: tl.constexpr, BLOCK_D: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLITS: tl.constexpr, SCALED: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr,
+        DIRECT: tl.constexpr, SCALED: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr,
     ):  # fmt: skip
         s, hb, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         h = hb * HEADS + tl.arange(0, HEADS)  # query heads of this program
@@ -172,12 +174,12 @@ def _build_split(interpret: bool):
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt.to(tl.float32), axis=0)
             m = m_new
         hd = h[:, None] * D + d[None, :]
-        if SPLITS == 1:  # the only split: normalise and write the output
+        if DIRECT:  # the only split: normalise and write the output
             o = tl.where(l_sum[:, None] > 0, acc / tl.maximum(l_sum, 1e-30)[:, None], 0.0)
             tl.store(out + b * H * D + hd, o.to(out.dtype.element_ty),
                      mask=h_ok[:, None] & d_ok[None, :])  # fmt: skip
         else:
-            row = (b * H + h) * SPLITS + s  # partials laid out [B, H, SPLITS(, D)]
+            row = (b * H + h) * splits + s  # partials laid out [B, H, splits(, D)]
             tl.store(part_m + row, m, mask=h_ok)
             tl.store(part_l + row, l_sum, mask=h_ok)
             tl.store(part_acc + row[:, None] * D + d[None, :], acc,
@@ -195,19 +197,19 @@ def _build_combine(interpret: bool):
 
     @triton.jit
     def combine_kernel(
-        part_m, part_l, part_acc, out, H,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        part_m, part_l, part_acc, out, H, splits,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     ):  # fmt: skip
         b, h = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        base = (b * H + h) * SPLITS
+        base = (b * H + h) * splits
         m_run = tl.full([1], -1.0e30, tl.float32)
         l_run = tl.zeros([1], tl.float32)
         acc = tl.zeros([BLOCK_D], tl.float32)
-        for s0 in range(0, SPLITS, BLOCK_S):
+        for s0 in range(0, splits, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
-            s_ok = s < SPLITS
+            s_ok = s < splits
             ms = tl.load(part_m + base + s, mask=s_ok, other=-1.0e30)
             ls = tl.load(part_l + base + s, mask=s_ok, other=0.0)
             at = (base + s)[:, None] * D + d[None, :]
@@ -273,16 +275,16 @@ def paged_decode(
             seqused_q if seqused_q is not None else seqused_k, *scales,
             part_m, part_l, part_acc, out, float(softmax_scale) * _LOG2E,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            page_table.stride(0), plan.chunk, heads, heads // k_cache.shape[1],
+            page_table.stride(0), plan.chunk, heads, heads // k_cache.shape[1], plan.splits,
             D=dim, BLOCK_D=block_d, HEADS=plan.heads, BLOCK_N=plan.block_n,
-            SPLITS=plan.splits, SCALED=kv_scales is not None,
+            DIRECT=plan.splits == 1, SCALED=kv_scales is not None,
             HAS_SEQUSED_Q=seqused_q is not None, num_warps=plan.num_warps,
         )  # fmt: skip
     if plan.splits > 1:
         with opaque("triton_decode_combine"):
             combine_kernel[(batch, heads)](
-                part_m, part_l, part_acc, out, heads, D=dim, BLOCK_D=block_d,
-                SPLITS=plan.splits, BLOCK_S=min(16, _next_pow2(plan.splits)), num_warps=1,
+                part_m, part_l, part_acc, out, heads, plan.splits, D=dim, BLOCK_D=block_d,
+                BLOCK_S=16, num_warps=1,
             )  # fmt: skip
     return out
 
@@ -295,11 +297,12 @@ _SPLIT_SIG = {
     "part_m": "*fp32", "part_l": "*fp32", "part_acc": "*fp32", "out": "*bf16",
     "qk_scale": "fp32", "stride_qb": "i32", "stride_qh": "i32", "stride_page": "i32",
     "stride_kvh": "i32", "stride_pt": "i32", "chunk": "i32", "H": "i32", "G": "i32",
+    "splits": "i32",
     "D": "constexpr", "BLOCK_D": "constexpr", "HEADS": "constexpr", "BLOCK_N": "constexpr",
-    "SPLITS": "constexpr", "SCALED": "constexpr", "HAS_SEQUSED_Q": "constexpr",
+    "DIRECT": "constexpr", "SCALED": "constexpr", "HAS_SEQUSED_Q": "constexpr",
 }  # fmt: skip
 _SPLIT_CONST = {"D": 64, "BLOCK_D": 64, "HEADS": _DEFAULT.heads,
-                "BLOCK_N": _DEFAULT.block_n, "SPLITS": 8, "HAS_SEQUSED_Q": False}  # fmt: skip
+                "BLOCK_N": _DEFAULT.block_n, "DIRECT": False, "HAS_SEQUSED_Q": False}  # fmt: skip
 _SM90_BUILDS = {
     "split": (0, _SPLIT_SIG, {**_SPLIT_CONST, "SCALED": False}, _DEFAULT.num_warps),
     "split_fp8": (
@@ -311,9 +314,8 @@ _SM90_BUILDS = {
     "combine": (
         1,
         {"part_m": "*fp32", "part_l": "*fp32", "part_acc": "*fp32", "out": "*bf16", "H": "i32",
-         "D": "constexpr", "BLOCK_D": "constexpr", "SPLITS": "constexpr",
-         "BLOCK_S": "constexpr"},
-        {"D": 64, "BLOCK_D": 64, "SPLITS": 8, "BLOCK_S": 8},
+         "splits": "i32", "D": "constexpr", "BLOCK_D": "constexpr", "BLOCK_S": "constexpr"},
+        {"D": 64, "BLOCK_D": 64, "BLOCK_S": 16},
         1,
     ),
 }  # fmt: skip
