@@ -4,7 +4,9 @@ Backends: ``"torch"`` (the reference: page-table gather, explicit mask, SDPA; CP
 ``"fa"`` (FlashAttention 4 from the ``flash-attn-4`` package, the ``gpu`` extra, on a compute
 capability 9.x GPU; alias ``"fa3"``). ``"auto"`` picks ``"fa"`` for float16/bfloat16 inputs on such
 a GPU when the package imports, else ``"torch"``. FlashAttention is imported lazily by the ``fa``
-backend, so importing this package on a CPU machine never touches it.
+backend, so importing this package on a CPU machine never touches it. Decode-shaped calls can
+instead run a Triton flash-decoding kernel (``triton_decode``), opt-in with
+``set_decode_kernel("triton")`` or ``KESTREL_DECODE_KERNEL=triton`` (``dispatch``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kestrel_kernels.contract import (
     validate_attention_inputs,
     validate_write_kv_inputs,
 )
-from kestrel_kernels.dispatch import run_attention
+from kestrel_kernels.dispatch import get_decode_kernel, run_attention, set_decode_kernel
 from kestrel_kernels.segments import SegmentPlan, choose_segment_plan
 
 __all__ = [
@@ -33,11 +35,13 @@ __all__ = [
     "KernelInputError",
     "KvScales",
     "available_backends",
+    "get_decode_kernel",
     "get_default_backend",
     "paged_attention",
     "plan_attention",
     "prepare_compile",
     "resolve_backend",
+    "set_decode_kernel",
     "set_default_backend",
     "write_kv",
 ]
@@ -222,7 +226,8 @@ def paged_attention(
     ``softmax_scale`` defaults to ``1/sqrt(D)``. Bad inputs raise ``KernelInputError``.
     ``plan``: the forward's :func:`plan_attention` (its backend replaces ``backend``).
     ``kv_scales``: the caches are FP8 pages with these scales (the contract's scaled-KV case);
-    that case runs the torch reference on every device for now.
+    that case runs the torch reference, or on CUDA for decode shapes the Triton decode kernel
+    when ``set_decode_kernel("triton")`` is on (``kestrel_kernels.dispatch``).
     Under ``torch.compile`` the call is one opaque op (``kestrel_kernels.compile_op``).
     """
     if torch.compiler.is_compiling():

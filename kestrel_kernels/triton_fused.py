@@ -17,7 +17,13 @@ from torch import Tensor
 
 from kestrel_kernels.counting import opaque
 
-__all__ = ["add_layer_norm_triton", "kernels", "rope_write_kv_triton", "sm90_build"]
+__all__ = [
+    "add_layer_norm_triton",
+    "compile_sm90",
+    "kernels",
+    "rope_write_kv_triton",
+    "sm90_build",
+]
 
 
 def _interpret() -> bool:
@@ -189,6 +195,18 @@ def sm90_build(name: str, workdir: str) -> dict[str, object]:
     """Compile kernel ``name`` for an H100 (sm_90) on any machine and report its registers
     and spills from the PTX assembler Triton ships. Needs a process without
     ``TRITON_INTERPRET`` (the interpreter replaces the compiler)."""
+    if _interpret():
+        raise RuntimeError("sm90_build needs a process without TRITON_INTERPRET=1")
+    fn = dict(zip(("rope_kv", "add_ln"), _build(False), strict=True))[name]
+    signature, constexprs = _SM90_BUILDS[name]
+    return compile_sm90(fn, signature, constexprs, name, workdir)
+
+
+def compile_sm90(
+    fn, signature: dict, constexprs: dict, name: str, workdir: str, num_warps: int = 4
+) -> dict[str, object]:
+    """Build the jitted ``fn`` for sm_90 with ``signature`` / ``constexprs`` and run ``ptxas
+    -v`` on its PTX: whether it targets sm_90, the cubin's size, registers and spill bytes."""
     import re
     import subprocess
     from pathlib import Path
@@ -198,18 +216,15 @@ def sm90_build(name: str, workdir: str) -> dict[str, object]:
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
-    if _interpret():
-        raise RuntimeError("sm90_build needs a process without TRITON_INTERPRET=1")
-    fn = dict(zip(("rope_kv", "add_ln"), _build(False), strict=True))[name]
-    signature, constexprs = _SM90_BUILDS[name]
+    target = GPUTarget("cuda", 90, 32)
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-        target=GPUTarget("cuda", 90, 32),
-    )
+        target=target, options={"num_warps": num_warps},
+    )  # fmt: skip
     ptx = compiled.asm["ptx"]
     src = Path(workdir) / f"{name}.ptx"
     src.write_text(ptx)
-    ptxas = get_ptxas(GPUTarget("cuda", 90, 32).arch).path
+    ptxas = get_ptxas(target.arch).path
     out = subprocess.run(
         [ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(src.with_suffix(".cubin"))],
         capture_output=True, text=True, check=True,

@@ -1,18 +1,29 @@
-"""Time the torch attention backend on CPU: decode (Lq = 1) and prefill shapes.
+"""Time attention: the torch backend on CPU (decode and prefill shapes) and, on CUDA, the decode
+kernels (FlashAttention vs the Triton flash-decoding kernel, ``kestrel_kernels.triton_decode``).
 
 Usage: python scripts/bench_attention.py [--heads 32] [--head-dim 64] [--threads N]
-Prints milliseconds per call (median of several) and the K/V bytes gathered per second.
+       [--only cpu|gpu] [--width 2048] [--sweep] [--json out.json]
+The CPU table prints milliseconds per call (median of several) and the K/V bytes gathered per
+second. The GPU rows (skipped with a note without CUDA) time one decode attention call at batch
+1, 8 and 64 over ~800-position contexts, Moondream 2's 32 heads of 64 in bfloat16 (and the
+Triton kernel on FP8 pages), each call replayed from a CUDA graph (device time, no host
+overhead): milliseconds, K/V bytes read and the TB/s achieved, and the largest difference from
+FlashAttention's output. ``--sweep`` also times other launch configurations of the Triton
+kernel (``triton_decode.DecodeConfig``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import torch
 
 import kestrel_kernels as kk
+from kestrel_kernels import dispatch
+from kestrel_kernels.contract import KvScales, quantize_kv
 
 
 def _case(batch: int, q_len: int, k_len: int, heads: int, head_dim: int, region: int):
@@ -39,16 +50,7 @@ def _time_ms(args: dict, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--region", type=int, default=730, help="bidirectional prefix length")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=5)
-    opts = parser.parse_args()
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+def _cpu_rows(opts) -> None:
     shapes = [
         ("decode", 1, 1, 800),
         ("decode", 16, 1, 800),
@@ -65,6 +67,139 @@ def main() -> None:
         ms = _time_ms(args, opts.repeats)
         kv_bytes = 2 * batch * k_len * opts.heads * opts.head_dim * 4
         print(f"{kind:8} {batch:3d} {q_len:5d} {k_len:5d} {ms:9.2f} {kv_bytes / ms / 1e6:8.2f}")
+
+
+def _decode_case(batch: int, width: int, heads: int, head_dim: int, seed: int) -> dict:
+    """bf16 decode inputs on CUDA: rows of ~800 positions (768..831), pages scattered."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [768 + (37 * b) % 64 for b in range(batch)]
+    n_pages = sum(lens) + 1
+    perm = (torch.randperm(n_pages - 1, generator=g) + 1).to(torch.int32)
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        table[b, :n] = perm[used : used + n]
+        used += n
+    case = dict(
+        q=torch.randn(batch, 1, heads, head_dim, generator=g),
+        k_cache=torch.randn(n_pages, heads, head_dim, generator=g),
+        v_cache=torch.randn(n_pages, heads, head_dim, generator=g),
+        page_table=table,
+        seqused_k=torch.tensor(lens, dtype=torch.int32),
+    )
+    case = {k: (v.bfloat16() if v.is_floating_point() else v).cuda() for k, v in case.items()}
+    case["positions"] = sum(lens)
+    return case
+
+
+def _graph_ms(fn, calls: int = 20, repeats: int = 7) -> float:
+    """Device milliseconds per ``fn()``: ``calls`` of them captured in one CUDA graph, the
+    graph replayed ``repeats`` times, the median replay divided by ``calls``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def _decode_fns(case: dict, config) -> dict:
+    """name -> (call, K/V bytes per call) for the decode kernels on ``case``."""
+    from kestrel_kernels.triton_decode import paged_decode
+
+    q, pt, sk = case["q"], case["page_table"], case["seqused_k"]
+    k, v = case["k_cache"], case["v_cache"]
+    bytes16 = 2 * case["positions"] * k.shape[1] * k.shape[2] * k.element_size()
+    scales = KvScales(torch.tensor([0.05], device="cuda"), torch.tensor([0.05], device="cuda"))
+    k8, v8 = quantize_kv(k, scales.k), quantize_kv(v, scales.v)
+    fns = {}
+    if "fa" in kk.available_backends("cuda"):
+        plan = kk.plan_attention(1, pt, sk, backend="fa", dtype=q.dtype)
+        fns["fa"] = (lambda: kk.paged_attention(q, k, v, pt, sk, plan=plan), bytes16)
+    fns["triton"] = (lambda: paged_decode(q[:, 0], k, v, pt, sk, softmax_scale=0.125,
+                                          config=config)[:, None], bytes16)  # fmt: skip
+    fns["triton fp8"] = (lambda: paged_decode(q[:, 0], k8, v8, pt, sk, softmax_scale=0.125,
+                                              kv_scales=scales, config=config)[:, None],
+                         bytes16 // 2)  # fmt: skip
+    return fns
+
+
+def _gpu_rows(opts) -> list[dict]:
+    """The decode rows (module doc); [] without CUDA."""
+    if not torch.cuda.is_available():
+        print("decode kernels on CUDA (fa vs triton): skipped, no CUDA device")
+        return []
+    from kestrel_kernels.triton_decode import DecodeConfig, plan_decode
+
+    dispatch.set_decode_kernel("fa")  # the fa row runs FlashAttention whatever the environment
+    configs = [DecodeConfig()]
+    if opts.sweep:
+        configs += [
+            DecodeConfig(heads=h, block_n=n, num_warps=w)
+            for h, n, w in ((4, 8, 4), (16, 2, 4), (32, 2, 8), (8, 8, 4), (8, 4, 8))
+        ]
+        configs += [DecodeConfig(target_programs=t) for t in (1024, 4096)]  # fmt: skip
+    print(f"decode on {torch.cuda.get_device_name()}: Hq = Hkv = {opts.heads}, D = "
+          f"{opts.head_dim}, bf16, page table {opts.width} wide, graph-replayed")  # fmt: skip
+    print(f"{'kernel':11} {'B':>3} {'K/row':>6} {'ms/call':>8} {'GB':>6} {'TB/s':>6} "
+          f"{'vs fa':>8}  config")  # fmt: skip
+    rows = []
+    for batch in (1, 8, 64):
+        case = _decode_case(batch, opts.width, opts.heads, opts.head_dim, seed=batch)
+        for config in configs:
+            fns = _decode_fns(case, config)
+            want = fns["fa"][0]() if "fa" in fns else None
+            for name, (fn, n_bytes) in fns.items():
+                if name == "fa" and config is not configs[0]:
+                    continue
+                ms = _graph_ms(fn)
+                diff = float((fn() - want).abs().max()) if want is not None else float("nan")
+                plan = plan_decode(batch, opts.width, opts.heads, config)
+                row = dict(kernel=name, batch=batch, positions=case["positions"], ms=ms,
+                           gb=n_bytes / 1e9, tb_s=n_bytes / ms / 1e9, max_diff_vs_fa=diff,
+                           config=None if name == "fa" else repr(config),
+                           splits=None if name == "fa" else plan.splits)  # fmt: skip
+                rows.append(row)
+                print(f"{name:11} {batch:3d} {case['positions'] // batch:6d} {ms:8.3f} "
+                      f"{row['gb']:6.3f} {row['tb_s']:6.2f} {diff:8.4f}  "
+                      f"{'' if name == 'fa' else f'{config} splits={plan.splits}'}")  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--region", type=int, default=730, help="bidirectional prefix length")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", choices=("cpu", "gpu"), default=None)
+    parser.add_argument("--width", type=int, default=2048, help="page table width (GPU rows)")
+    parser.add_argument("--sweep", action="store_true", help="other Triton launch configs")
+    parser.add_argument("--json", default=None, help="write the GPU rows to this file")
+    opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    if opts.only != "gpu":
+        _cpu_rows(opts)
+    if opts.only != "cpu":
+        rows = _gpu_rows(opts)
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
