@@ -225,8 +225,8 @@ def main() -> None:
     t_rt = time.perf_counter() - t_rt
     backend = kestrel_kernels.resolve_backend("auto", "cuda")
     fused_ops = kestrel_kernels.fused.fused_backend(torch.device("cuda"))
-    print(f"device: {name}; attention backend: {backend}; fused ops: {fused_ops}; "
-          f"torch {torch.__version__}")  # fmt: skip
+    print(f"device: {name}; attention backend: {backend}; fused ops: {fused_ops}; decode "
+          f"kernel: {kestrel_kernels.get_decode_kernel()}; torch {torch.__version__}")  # fmt: skip
     print(f"{rt.kv_report}  [runtime built in {t_rt:.1f} s]")
     assert rt.decode_graphs is not None, "decode graphs need the fa backend"
     if args.profile:

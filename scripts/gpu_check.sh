@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One-shot GPU check, about 6 minutes on an H100 (docs/benchmarks.md):
+# One-shot GPU check, about 7 minutes on an H200 (docs/benchmarks.md):
 #   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend, pyvips);
 #   2. pytest -m gpu tests/gpu;
 #   3. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
 #      16 threads submitting while the engine starts;
-#   4. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
-#      captures (the last line of stdout).
+#   4. scripts/bench_gpu_runtime.py twice, FlashAttention's decode and the Triton decode kernel
+#      (KESTREL_DECODE_KERNEL=triton): decode step ms by batch, each step's kernels, TTFT;
+#      scripts/bench_attention.py --only gpu: the decode attention calls alone, fa vs Triton;
+#   5. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
+#      captures, decode step ms by batch for each decode kernel (the last line of stdout).
 # On the GPU machine here, run it through the staged FlashAttention 4 (see the GPU tools' README):
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
 # Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter.
@@ -17,7 +20,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 t0=$(date +%s)
 
-echo "== 1/3 probe" >&2
+echo "== 1/4 probe" >&2
 timeout 60 "$PY" - > "$OUT/probe.json" 2> "$OUT/probe.log" <<'PYEOF'
 import json
 
@@ -40,17 +43,26 @@ PYEOF
 probe_rc=$?
 cat "$OUT/probe.json" >&2
 
-echo "== 2/3 pytest -m gpu tests/gpu" >&2
+echo "== 2/4 pytest -m gpu tests/gpu" >&2
 timeout 200 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 pytest_rc=$?
 tail -3 "$OUT/pytest.log" >&2
 
-echo "== 3/3 bench" >&2
+echo "== 3/4 bench" >&2
 timeout 200 "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
   --modes direct,cot --sampling greedy,default --startup-threads 16 --allow-busy --summary \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 grep '^| ' "$OUT/bench.log" >&2
+
+echo "== 4/4 decode: FlashAttention vs the Triton decode kernel" >&2
+for kernel in fa triton; do
+  KESTREL_DECODE_KERNEL=$kernel timeout 75 "$PY" scripts/bench_gpu_runtime.py --qa-requests 32 \
+    > "$OUT/runtime_$kernel.log" 2>&1
+  grep '^| [0-9]' "$OUT/runtime_$kernel.log" | sed "s/^/$kernel /" >&2
+done
+timeout 60 "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
+  > "$OUT/attention.log" 2>&1
 
 "$PY" - "$OUT" "$probe_rc" "$pytest_rc" "$bench_rc" "$(( $(date +%s) - t0 ))" <<'PYEOF'
 import json
@@ -70,6 +82,15 @@ for line in reversed((out / "bench.log").read_text(errors="replace").splitlines(
     if line.startswith("{") and '"req_s"' in line:
         bench = json.loads(line)
         break
+
+def decode_ms(kernel: str) -> dict | None:
+    """Decode step ms by batch, from bench_gpu_runtime's table (None if it did not run)."""
+    path = out / f"runtime_{kernel}.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \|", text, re.M)
+    return {int(b): float(ms) for b, ms in rows} or None
+
+
 print(json.dumps({
     "probe": probe, "probe_rc": probe_rc,
     "pytest": {**counts, "rc": pytest_rc},
@@ -77,6 +98,7 @@ print(json.dumps({
     "failed_requests": bench["failed_requests"] if bench else None,
     "failed_captures": bench["failed_captures"] if bench else None,
     "captured": bench["captured"] if bench else None,
+    "decode_step_ms": {k: decode_ms(k) for k in ("fa", "triton")},
     "bench_rc": bench_rc, "seconds": seconds,
 }))
 PYEOF
