@@ -61,7 +61,25 @@ if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The files that take longest (Ray clusters and replicas starting, inductor compiling, the soak):
+# collected first, so that with ``-n auto --dist loadfile`` a worker starts on each of them at
+# once and the others share the many short files, instead of one long file starting last and
+# running alone at the end.
+LONG_FIRST = (
+    "tests/integration/test_ray_batch.py",
+    "tests/integration/test_compile_path.py",
+    "tests/server/test_server_ray.py",
+    "tests/integration/test_engine_soak.py",
+)
+
+
+def _long_first(item: pytest.Item) -> int:
+    name = item.nodeid.split("::")[0]  # relative to the repository root
+    return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_long_first)  # stable: every file keeps its tests' order
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
