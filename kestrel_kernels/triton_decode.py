@@ -42,6 +42,7 @@ from torch import Tensor
 
 from kestrel_kernels.contract import KernelInputError, KvScales
 from kestrel_kernels.counting import opaque
+from kestrel_kernels.triton_fused import interpreting
 
 __all__ = ["DecodeConfig", "DecodePlan", "kernels", "paged_decode", "plan_decode", "sm90_build"]
 
@@ -105,12 +106,6 @@ def plan_decode(batch: int, max_pages: int, q_heads: int, config: DecodeConfig) 
     chunk = -(-chunk // config.block_n) * config.block_n  # whole iterations per split
     splits = -(-width // chunk)
     return DecodePlan(splits, chunk, heads, head_blocks, config.block_n, config.num_warps)
-
-
-def _interpret() -> bool:
-    from triton import knobs
-
-    return bool(knobs.runtime.interpret)
 
 
 @functools.cache
@@ -232,7 +227,7 @@ def _build(interpret: bool):
 
 def kernels():
     """(split_kernel, combine_kernel), compiled for the current interpreter mode."""
-    return _build(_interpret())
+    return _build(interpreting())
 
 
 def paged_decode(
@@ -327,7 +322,7 @@ def sm90_build(name: str, workdir: str) -> dict[str, object]:
     without ``TRITON_INTERPRET``."""
     from kestrel_kernels.triton_fused import compile_sm90
 
-    if _interpret():
+    if interpreting():
         raise RuntimeError("sm90_build needs a process without TRITON_INTERPRET=1")
     which, signature, constexprs, num_warps = _SM90_BUILDS[name]
     return compile_sm90(_build(False)[which], signature, constexprs, name, workdir, num_warps)

@@ -20,13 +20,15 @@ from kestrel_kernels.counting import opaque
 __all__ = [
     "add_layer_norm_triton",
     "compile_sm90",
+    "interpreting",
     "kernels",
     "rope_write_kv_triton",
     "sm90_build",
 ]
 
 
-def _interpret() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs kernels under its interpreter (``TRITON_INTERPRET=1``)."""
     from triton import knobs
 
     return bool(knobs.runtime.interpret)
@@ -108,13 +110,13 @@ def _build(interpret: bool):
 
 def kernels():
     """(rope_kv_kernel, add_ln_kernel), compiled for the current interpreter mode."""
-    return _build(_interpret())
+    return _build(interpreting())
 
 
 def _per_program(interpreted: int) -> int:
     """Rows (tokens) per program: one on a GPU; the interpreter runs programs one after
     another in Python, so there each program takes many."""
-    return interpreted if _interpret() else 1
+    return interpreted if interpreting() else 1
 
 
 def _next_pow2(n: int) -> int:
@@ -195,7 +197,7 @@ def sm90_build(name: str, workdir: str) -> dict[str, object]:
     """Compile kernel ``name`` for an H100 (sm_90) on any machine and report its registers
     and spills from the PTX assembler Triton ships. Needs a process without
     ``TRITON_INTERPRET`` (the interpreter replaces the compiler)."""
-    if _interpret():
+    if interpreting():
         raise RuntimeError("sm90_build needs a process without TRITON_INTERPRET=1")
     fn = dict(zip(("rope_kv", "add_ln"), _build(False), strict=True))[name]
     signature, constexprs = _SM90_BUILDS[name]
