@@ -13,8 +13,6 @@ has not been timed on a GPU yet.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 
 import torch
@@ -27,6 +25,7 @@ from kestrel_kernels.contract import (
     KernelInputError,
     KvScales,
 )
+from kestrel_kernels.fused import triton_available
 from kestrel_kernels.segments import SegmentPlan
 
 __all__ = ["get_decode_kernel", "run_attention", "set_decode_kernel", "uses_triton_decode"]
@@ -44,18 +43,13 @@ def set_decode_kernel(name: str) -> None:
     global _decode_kernel
     if name not in _DECODE_CHOICES:
         raise KernelInputError(f"unknown decode kernel {name!r}; choose one of {_DECODE_CHOICES}")
-    if name == "triton" and not _triton_available():
+    if name == "triton" and not triton_available():
         raise BackendUnavailableError("decode kernel 'triton' needs the triton package")
     _decode_kernel = name
 
 
 def get_decode_kernel() -> str:
     return _decode_kernel
-
-
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def uses_triton_decode(
@@ -69,7 +63,7 @@ def uses_triton_decode(
         return False
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    if not _triton_available():
+    if not triton_available():
         raise BackendUnavailableError("decode kernel 'triton' needs the triton package")
     return True
 

@@ -31,6 +31,7 @@ decode step ran 224 kernels in 1.67 ms instead of 726 in 2.66 ms (docs/benchmark
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -49,6 +50,7 @@ __all__ = [
     "linear_gelu",
     "rope_write_kv",
     "set_fused_backend",
+    "triton_available",
 ]
 
 _CHOICES = ("auto", "torch", "triton")
@@ -69,7 +71,9 @@ def get_fused_backend() -> str:
     return _fused
 
 
-def _triton_available() -> bool:
+@functools.cache
+def triton_available() -> bool:
+    """Whether the ``triton`` package is installed (looked up once per process)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -80,14 +84,14 @@ def fused_backend(device: torch.device) -> str:
     if _fused == "torch" or torch.compiler.is_compiling():
         return "torch"
     if _fused == "triton":
-        if not _triton_available():
+        if not triton_available():
             raise BackendUnavailableError("fused backend 'triton' needs the triton package")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise BackendUnavailableError(
                 "fused backend 'triton' on a CPU runs only under TRITON_INTERPRET=1"
             )
         return "triton"
-    return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
 
 
 # --- rope + kv write --------------------------------------------------------------------------
