@@ -18,9 +18,10 @@ retired row's pending write lands in its own private page before anything reuses
 (one stream orders them).
 
 The runner looks ahead only when every row of the step samples its next token from the logits
-(``Skill.next_draw``) and has a page left, and the scheduler asks for it only when no admission
-is due: a prefill between two steps would leave its new rows out of the queued step, costing a
-second forward.
+(``Skill.next_draw``) and has a page left, and not every row's draw is ``final`` (its token
+ends the answer unfed: at batch 1, the step after an answer's last token would be computed for
+nothing). The scheduler asks for it only when no admission is due: a prefill between two steps
+would leave its new rows out of the queued step, costing a second forward.
 """
 
 from __future__ import annotations

@@ -225,8 +225,12 @@ class BatchExecutor:
 
     @staticmethod
     def _may_look_ahead(handles: Sequence[SequenceState], draws: Sequence[Draw | None]) -> bool:
-        """Every row samples its next token from the logits and has a page left for it."""
-        return all(d is not None for d in draws) and all(h.length < h.max_length for h in handles)
+        """Every row samples its next token from the logits and has a page left for it, and
+        some row will feed it (a ``final`` draw's token ends its output: a step queued for
+        such rows alone would be computed for nothing)."""
+        if not all(d is not None for d in draws):
+            return False
+        return all(h.length < h.max_length for h in handles) and not all(d.final for d in draws)
 
     def release(self, handle: SequenceState) -> None:
         self._next_draw.pop(handle.batch_idx, None)

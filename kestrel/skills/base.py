@@ -39,7 +39,9 @@ class Draw(NamedTuple):
     can choose the tokens of a whole batch on the device at once (``Skill.next_draw``).
 
     ``temperature`` 0 is greedy; ``banned`` ids are suppressed first; ``u`` in [0, 1) is the
-    uniform number of the draw, taken from the request's own random stream.
+    uniform number of the draw, taken from the request's own random stream. ``final``: the
+    token it chooses ends the output and is never fed (the step after it would be wasted: a
+    driver that computes steps ahead leaves such a row out).
 
     An immutable value, as a NamedTuple rather than a frozen dataclass: a sampled request
     makes one per token, for every row of every step, and a tuple is several times cheaper to
@@ -51,6 +53,7 @@ class Draw(NamedTuple):
     banned: tuple[int, ...] = ()
     u: float = 0.0
     top_k: int = 0
+    final: bool = False
 
 
 class TextSink(Protocol):

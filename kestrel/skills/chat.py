@@ -62,7 +62,10 @@ def chat_prompt(
 
 
 class ChatSkill(QuerySkill):
-    """Answer the last user turn of a conversation (the query skill over the chat prompt)."""
+    """Answer the last user turn of a conversation (the query skill over the chat prompt).
+    The next turn attends to the answer: every answer token is fed, the last one too."""
+
+    answer_continues = True
 
     def __init__(
         self,

@@ -46,6 +46,8 @@ class TextPhase:
 
     ``finish_reason``: "stop", "max_tokens" or "length" (no budget left to feed). With
     ``record`` the raw logits of every decision are kept (row 0: the phase's first logits).
+    ``last``: nothing follows this phase, so its ``max_tokens``-th token ends it at once,
+    unfed (a phase that something follows feeds it: what follows attends to it).
     """
 
     def __init__(
@@ -58,9 +60,11 @@ class TextPhase:
         banned: tuple[int, ...],
         coord_id: int | None = None,
         record: bool = False,
+        last: bool = False,
     ) -> None:
         self.ops, self.settings, self.rng = ops, settings, rng
         self.stop_id, self.banned, self.coord_id, self.record = stop_id, banned, coord_id, record
+        self.last = last
         self.tokens: list[int] = []
         self.coords: list[tuple[int, float]] = []  # (index in tokens, decoded coordinate)
         self.step_logits: list[Any] = []
@@ -75,11 +79,13 @@ class TextPhase:
         if self._draw is None:
             s = self.settings
             banned = () if self.first_logits is None else self.banned
+            final = self.last and len(self.tokens) + 1 >= s.max_tokens
             if s.temperature > 0 and self.rng is not None:
-                self._draw = Draw(s.temperature, s.top_p, banned, self.rng.random())
+                self._draw = Draw(s.temperature, s.top_p, banned, self.rng.random(), final=final)
             else:  # greedy: the same draw every step after the first
-                if self._greedy is None or self._greedy.banned != banned:
-                    self._greedy = Draw(s.temperature, s.top_p, banned, 0.0)
+                g = self._greedy
+                if g is None or g.banned != banned or g.final != final:
+                    self._greedy = Draw(s.temperature, s.top_p, banned, 0.0, final=final)
                 self._draw = self._greedy
         return self._draw
 
@@ -105,6 +111,9 @@ class TextPhase:
         if self.finish_reason is not None:
             return None
         self.tokens.append(tok)
+        if self.last and len(self.tokens) >= s.max_tokens:  # the output is whole: not fed
+            self.finish_reason = "max_tokens"
+            return None
         if self.coord_id is not None and tok == self.coord_id:
             fed, _ = self.ops.coord_token(hidden_C)
             self.coords.append((len(self.tokens) - 1, fed.pos))
@@ -117,7 +126,13 @@ def _public_reason(reason: str | None) -> str:
 
 
 class _AnswerSkill(Skill):
-    """A skill whose result is text from one answer phase (optionally after reasoning)."""
+    """A skill whose result is text from one answer phase (optionally after reasoning).
+
+    ``answer_continues``: something later attends to the answer (a conversation's next turn),
+    so even its last token is fed, and that turn hits through the whole answer; otherwise an
+    answer cut at ``max_tokens`` ends unfed (``TextPhase``'s ``last``)."""
+
+    answer_continues = False
 
     def __init__(self, ops: SkillOps, settings: Settings, record: bool) -> None:
         self.ops, self.settings, self.record = ops, settings, record
@@ -130,6 +145,7 @@ class _AnswerSkill(Skill):
             stop_id=tok.eos_id,
             banned=answer_suppressed_ids(tok),
             record=record,
+            last=not self.answer_continues,
         )
         # Text streams lazily: answer ids wait here until a consumer asks (take_text), so a
         # request nobody streams never runs the incremental detokenizer.

@@ -75,8 +75,10 @@ def test_submitted_futures_batch_together(make_engine, images) -> None:
     batched_steps = counters.decode_steps
     one = [engine.query(None, f"question {i}", settings=GREEDY).answer for i in range(20)]
     assert answers == one
-    # one at a time, each request feeds max_tokens tokens; batched, 8 share each step
-    assert counters.decode_steps - batched_steps == 20 * GREEDY["max_tokens"]
+    # one at a time, each request's answer is max_tokens long and feeds all but its last
+    # token (the prefill chose the first); batched, 8 share each step
+    assert all(len(f.result().tokens) == GREEDY["max_tokens"] for f in futures)
+    assert counters.decode_steps - batched_steps == 20 * (GREEDY["max_tokens"] - 1)
     assert batched_steps <= 4 * GREEDY["max_tokens"]
 
 

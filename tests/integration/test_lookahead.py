@@ -208,3 +208,29 @@ def test_cli_no_lookahead_flag() -> None:
     common.add_engine_options(parser)
     assert common.engine_kwargs(parser.parse_args([]))["lookahead"] is None
     assert common.engine_kwargs(parser.parse_args(["--no-lookahead"]))["lookahead"] is False
+
+
+def test_an_answers_last_token_costs_no_forward(make_engine, images, monkeypatch) -> None:
+    """An answer cut at max_tokens ends with its last token unfed: a lone request makes one
+    decode forward per fed token, and look-ahead queues no step for the last one (a step of
+    rows that all end would be computed for nothing)."""
+    engine = make_engine(lookahead=True)
+    rt, forwards = engine.runtime, []
+    for name in ("decode_step", "decode_ahead"):
+        real = getattr(rt, name)
+
+        def counted(handles, *args, _real=real, _name=name):
+            forwards.append((_name, len(handles)))
+            return _real(handles, *args)
+
+        monkeypatch.setattr(rt, name, counted)
+    image, cut = images["shapes_378"], 0
+    for settings in ({"max_tokens": 3}, {**SAMPLED, "max_tokens": 4, "seed": 7}):
+        forwards.clear()
+        r = engine.query(image, "What is in the image?", settings=settings)
+        # the prefill chose the first token; each forward feeds one and chooses the next (the
+        # eos after the last, when the answer stops on its own)
+        assert len(forwards) == len(r.tokens) - (r.finish_reason == "length"), forwards
+        cut += r.finish_reason == "length"
+    assert cut, "no answer reached max_tokens: the case under test never ran"
+    assert engine._runner.lookahead_counters.steps > 0  # look-ahead did run

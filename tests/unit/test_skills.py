@@ -107,11 +107,38 @@ def test_query_stops_on_eos_and_masks_from_the_first_decode_step() -> None:
     assert ops.banned == [(), (ANSWER,), (ANSWER,), (ANSWER,)]
 
 
-@pytest.mark.parametrize(("budget", "fed"), [(100, 5), (3, 3), (0, 0)])
-def test_query_length_by_max_tokens_or_budget(budget: int, fed: int) -> None:
+@pytest.mark.parametrize(("budget", "fed", "out"), [(100, 4, 5), (3, 3, 3), (0, 0, 0)])
+def test_query_length_by_max_tokens_or_budget(budget: int, fed: int, out: int) -> None:
+    """max_tokens (5) ends the answer with its 5th token, unfed (nothing attends to it); a
+    budget of 3 feeds 3 and the 4th token is never taken."""
     skill = QuerySkill(Script([20] * 10), "q", GREEDY)
     assert len(drive(skill, budget)) == fed
+    assert len(skill.output_tokens()) == out
     assert skill.finish_reason == "length"
+
+
+def test_the_last_answer_draw_is_announced_final() -> None:
+    """The draw of the answer's max_tokens-th token says so (a driver queues no step for it);
+    reasoning's last token is fed (the answer attends to it) and its draws are never final."""
+    settings = Settings(temperature=0.0, max_tokens=3)
+    skill = QuerySkill(Script([20] * 3), "q", settings)
+    finals = []
+    while True:
+        finals.append(skill.next_draw().final)
+        if skill.advance("logits", "hidden", 100) is None:
+            break
+    assert finals == [False, False, True] and skill.output_tokens() == (20, 20, 20)
+    ops = Script([30, 31, 32, 99, 40, 41, 42])  # 99: drawn once reasoning is full, dropped
+    skill = QuerySkill(ops, "q", settings, reasoning=True)
+    draws, fed = [], []
+    while True:
+        draws.append(skill.next_draw())
+        if (tok := skill.advance("logits", "hidden", 100)) is None:
+            break
+        fed.append(tok)
+    assert [d.final for d in draws] == [False] * 4 + [False, False, True]
+    assert fed[:4] == [TextToken(30), TextToken(31), TextToken(32), TextToken(ANSWER)]
+    assert skill.reasoning_tokens() == 3 and skill.output_tokens() == (40, 41, 42)
 
 
 def test_streamed_text_concatenates_to_the_answer() -> None:
