@@ -43,6 +43,7 @@ import numpy as np
 from PIL import Image
 
 from kestrel.errors import InvalidInputError
+from kestrel.vips_decode import decode_pixels, tagged
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -166,12 +167,27 @@ def _from_pil(
     return np.array(_ORIENT[orientation](out), dtype=np.uint8, order="C", copy=True)
 
 
-def _open_encoded(
-    source: io.BytesIO | Path, max_pixels: int, opts: _Options, what: str
+def _from_header(
+    image: Image.Image, source: bytes | Path, max_pixels: int, opts: _Options, what: str
 ) -> np.ndarray:
+    """An encoded image whose header PIL read: decoded by libvips where it decodes this kind
+    to PIL's pixels (``vips_decode``), by PIL otherwise."""
+    _check_size(image.width, image.height, max_pixels, what)
+    pixels = decode_pixels(image, source)
+    if pixels is None:
+        return _from_pil(image, max_pixels, opts, what)
+    rgb = _array_rgb(pixels, opts, what)
+    orientation = _exif_orientation(image) if opts.exif_orientation and tagged(image) else 1
+    if orientation == 1:  # libvips' fresh buffer: no copy when it is already H x W x 3
+        return np.ascontiguousarray(rgb, dtype=np.uint8)
+    return np.array(_ORIENT[orientation](rgb), dtype=np.uint8, order="C", copy=True)
+
+
+def _open_encoded(source: bytes | Path, max_pixels: int, opts: _Options, what: str) -> np.ndarray:
     try:
-        with Image.open(source) as image:  # reads the header only
-            return _from_pil(image, max_pixels, opts, what)
+        # reads the header only
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+            return _from_header(image, source, max_pixels, opts, what)
     except Image.DecompressionBombError as exc:
         raise ImageError(f"{what} is too large to decode safely: {exc}") from exc
     except ImageError:
@@ -290,7 +306,7 @@ def load_image(
     if isinstance(image, (bytes, bytearray, memoryview)):
         if len(image) == 0:
             raise ImageError("image bytes are empty")
-        return _open_encoded(io.BytesIO(bytes(image)), max_pixels, opts, "image bytes")
+        return _open_encoded(bytes(image), max_pixels, opts, "image bytes")
     if isinstance(image, (str, os.PathLike)):
         path = _path_of(image)
         return _open_encoded(path, max_pixels, opts, f"image file {path}")
