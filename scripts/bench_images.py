@@ -7,7 +7,7 @@ queued (``prepare_image``); at batch 1 that time adds to every answer. Three inp
 PNG like the GPU bench's (``bench_gpu.chart_png``: 640-900 x 480-640), the same chart as a
 JPEG, and a 1280 x 960 photo-like JPEG. Two variants, run interleaved through the harness:
 
-- ``PIL``: every decode through PIL, as before ``kestrel/vips_decode.py``;
+- ``PIL``: every decode through PIL, as before ``kestrel/images/vips.py``;
 - ``prepare_image``: as it is now (libvips decodes the kinds it decodes to PIL's pixels).
 
 Each figure is the median over ``--repeats`` calls, milliseconds, SHA-256 included. Both

@@ -2,7 +2,7 @@
 
 Every ``import`` / ``from ... import`` in ``kestrel/`` and ``kestrel_kernels/`` counts, type-only
 ones (under ``if TYPE_CHECKING:``) and function-local ones included. A unit is a sub-package
-(``kestrel/runtime/``) or a module at the package root (``kestrel/images.py``); a unit's layer is
+(``kestrel/runtime/``) or a module at the package root (``kestrel/tokens.py``); a unit's layer is
 one above the highest unit it imports. ``from pkg import name`` where ``name`` is a submodule
 counts as importing that submodule alone, as ``import pkg.name`` does.
 
@@ -37,7 +37,7 @@ MODEL = "kestrel/moondream"
 MODEL_MAY_USE = frozenset({"kestrel/moondream", "kestrel/tokens.py", "kestrel_kernels"})
 TESTING = "kestrel/testing"  # fixture makers and these rules: for tests and scripts only
 ROOT_MODULES = frozenset({
-    "kestrel/__init__.py", "kestrel/__main__.py", "kestrel/errors.py", "kestrel/images.py",
+    "kestrel/__init__.py", "kestrel/__main__.py", "kestrel/errors.py",
     "kestrel/results.py", "kestrel/tokens.py",
 })  # fmt: skip
 MAX_LINES = 400

@@ -1,4 +1,4 @@
-"""libvips decodes PNGs to exactly PIL's pixels (``kestrel/vips_decode.py``), leaves every
+"""libvips decodes PNGs to exactly PIL's pixels (``kestrel/images/vips.py``), leaves every
 other kind (JPEG among them) to PIL, and never turns a file PIL refuses into pixels."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from PIL import Image
 
 from kestrel import images
 from kestrel.images import ImageError, load_image
-from kestrel.vips_decode import decode_pixels
+from kestrel.images.vips import decode_pixels
 
 RNG = np.random.default_rng(0)
 

@@ -43,7 +43,7 @@ import numpy as np
 from PIL import Image
 
 from kestrel.errors import InvalidInputError
-from kestrel.vips_decode import decode_pixels, tagged
+from kestrel.images.vips import decode_pixels, tagged
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -171,7 +171,7 @@ def _from_header(
     image: Image.Image, source: bytes | Path, max_pixels: int, opts: _Options, what: str
 ) -> np.ndarray:
     """An encoded image whose header PIL read: decoded by libvips where it decodes this kind
-    to PIL's pixels (``vips_decode``), by PIL otherwise."""
+    to PIL's pixels (``images/vips.py``), by PIL otherwise."""
     _check_size(image.width, image.height, max_pixels, what)
     pixels = decode_pixels(image, source)
     if pixels is None:
