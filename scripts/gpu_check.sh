@@ -7,8 +7,10 @@
 #   4. scripts/bench_gpu_runtime.py twice, FlashAttention's decode and the Triton decode kernel
 #      (KESTREL_DECODE_KERNEL=triton): decode step ms by batch, each step's kernels, TTFT;
 #      scripts/bench_attention.py --only gpu: the decode attention calls alone, fa vs Triton;
+#      scripts/bench_crop_parts.py: one image's crops in 1, 2, 4, 8 parts on the host's cores;
 #   5. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
-#      captures, decode step ms by batch for each decode kernel (the last line of stdout).
+#      captures, decode step ms by batch for each decode kernel, crop ms by parts (the last
+#      line of stdout).
 # On the GPU machine here, run it through the staged FlashAttention 4 (see the GPU tools' README):
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
 # Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter.
@@ -63,6 +65,10 @@ for kernel in fa triton; do
 done
 timeout 60 "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
   > "$OUT/attention.log" 2>&1
+echo "== host: one image's crops in 1-8 parts, on this machine's cores" >&2
+timeout 60 "$PY" scripts/bench_crop_parts.py --parts 1,2,4,8 --rounds 3 --repeats 10 \
+  --allow-busy > "$OUT/crops.log" 2>&1
+grep -E '\| [0-9]+ parts \|' "$OUT/crops.log" >&2
 
 "$PY" - "$OUT" "$probe_rc" "$pytest_rc" "$bench_rc" "$(( $(date +%s) - t0 ))" <<'PYEOF'
 import json
@@ -91,6 +97,13 @@ def decode_ms(kernel: str) -> dict | None:
     return {int(b): float(ms) for b, ms in rows} or None
 
 
+def crops_ms() -> dict | None:
+    """One image's crops, ms by parts (bench_crop_parts' table; None if it did not run)."""
+    path = out / "crops.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return {int(n): float(ms) for n, ms in re.findall(r"\| (\d+) parts \| ([\d.]+)", text)} or None
+
+
 print(json.dumps({
     "probe": probe, "probe_rc": probe_rc,
     "pytest": {**counts, "rc": pytest_rc},
@@ -99,6 +112,7 @@ print(json.dumps({
     "failed_captures": bench["failed_captures"] if bench else None,
     "captured": bench["captured"] if bench else None,
     "decode_step_ms": {k: decode_ms(k) for k in ("fa", "triton")},
+    "crops_ms": crops_ms(),
     "bench_rc": bench_rc, "seconds": seconds,
 }))
 PYEOF

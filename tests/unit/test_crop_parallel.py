@@ -47,35 +47,39 @@ def test_parts_make_exactly_the_whole(n: int) -> None:
             assert np.array_equal(pieced, whole), (h, w, n, dtype)
 
 
-def _wall(pool: CropPool, images: list[PreparedImage]) -> tuple[float, list[torch.Tensor]]:
-    times, out = [], []
-    for image in images:
-        t = time.perf_counter()
-        crops = pool.pixels(image)
-        times.append(time.perf_counter() - t)  # the crops alone: not the test's copy of them
-        out.append(crops.pixels.clone())
-    return statistics.median(times), out
+def _timed(pool: CropPool, image: PreparedImage) -> tuple[float, torch.Tensor]:
+    t = time.perf_counter()
+    crops = pool.pixels(image)
+    took = time.perf_counter() - t  # the crops alone: not the test's copy of them
+    return took, crops.pixels.clone()
 
 
 @pytest.mark.parametrize("processes", [True, False], ids=["worker-process", "pool-thread"])
 def test_one_image_in_parallel_equals_serial(processes: bool) -> None:
     """A 1280 x 960 image (a global crop and 3 x 3 local ones) made serially and in two parts
-    at once: the same crops. Both wall times are printed (measured on an idle machine; the
-    target is parallel <= 0.6 x serial); the ratio is not asserted."""
+    at once: the same crops. Both wall times are printed, measured alternately image by image
+    after both pools are warm (a pool measured first, cold, looks slower than it is); the
+    target is parallel <= 0.6 x serial on an idle machine; the ratio is not asserted
+    (``scripts/bench_crop_parts.py`` measures it through the harness)."""
     images = [_image(960, 1280, seed) for seed in range(5)]
     serial = CropPool(VISION, workers=1, parallel=1, normalize=False, processes=processes)
     parallel = CropPool(VISION, workers=2, parallel=2, normalize=False, processes=processes)
+    times: dict[str, list[float]] = {"serial": [], "parallel": []}
     try:
         for pool in (serial, parallel):  # start the worker processes outside the timing
-            pool.pixels(_image(960, 1280, 99))
-        t_serial, want = _wall(serial, images)
-        t_parallel, got = _wall(parallel, images)
+            for seed in (98, 99):
+                pool.pixels(_image(960, 1280, seed))
+        for _ in range(3):
+            for image in images:
+                t_serial, want = _timed(serial, image)
+                t_parallel, got = _timed(parallel, image)
+                assert want.shape == (10, 3, 378, 378) and torch.equal(want, got)
+                times["serial"].append(t_serial)
+                times["parallel"].append(t_parallel)
     finally:
         serial.close()
         parallel.close()
-    assert want[0].shape == (10, 3, 378, 378)
-    for a, b in zip(want, got, strict=True):
-        assert torch.equal(a, b)
+    t_serial, t_parallel = (statistics.median(times[k]) for k in ("serial", "parallel"))
     print(f"\n1280x960 crops ({'processes' if processes else 'threads'}): serial "
           f"{t_serial * 1e3:.1f} ms, 2 parts {t_parallel * 1e3:.1f} ms, "
           f"ratio {t_parallel / t_serial:.2f}")  # fmt: skip

@@ -1,0 +1,84 @@
+"""One image's crops made in 1, 2, 4 ... parts at once: the wall time of a lone request's crops.
+
+    python scripts/bench_crop_parts.py [--parts 1,2,4] [--size 960x1280] [--repeats 15] [--json]
+
+At batch 1 nothing else runs beside a request's crops, so ``CropPool`` splits one image into
+``parallel`` parts (``crops.crop_parts``: the global crop and bands of the upscaled copy,
+balanced by work), each made by a worker process at once. Each variant is a pool of ``n``
+workers making ``n`` parts (``n`` = 1 is serial), timed through ``CropPool.pixels`` as the
+runtime calls it, with the pinned staging a CUDA model uses when CUDA is there. uint8 crops
+(a CUDA model's). Variants run interleaved through the harness; each figure is the median over
+``--repeats`` images, and the table gives each against serial. The crops of every variant are
+checked equal first. ``scripts/gpu_check.sh`` runs it on the GPU machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import harness
+import numpy as np
+import torch
+
+from kestrel.images import PreparedImage, prepare_image
+from kestrel.moondream.config import MoondreamConfig
+from kestrel.moondream.crops import crop_geometry
+from kestrel.runtime.crop_pool import CropPool
+
+
+def images(height: int, width: int, count: int) -> list[PreparedImage]:
+    rng = np.random.default_rng(0)
+    return [prepare_image(rng.integers(0, 256, (height, width, 3), np.uint8)) for _ in range(count)]
+
+
+def variant(pool: CropPool, shots: list[PreparedImage]) -> Callable[[], dict[str, float]]:
+    def run() -> dict[str, float]:
+        times = []
+        for image in shots:
+            t = time.perf_counter()
+            crops = pool.pixels(image)
+            times.append(time.perf_counter() - t)
+            del crops  # its staging slot back
+        return {"ms": statistics.median(times) * 1e3}
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default="1,2,4", help="parts per image to compare (1 = serial)")
+    p.add_argument("--size", default="960x1280", help="image height x width")
+    p.add_argument("--repeats", type=int, default=15, help="images per figure (median)")
+    harness.add_arguments(p, rounds=5)
+    args = p.parse_args(argv)
+    height, width = (int(v) for v in args.size.lower().split("x"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    parts = [n for n in (int(v) for v in args.parts.split(",")) if n <= max(1, cores or 1)]
+    config = MoondreamConfig().vision
+    pin = torch.cuda.is_available()
+    pools = {n: CropPool(config, normalize=False, pin_memory=pin, workers=n, parallel=n)
+             for n in parts}  # fmt: skip
+    shots = images(height, width, args.repeats)
+    want = None
+    for n, pool in pools.items():  # start the workers; every variant makes the same crops
+        got = [pool.pixels(image).pixels.clone() for image in shots[:2]]
+        want = want or got
+        if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
+            raise SystemExit(f"{n} parts: the crops differ from serial")
+    bench = harness.start(args, "One image's crops in parts (bench_crop_parts.py)")
+    g = crop_geometry(height, width, config)
+    bench.emit(f"{width} x {height}: {g.n_crops} crops uint8, {cores} cores, staging: {pin}; "
+               f"worker processes: {next(iter(pools.values())).uses_processes}")  # fmt: skip
+    runs = bench.run({f"{n} parts": variant(pool, shots) for n, pool in pools.items()})
+    bench.table(runs, {"ms": "ms per image"}, baseline=next(iter(runs)), fmt=".2f")
+    for pool in pools.values():
+        pool.close()
+    bench.finish()
+
+
+if __name__ == "__main__":
+    main()
