@@ -5,8 +5,10 @@ Backends: ``"torch"`` (the reference: page-table gather, explicit mask, SDPA; CP
 capability 9.x GPU; alias ``"fa3"``). ``"auto"`` picks ``"fa"`` for float16/bfloat16 inputs on such
 a GPU when the package imports, else ``"torch"``. FlashAttention is imported lazily by the ``fa``
 backend, so importing this package on a CPU machine never touches it. Decode-shaped calls can
-instead run a Triton flash-decoding kernel (``triton_decode``), opt-in with
-``set_decode_kernel("triton")`` or ``KESTREL_DECODE_KERNEL=triton`` (``dispatch``).
+instead run a Triton flash-decoding kernel (``triton_decode``): under the default
+``KESTREL_DECODE_KERNEL=auto`` a CUDA runtime measures both at start-up and keeps the faster
+per batch size (``decode_tune``); ``set_decode_kernel`` / the variable force ``"fa"`` or
+``"triton"`` (``dispatch``).
 """
 
 from __future__ import annotations
@@ -227,7 +229,7 @@ def paged_attention(
     ``plan``: the forward's :func:`plan_attention` (its backend replaces ``backend``).
     ``kv_scales``: the caches are FP8 pages with these scales (the contract's scaled-KV case);
     that case runs the torch reference, or on CUDA for decode shapes the Triton decode kernel
-    when ``set_decode_kernel("triton")`` is on (``kestrel_kernels.dispatch``).
+    unless ``set_decode_kernel("fa")`` (``kestrel_kernels.dispatch``).
     Under ``torch.compile`` the call is one opaque op (``kestrel_kernels.compile_op``).
     """
     if torch.compiler.is_compiling():

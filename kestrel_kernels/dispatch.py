@@ -2,18 +2,26 @@
 ``kestrel_kernels.paged_attention`` and the ``torch.compile`` op (``compile_op``), so the two
 cannot disagree on which kernel runs.
 
-The decode kernel switch (opt-in): ``set_decode_kernel("triton")`` or
-``KESTREL_DECODE_KERNEL=triton`` (read at import) sends decode-shaped calls (one query
-position per row, no bidirectional regions) to the Triton flash-decoding kernel
-(``triton_decode``) on CUDA, both where ``fa`` would run and for FP8 pages (``kv_scales``), which
-otherwise run the torch reference. On a CPU it applies only under ``TRITON_INTERPRET=1`` (the
-tests); while ``torch.compile`` traces, today's path stays. The default is "fa": the kernel
-has not been timed on a GPU yet.
+The decode kernel switch: ``set_decode_kernel`` or ``KESTREL_DECODE_KERNEL`` (read at import)
+decides which decode-shaped calls (one query position per row, no bidirectional regions) run
+the Triton flash-decoding kernel (``triton_decode``) instead of ``fa``, or, for FP8 pages
+(``kv_scales``), instead of the torch reference:
+
+- "auto" (the default): on CUDA, the batch sizes ``set_decode_table`` gives to "triton" --
+  a CUDA runtime measures both kernels at start-up and sets it (``decode_tune.py``) -- and
+  FP8 pages whenever Triton is installed (the torch reference reads lengths on the host);
+- "triton": every decode-shaped call on CUDA, and on a CPU under ``TRITON_INTERPRET=1`` (the
+  tests);
+- "fa": never.
+
+While ``torch.compile`` traces, today's path stays.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -28,18 +36,28 @@ from kestrel_kernels.contract import (
 from kestrel_kernels.fused import triton_available
 from kestrel_kernels.segments import SegmentPlan
 
-__all__ = ["get_decode_kernel", "run_attention", "set_decode_kernel", "uses_triton_decode"]
+__all__ = [
+    "decode_kernel_forced",
+    "decode_table",
+    "get_decode_kernel",
+    "run_attention",
+    "set_decode_kernel",
+    "set_decode_table",
+    "triton_serves_fp8",
+    "uses_triton_decode",
+]
 
-_DECODE_CHOICES = ("fa", "triton")
-_decode_kernel = os.environ.get("KESTREL_DECODE_KERNEL", "fa")
+_DECODE_CHOICES = ("auto", "fa", "triton")
+_decode_kernel = os.environ.get("KESTREL_DECODE_KERNEL", "auto")
 if _decode_kernel not in _DECODE_CHOICES:
     raise KernelInputError(
         f"KESTREL_DECODE_KERNEL={_decode_kernel!r}; choose one of {_DECODE_CHOICES}"
     )
+_decode_table: dict[int, str] = {}  # batch size -> "fa" | "triton", for "auto"
 
 
 def set_decode_kernel(name: str) -> None:
-    """What decode-shaped calls run: "fa" (today's path, the default) or "triton"."""
+    """What decode-shaped calls run: "auto" (the default), "fa" or "triton" (module doc)."""
     global _decode_kernel
     if name not in _DECODE_CHOICES:
         raise KernelInputError(f"unknown decode kernel {name!r}; choose one of {_DECODE_CHOICES}")
@@ -52,18 +70,61 @@ def get_decode_kernel() -> str:
     return _decode_kernel
 
 
+def set_decode_table(table: Mapping[int, str]) -> None:
+    """The kernel of each decode batch size under "auto" (sizes not in it run "fa")."""
+    bad = {k: v for k, v in table.items() if v not in ("fa", "triton")}
+    if bad:
+        raise KernelInputError(f"decode table entries must be 'fa' or 'triton', got {bad}")
+    _decode_table.clear()
+    _decode_table.update(table)
+
+
+def decode_table() -> dict[int, str]:
+    return dict(_decode_table)
+
+
+@contextmanager
+def decode_kernel_forced(name: str) -> Iterator[None]:
+    """Decode calls run ``name`` inside the block (the start-up measurement's baseline)."""
+    global _decode_kernel
+    before = _decode_kernel
+    set_decode_kernel(name)
+    try:
+        yield
+    finally:
+        _decode_kernel = before
+
+
+def triton_serves_fp8(device: torch.device) -> bool:
+    """Whether decode over FP8 pages on ``device`` runs the Triton kernel (sync-free, so it can
+    be graph-captured) rather than the torch reference."""
+    if _decode_kernel == "triton":
+        return True
+    return _decode_kernel == "auto" and device.type == "cuda" and triton_available()
+
+
+def _wanted(q: Tensor, scaled: bool) -> bool:
+    if _decode_kernel == "triton":
+        return q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if _decode_kernel != "auto" or q.device.type != "cuda":
+        return False
+    return scaled or _decode_table.get(int(q.shape[0])) == "triton"
+
+
 def uses_triton_decode(
     q: Tensor, shape: AttentionShape, backend: str, bidir_regions: Tensor | None, scaled: bool
 ) -> bool:
-    """Whether this call runs ``triton_decode`` (module doc): switched on, not tracing, a
-    decode shape, backend "fa" or FP8 pages, on CUDA (or a CPU under the interpreter)."""
-    if _decode_kernel != "triton" or torch.compiler.is_compiling():
+    """Whether this call runs ``triton_decode`` (module doc): chosen, not tracing, a decode
+    shape, backend "fa" or FP8 pages, on CUDA (or a CPU under the interpreter)."""
+    if _decode_kernel == "fa" or torch.compiler.is_compiling():
         return False
     if shape.q_len != 1 or bidir_regions is not None or not (backend == "fa" or scaled):
         return False
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not _wanted(q, scaled):
         return False
     if not triton_available():
+        if _decode_kernel == "auto":
+            return False
         raise BackendUnavailableError("decode kernel 'triton' needs the triton package")
     return True
 

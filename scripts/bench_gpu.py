@@ -327,6 +327,9 @@ def summary(engine: Engine, runs: dict, startup: tuple[int, int], device: str) -
         "startup_requests": sum(startup),
         "failed_captures": len(graphs.failures) if graphs is not None else 0,
         "captured": list(graphs.captured) if graphs is not None else [],
+        "decode_kernels": {  # the start-up choice per bucket (decode_tune.py), ms fa / triton
+            t.batch: [t.choice, t.fa_ms, t.triton_ms] for t in engine.runtime.decode_trials
+        },
     }
 
 

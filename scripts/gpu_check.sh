@@ -4,13 +4,14 @@
 #   2. pytest -m gpu tests/gpu;
 #   3. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
 #      16 threads submitting while the engine starts;
+#      (decode attention per bucket: whichever kernel the start-up measurement chose);
 #   4. scripts/bench_gpu_runtime.py twice, FlashAttention's decode and the Triton decode kernel
-#      (KESTREL_DECODE_KERNEL=triton): decode step ms by batch, each step's kernels, TTFT;
+#      forced (KESTREL_DECODE_KERNEL=fa / triton): decode step ms by batch, kernels, TTFT;
 #      scripts/bench_attention.py --only gpu: the decode attention calls alone, fa vs Triton;
 #      scripts/bench_crop_parts.py: one image's crops in 1, 2, 4, 8 parts on the host's cores;
 #   5. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
-#      captures, decode step ms by batch for each decode kernel, crop ms by parts (the last
-#      line of stdout).
+#      captures, the start-up decode kernel choice per bucket, decode step ms by batch for
+#      each decode kernel, crop ms by parts (the last line of stdout).
 # On the GPU machine here, run it through the staged FlashAttention 4 (see the GPU tools' README):
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
 # Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter.
@@ -111,6 +112,7 @@ print(json.dumps({
     "failed_requests": bench["failed_requests"] if bench else None,
     "failed_captures": bench["failed_captures"] if bench else None,
     "captured": bench["captured"] if bench else None,
+    "decode_kernels": bench.get("decode_kernels") if bench else None,
     "decode_step_ms": {k: decode_ms(k) for k in ("fa", "triton")},
     "crops_ms": crops_ms(),
     "bench_rc": bench_rc, "seconds": seconds,

@@ -2,8 +2,11 @@
 
 Decode steps (``cuda_graphs.DecodeGraphs``) are graph-captured with the ``fa`` backend on CUDA
 (or compiled, with ``compile=True``); with FP8 KV pages only when decode attention runs the
-Triton decode kernel (``KESTREL_DECODE_KERNEL=triton``: sync-free over scaled pages; the
-default runs the torch reference there, which reads lengths on the host). The vision encoder
+Triton decode kernel there (``dispatch.triton_serves_fp8``: sync-free over scaled pages; the
+torch reference reads lengths on the host). Before the decode graphs are captured,
+``tune_decode`` measures FlashAttention against the Triton decode kernel for every bucket
+(``kestrel_kernels.decode_tune``, under ``KESTREL_DECODE_KERNEL=auto``), so each bucket's graph
+holds the faster one. The vision encoder
 (``vision_graphs``) is captured alongside whenever nothing is compiled: it touches no KV and no
 MoE. Prefill (``prefill_graphs``) is captured too when the model has no MoE layers (Moondream
 3's grouped MoE synchronises in prefill) and the pages are not FP8 (scaled prefill attention
@@ -13,6 +16,7 @@ once, before it serves.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -22,9 +26,14 @@ from kestrel.moondream.text import PagedKV
 from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
 from kestrel.runtime.prefill_graphs import PrefillGraphs
 from kestrel.runtime.vision_graphs import VisionGraphs
-from kestrel_kernels.dispatch import get_decode_kernel
+from kestrel_kernels.contract import default_scale
+from kestrel_kernels.decode_tune import DecodeTrial, tune_pool
+from kestrel_kernels.dispatch import get_decode_kernel, set_decode_table, triton_serves_fp8
+from kestrel_kernels.fused import triton_available
 
 __all__ = ["GraphSet"]
+
+log = logging.getLogger("kestrel.runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +60,7 @@ class GraphSet:
         if not (graphs or compile):
             return cls()
         decode = None
-        if not fp8_kv or get_decode_kernel() == "triton":
+        if not fp8_kv or triton_serves_fp8(model.device):
             decode = DecodeGraphs(
                 model, kv, page_table_RP, max_batch_size=max_batch_size, backend=backend,
                 capture=capture and graphs, compile=compile,
@@ -64,6 +73,28 @@ class GraphSet:
                 model, kv, page_table_RP, max_batch_size=max_batch_size, backend=backend
             )
         return cls(decode, prefill, VisionGraphs(model))
+
+    def tune_decode(self, model: MoondreamModel, kv: PagedKV) -> list[DecodeTrial]:
+        """Measure the decode kernels for every captured bucket and keep the faster for each
+        (module doc); nothing when the graphs are not captured, the pages are FP8, Triton is
+        missing or the kernel is forced. A measurement that fails leaves "fa" everywhere."""
+        d = self.decode
+        if d is None or not d.capture or d.compiled is not None or get_decode_kernel() != "auto":
+            return []
+        if getattr(kv, "kv_scales", None) is not None or not triton_available():
+            return []
+        cfg = model.config.text
+        try:
+            trials = tune_pool(
+                kv.k[0], kv.v[0], d.sizes, d.page_table_RP.shape[1], cfg.n_heads,
+                softmax_scale=default_scale(cfg.head_dim, None),
+            )  # fmt: skip
+        except Exception as exc:  # a kernel that cannot run here is not chosen
+            log.warning("decode kernel measurement failed, FlashAttention serves decode: %s", exc)
+            set_decode_table({})
+            return []
+        set_decode_table({t.batch: t.choice for t in trials})
+        return trials
 
     def capture_all(self) -> None:
         for graphs in (self.decode, self.prefill, self.vision):

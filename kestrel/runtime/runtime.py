@@ -195,6 +195,7 @@ class MoondreamRuntime(DecodeSteps):
         pins = _pins_host(self.device)
         if pins:
             pinned.reserve(self.device)
+        self.decode_trials = graphs.tune_decode(self.model, self.kv)
         graphs.capture_all()
         # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
         cached = (kv_cache_pages - 1) // self.config.image_tokens

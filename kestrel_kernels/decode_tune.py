@@ -1,0 +1,177 @@
+"""Which kernel serves decode attention at each batch size, chosen by measuring both at start-up.
+
+Decode attention has two kernels on CUDA: FlashAttention's paged kernel (the ``fa`` backend)
+and the Triton flash-decoding kernel (``triton_decode``). Which is faster depends on the GPU,
+the batch size and the head layout, so with ``KESTREL_DECODE_KERNEL=auto`` (the default) a
+CUDA runtime measures them before it captures its decode graphs (``tune_pool``):
+
+- for each decode batch size, rows of about ``POSITIONS`` keys each (scattered pages of the
+  runtime's own KV pool, idle at start-up, filled with random values) behind a page table as
+  wide as the runtime's, and random queries;
+- both kernels run once and their outputs are compared: the Triton kernel is considered only
+  where it agrees with FlashAttention within ``TOLERANCE`` of the largest magnitude;
+- each is then timed (``graph_ms``: ``calls`` calls captured in one CUDA graph, replayed, the
+  median per call), and Triton serves that batch size only if it is at least ``MARGIN``
+  faster.
+
+The choices go to ``dispatch.set_decode_table`` before the graphs are captured, so each
+bucket's graph holds the kernel chosen for its size; the trials are logged and kept
+(``MoondreamRuntime.decode_trials``). ``compare`` is the decision itself, a pure function of
+two calls and a timer (the CPU tests drive it with the torch reference, the Triton interpreter
+and a stand-in timer).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MARGIN",
+    "POSITIONS",
+    "TOLERANCE",
+    "DecodeCase",
+    "DecodeTrial",
+    "compare",
+    "decode_case",
+    "graph_ms",
+    "tune_pool",
+]
+
+log = logging.getLogger("kestrel.kernels")
+
+POSITIONS = 800  # keys per row timed: an image prompt and a short answer
+TOLERANCE = 2e-2  # of the largest magnitude: bf16 rounding of two summation orders
+MARGIN = 0.05  # Triton must be this much faster to be chosen
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTrial:
+    """One batch size's measurement: each kernel's ms per call (None: not timed), their
+    largest difference relative to the largest magnitude, the choice and why."""
+
+    batch: int
+    fa_ms: float | None
+    triton_ms: float | None
+    max_diff: float
+    choice: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCase:
+    """Decode inputs: ``q`` [B, 1, H, D], K/V pages, page table [B, width], keys per row."""
+
+    q: Tensor
+    k_cache: Tensor
+    v_cache: Tensor
+    page_table: Tensor
+    seqused_k: Tensor
+
+
+def decode_case(
+    k_cache: Tensor, v_cache: Tensor, batch: int, width: int, heads: int, seed: int = 0
+) -> DecodeCase:
+    """Rows of about ``POSITIONS`` keys (fewer when the pages run short) over scattered pages
+    of ``k_cache`` / ``v_cache``, whose values (page 0, the scratch page, aside) are
+    overwritten with random ones; random queries in the pages' dtype."""
+    dev, n_pages = k_cache.device, k_cache.shape[0]
+    per_row = max(1, min(POSITIONS, width, (n_pages - 1) // batch))
+    lens = [per_row - (37 * b) % max(1, per_row // 12) for b in range(batch)]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages = (torch.randperm(n_pages - 1, generator=g)[: sum(lens)] + 1).to(torch.int32)
+    table = torch.zeros(batch, width, dtype=torch.int32)
+    for b, row in enumerate(pages.split(lens)):
+        table[b, : len(row)] = row
+    k_cache[1:].normal_()
+    v_cache[1:].normal_()
+    q = torch.randn(batch, 1, heads, k_cache.shape[-1], generator=g).to(dev, k_cache.dtype)
+    seqused_k = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return DecodeCase(q, k_cache, v_cache, table.to(dev), seqused_k)
+
+
+def graph_ms(fn: Callable[[], Tensor], calls: int = 20, repeats: int = 5) -> float:
+    """CUDA milliseconds per ``fn()``: ``calls`` of them captured in one graph (after a warm
+    call on a side stream), the graph replayed ``repeats`` times, the median divided out."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def compare(
+    batch: int,
+    fa: Callable[[], Tensor],
+    triton: Callable[[], Tensor],
+    timer: Callable[[Callable[[], Tensor]], float],
+) -> DecodeTrial:
+    """The decision for one batch size (module doc): agree first, then faster by ``MARGIN``."""
+    want, got = fa(), triton()
+    scale = float(want.abs().max()) or 1.0
+    diff = float((got.float() - want.float()).abs().max()) / scale
+    if not diff <= TOLERANCE:  # NaN too
+        return DecodeTrial(batch, None, None, diff, "fa", f"triton differs by {diff:.3g}")
+    fa_ms, triton_ms = timer(fa), timer(triton)
+    if triton_ms <= fa_ms * (1 - MARGIN):
+        return DecodeTrial(batch, fa_ms, triton_ms, diff, "triton", "faster")
+    return DecodeTrial(batch, fa_ms, triton_ms, diff, "fa", "triton not faster")
+
+
+def tune_pool(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    batches: Sequence[int],
+    width: int,
+    heads: int,
+    *,
+    softmax_scale: float,
+    baseline: str = "fa",
+    timer: Callable[[Callable[[], Tensor]], float] = graph_ms,
+) -> list[DecodeTrial]:
+    """One trial per batch size over the pool's pages ``k_cache`` / ``v_cache`` (one layer's,
+    idle: their values are overwritten); ``baseline``: the backend the Triton kernel is
+    measured against ("torch" in the CPU tests)."""
+    import kestrel_kernels as kk
+    from kestrel_kernels.dispatch import decode_kernel_forced
+    from kestrel_kernels.triton_decode import paged_decode
+
+    trials = []
+    for batch in batches:
+        c = decode_case(k_cache, v_cache, batch, width, heads, seed=batch)
+        plan = kk.plan_attention(1, c.page_table, c.seqused_k, backend=baseline, dtype=c.q.dtype)
+
+        def fa(c: DecodeCase = c, plan=plan) -> Tensor:
+            return kk.paged_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.seqused_k,
+                                      softmax_scale=softmax_scale, plan=plan)  # fmt: skip
+
+        def triton(c: DecodeCase = c) -> Tensor:
+            return paged_decode(c.q[:, 0], c.k_cache, c.v_cache, c.page_table, c.seqused_k,
+                                softmax_scale=softmax_scale)[:, None]  # fmt: skip
+
+        with decode_kernel_forced("fa"):  # the baseline runs its own kernel, whatever is set
+            trial = compare(batch, fa, triton, timer)
+        log.info("decode kernel for batch %d: %s (%s; fa %s ms, triton %s ms, diff %.2g)",
+                 batch, trial.choice, trial.reason, trial.fa_ms, trial.triton_ms,
+                 trial.max_diff)  # fmt: skip
+        trials.append(trial)
+    return trials

@@ -1,0 +1,164 @@
+"""The start-up choice of decode kernel per batch size (``kestrel_kernels/decode_tune.py``):
+the decision, the measurement over a pool's pages (the Triton kernel under the interpreter
+against the torch reference, a stand-in timer), the dispatch table it sets, and the runtime's
+gating and failure path."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kestrel.moondream.model import MoondreamModel
+from kestrel.runtime import graph_set
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel_kernels import decode_tune, dispatch
+from kestrel_kernels.contract import KernelInputError
+from kestrel_kernels.decode_tune import DecodeTrial, compare, decode_case, tune_pool
+from tests.conftest import FIXTURES
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    kernel, table = dispatch.get_decode_kernel(), dispatch.decode_table()
+    yield
+    dispatch.set_decode_kernel(kernel)
+    dispatch.set_decode_table(table)
+
+
+def _const(value: torch.Tensor):
+    return lambda: value
+
+
+def test_triton_is_chosen_only_when_it_agrees_and_is_faster() -> None:
+    want = torch.tensor([1.0, -2.0, 0.5])
+    timed: list[str] = []
+
+    def timer(ms: dict):
+        def run(fn) -> float:
+            name = "fa" if fn is fa else "triton"
+            timed.append(name)
+            return ms[name]
+
+        return run
+
+    fa = _const(want)
+    close = _const(want + 0.01)  # 0.5% of the largest magnitude
+    t = compare(4, fa, close, timer({"fa": 1.0, "triton": 0.9}))
+    assert (t.choice, t.reason, t.fa_ms, t.triton_ms) == ("triton", "faster", 1.0, 0.9)
+    assert t.max_diff == pytest.approx(0.005)
+    t = compare(4, fa, close, timer({"fa": 1.0, "triton": 0.97}))  # within the margin
+    assert (t.choice, t.reason) == ("fa", "triton not faster")
+    timed.clear()
+    t = compare(4, fa, _const(want + 0.1), timer({"fa": 1.0, "triton": 0.1}))
+    assert t.choice == "fa" and t.reason.startswith("triton differs") and timed == []
+    nan = _const(torch.full((3,), float("nan")))
+    assert compare(4, fa, nan, timer({"fa": 1.0, "triton": 0.1})).choice == "fa"
+
+
+def test_a_case_uses_distinct_pages_and_spares_the_scratch_page() -> None:
+    k = torch.zeros(300, 2, 8)
+    v = torch.zeros(300, 2, 8)
+    c = decode_case(k, v, batch=4, width=90, heads=4)
+    lens = c.seqused_k.tolist()
+    assert all(0 < n <= 90 for n in lens) and len(set(lens)) > 1
+    pages = torch.cat([c.page_table[b, :n] for b, n in enumerate(lens)])
+    assert pages.min() >= 1 and pages.max() < 300 and len(set(pages.tolist())) == sum(lens)
+    assert bool((k[0] == 0).all()) and bool((k[1:].abs().sum(dim=(1, 2)) > 0).all())
+    assert c.q.shape == (4, 1, 4, 8) and c.q.dtype == k.dtype
+
+
+def test_the_pool_measurement_runs_both_kernels(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k = torch.zeros(400, 2, 16)
+    v = torch.zeros(400, 2, 16)
+    timed = []
+
+    def timer(fn) -> float:  # stand-in: Triton is faster at batch 1 only
+        timed.append(fn)
+        return 1.0 if len(timed) % 2 else (0.5 if len(timed) == 2 else 1.5)
+
+    trials = tune_pool(k, v, (1, 2), width=64, heads=4, softmax_scale=0.25, baseline="torch",
+                       timer=timer)  # fmt: skip
+    assert [(t.batch, t.choice) for t in trials] == [(1, "triton"), (2, "fa")]
+    assert all(t.max_diff < 1e-4 for t in trials)  # fp32: the kernel equals the reference
+    assert dispatch.get_decode_kernel() == "auto"  # the baseline's forcing was undone
+
+
+def test_the_table_sends_chosen_sizes_to_triton_on_cuda() -> None:
+    dispatch.set_decode_kernel("auto")
+    dispatch.set_decode_table({1: "triton", 8: "fa"})
+    cuda = SimpleNamespace(type="cuda")
+
+    def q(batch: int, device=cuda):
+        return SimpleNamespace(device=device, shape=(batch, 1, 4, 16))
+
+    assert dispatch._wanted(q(1), scaled=False) and not dispatch._wanted(q(8), scaled=False)
+    assert not dispatch._wanted(q(2), scaled=False)  # not measured: fa
+    assert dispatch._wanted(q(2), scaled=True)  # FP8 pages: the reference reads the host
+    assert not dispatch._wanted(q(1, SimpleNamespace(type="cpu")), scaled=False)
+    with dispatch.decode_kernel_forced("fa"):
+        assert not dispatch._wanted(q(1), scaled=False)
+    assert dispatch._wanted(q(1), scaled=False)
+    with pytest.raises(KernelInputError, match="'fa' or 'triton'"):
+        dispatch.set_decode_table({4: "flash"})
+    assert dispatch.decode_table() == {1: "triton", 8: "fa"}
+
+
+def test_fp8_decode_graphs_follow_the_kernel_that_serves_fp8(monkeypatch) -> None:
+    dispatch.set_decode_kernel("auto")
+    assert not dispatch.triton_serves_fp8(torch.device("cpu"))
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    assert dispatch.triton_serves_fp8(torch.device("cuda"))
+    dispatch.set_decode_kernel("fa")
+    assert not dispatch.triton_serves_fp8(torch.device("cuda"))
+
+
+def _graphs(monkeypatch):
+    monkeypatch.setattr(graph_set, "graphs_supported", lambda model, backend: True)
+    monkeypatch.setattr(graph_set, "triton_available", lambda: True)
+    model = MoondreamModel.from_pretrained(FIXTURES / "md2-tiny-a")
+    rt = MoondreamRuntime(model, kv_cache_pages=64, max_batch_size=4)
+    built = graph_set.GraphSet.build(
+        model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend="fa",
+        capture=True, compile=False, fp8_kv=False,
+    )  # fmt: skip
+    return model, rt, built
+
+
+def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> None:
+    model, rt, built = _graphs(monkeypatch)
+    seen = {}
+
+    def fake(k, v, batches, width, heads, *, softmax_scale):
+        seen.update(batches=batches, width=width, heads=heads, scale=softmax_scale,
+                    layer0=k is rt.kv.k[0])  # fmt: skip
+        return [DecodeTrial(b, 1.0, 0.5 if b == 1 else 2.0, 0.0,
+                            "triton" if b == 1 else "fa", "") for b in batches]  # fmt: skip
+
+    monkeypatch.setattr(graph_set, "tune_pool", fake)
+    dispatch.set_decode_kernel("auto")
+    trials = built.tune_decode(model, rt.kv)
+    cfg = model.config.text
+    assert seen == dict(batches=(1, 2, 4), width=rt.page_table.page_table.shape[1],
+                        heads=cfg.n_heads, scale=cfg.head_dim**-0.5, layer0=True)  # fmt: skip
+    assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"} and len(trials) == 3
+    dispatch.set_decode_kernel("fa")  # forced: nothing measured, the table left alone
+    assert built.tune_decode(model, rt.kv) == []
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(graph_set, "tune_pool", broken)
+    dispatch.set_decode_kernel("auto")
+    assert built.tune_decode(model, rt.kv) == [] and dispatch.decode_table() == {}
+
+
+def test_nothing_is_measured_without_captured_graphs() -> None:
+    model = MoondreamModel.from_pretrained(FIXTURES / "md2-tiny-a")
+    rt = MoondreamRuntime(model, kv_cache_pages=64, max_batch_size=2)
+    assert rt.decode_trials == [] and rt.decode_graphs is None
+    assert graph_set.GraphSet().tune_decode(model, rt.kv) == []
+    assert decode_tune.MARGIN > 0 and decode_tune.TOLERANCE < 0.1
