@@ -1,7 +1,8 @@
 """The start-up choice of decode kernel (``kestrel_kernels/decode_tune.py``) on a CUDA GPU:
 both kernels timed at Moondream's shapes over a pool's pages, and an engine that starts with
 ``KESTREL_DECODE_KERNEL=auto`` measures every decode bucket, captures them, and answers as an
-engine with FlashAttention forced does (but for bfloat16 near-ties). Skips without CUDA, Triton or the ``fa`` backend."""
+engine with FlashAttention forced does (but for bfloat16 near-ties). Skips without CUDA,
+Triton or the ``fa`` backend."""
 
 from __future__ import annotations
 
