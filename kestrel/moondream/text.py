@@ -7,9 +7,9 @@ replaces the dense MLP by the routed experts from ``moe.start_layer`` on (``moe.
 adapter's MLP entries do not apply to those layers, as in the reference.
 Attention goes through ``kestrel_kernels``: new K/V are written to their pages first, then every
 query row attends over its page table, all layers from one plan built from the forward's
-``ForwardInputs`` (``forward_inputs.py``). The same function serves full prefill, append prefill and
-batched decode; the kernel's right-aligned causal rule plus the optional bidirectional region
-(BOS + image) provide the mask.
+``ForwardInputs`` (``forward_inputs.py``). The same function serves full prefill, append
+prefill and batched decode; the kernel's right-aligned causal rule plus the optional
+bidirectional region (BOS + image) provide the mask.
 """
 
 from __future__ import annotations
