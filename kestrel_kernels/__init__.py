@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from kestrel_kernels import compile_op, fa_backend, torch_backend
+from kestrel_kernels.batch import AttentionBatch
 from kestrel_kernels.contract import (
     BackendUnavailableError,
     KernelInputError,
@@ -32,15 +33,18 @@ from kestrel_kernels.dispatch import get_decode_kernel, run_attention, set_decod
 from kestrel_kernels.segments import SegmentPlan, choose_segment_plan
 
 __all__ = [
+    "AttentionBatch",
     "AttentionPlan",
     "BackendUnavailableError",
     "KernelInputError",
     "KvScales",
+    "attend",
     "available_backends",
     "get_decode_kernel",
     "get_default_backend",
     "paged_attention",
     "plan_attention",
+    "plan_batch",
     "prepare_compile",
     "resolve_backend",
     "set_decode_kernel",
@@ -199,6 +203,32 @@ def plan_attention(
         pages = fa_backend.pages_per_segment(page_table.contiguous(), segments.segs_per_row)
     return AttentionPlan(resolved, q_len, causal, page_table, seqused_k, seqused_q,
                          bidir_regions, segments, pages)  # fmt: skip
+
+
+def plan_batch(batch: AttentionBatch, dtype: torch.dtype) -> AttentionPlan:
+    """:func:`plan_attention` for one forward's :class:`AttentionBatch` (causal), its queries
+    of ``dtype``: the plan every layer's :func:`attend` runs from."""
+    return plan_attention(
+        batch.q_len, batch.page_table, batch.seqused_k, seqused_q=batch.seqused_q, causal=True,
+        bidir_regions=batch.bidir_regions, dtype=dtype, backend=batch.backend,
+        causal_rows=batch.causal_rows, zero_padding=batch.zero_padding,
+    )  # fmt: skip
+
+
+def attend(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    plan: AttentionPlan,
+    *,
+    kv_scales: KvScales | None = None,
+) -> Tensor:
+    """One layer's :func:`paged_attention` over the metadata ``plan`` was built from (by
+    :func:`plan_batch` or :func:`plan_attention`): the same call, nothing listed twice."""
+    return paged_attention(
+        q, k_cache, v_cache, plan.page_table, plan.seqused_k, seqused_q=plan.seqused_q,
+        causal=plan.causal, bidir_regions=plan.bidir_regions, plan=plan, kv_scales=kv_scales,
+    )  # fmt: skip
 
 
 def paged_attention(

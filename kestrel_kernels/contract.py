@@ -49,6 +49,7 @@ __all__ = [
     "quantize_kv",
     "regions_BR2",
     "validate_attention_inputs",
+    "validate_batch_inputs",
     "validate_scaled_kv",
     "validate_write_kv_inputs",
 ]
@@ -99,7 +100,7 @@ def _check_int_vector(t: Tensor | None, name: str, shape: tuple[int, ...], devic
         f"{name} must be int32 (the FlashAttention kernels need it), got {t.dtype}",
     )
     _need(tuple(t.shape) == shape, f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    _need(t.device == device, f"{name} is on {t.device} but q is on {device}")
+    _need(t.device == device, f"{name} is on {t.device} but q (or positions_BT) is on {device}")
 
 
 def validate_attention_inputs(
@@ -147,17 +148,7 @@ def validate_attention_inputs(
         kv_heads > 0 and q_heads % kv_heads == 0,
         f"Hq ({q_heads}) must be a multiple of Hkv ({kv_heads})",
     )
-    _need(isinstance(page_table, Tensor), "page_table must be a torch.Tensor")
-    _need(
-        page_table.dim() == 2 and page_table.shape[0] == batch,
-        f"page_table must be [B={batch}, max_pages], got {list(page_table.shape)}",
-    )
-    _check_int_vector(page_table.reshape(-1), "page_table", (page_table.numel(),), q.device)
-    _check_int_vector(seqused_k, "seqused_k", (batch,), q.device)
-    _check_int_vector(seqused_q, "seqused_q", (batch,), q.device)
-    several = isinstance(bidir_regions, Tensor) and bidir_regions.dim() == 3
-    want = (batch, max(1, bidir_regions.shape[1]), 2) if several else (batch, 2)
-    _check_int_vector(bidir_regions, "bidir_regions", want, q.device)
+    several = _check_metadata(batch, q.device, page_table, seqused_k, seqused_q, bidir_regions)
     shape = AttentionShape(
         batch, q_len, q_heads, kv_heads, head_dim, n_pages, int(page_table.shape[1])
     )
@@ -166,6 +157,59 @@ def validate_attention_inputs(
         if several:
             _check_regions(bidir_regions)
     return shape
+
+
+def validate_batch_inputs(
+    positions_BT: Tensor,
+    slot_mapping: Tensor,
+    page_table: Tensor,
+    seqused_k: Tensor,
+    seqused_q: Tensor | None,
+    bidir_regions: Tensor | None,
+) -> None:
+    """Check one forward's attention metadata (``batch.AttentionBatch``) once: shapes, dtypes
+    and devices against ``positions_BT`` ``[B, T]``. No values are read (no host sync); each
+    ``paged_attention`` call still checks its own inputs as above."""
+    _need(
+        isinstance(positions_BT, Tensor) and positions_BT.dim() == 2,
+        f"positions_BT must be a [B, T] tensor, got {_describe(positions_BT)}",
+    )
+    _need(
+        positions_BT.dtype in _SLOT_DTYPES,
+        f"positions_BT must be int32/int64, got {positions_BT.dtype}",
+    )
+    batch, q_len = positions_BT.shape
+    dev = positions_BT.device
+    _need(
+        isinstance(slot_mapping, Tensor)
+        and slot_mapping.dtype in _SLOT_DTYPES
+        and tuple(slot_mapping.shape) == (batch * q_len,),
+        f"slot_mapping must be int32/int64 [B*T={batch * q_len}], got {_describe(slot_mapping)}",
+    )
+    _need(slot_mapping.device == dev, f"slot_mapping is on {slot_mapping.device}, not {dev}")
+    _check_metadata(batch, dev, page_table, seqused_k, seqused_q, bidir_regions)
+
+
+def _check_metadata(batch: int, device, page_table, seqused_k, seqused_q, bidir_regions) -> bool:
+    """The per-row metadata's shapes, dtypes and devices; whether regions are ``[B, R, 2]``."""
+    _need(isinstance(page_table, Tensor), "page_table must be a torch.Tensor")
+    _need(
+        page_table.dim() == 2 and page_table.shape[0] == batch,
+        f"page_table must be [B={batch}, max_pages], got {list(page_table.shape)}",
+    )
+    _check_int_vector(page_table.reshape(-1), "page_table", (page_table.numel(),), device)
+    _check_int_vector(seqused_k, "seqused_k", (batch,), device)
+    _check_int_vector(seqused_q, "seqused_q", (batch,), device)
+    several = isinstance(bidir_regions, Tensor) and bidir_regions.dim() == 3
+    want = (batch, max(1, bidir_regions.shape[1]), 2) if several else (batch, 2)
+    _check_int_vector(bidir_regions, "bidir_regions", want, device)
+    return several
+
+
+def _describe(t: object) -> str:
+    if not isinstance(t, Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {list(t.shape)}"
 
 
 def regions_BR2(bidir_regions: Tensor | None) -> Tensor | None:

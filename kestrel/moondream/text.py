@@ -6,9 +6,10 @@ Moondream 3 scales q and v by their tau factors before rotary (the pages hold th
 replaces the dense MLP by the routed experts from ``moe.start_layer`` on (``moe.py``); an
 adapter's MLP entries do not apply to those layers, as in the reference.
 Attention goes through ``kestrel_kernels``: new K/V are written to their pages first, then every
-query row attends over its page table. The same function serves full prefill, append prefill and
-batched decode; the kernel's right-aligned causal rule plus the optional bidirectional region
-(BOS + image) provide the mask.
+query row attends over its page table, all layers from one plan built from the forward's
+``ForwardInputs`` (``forward_inputs.py``). The same function serves full prefill, append
+prefill and batched decode; the kernel's right-aligned causal rule plus the optional
+bidirectional region (BOS + image) provide the mask.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import Tensor
 
 import kestrel_kernels
 from kestrel.moondream.config import TextConfig
-from kestrel.moondream.lora import LoraAdapter
+from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.lora_batch import LoraBatch
 from kestrel.moondream.model import LayerNorm, Linear, TextBlock, TextWeights
 from kestrel.moondream.moe import Routing, moe_mlp, moe_mlp_static, tau_factors
@@ -94,45 +95,30 @@ def text_forward(
     x_BTC: Tensor,
     w: TextWeights,
     cfg: TextConfig,
-    *,
-    positions_BT: Tensor,
+    inputs: ForwardInputs,
     kv: PagedKV,
-    slot_mapping: Tensor,
-    page_table: Tensor,
-    seqused_k: Tensor,
-    seqused_q: Tensor | None = None,
-    bidir_regions: Tensor | None = None,
-    lora: Sequence[LoraAdapter | None] | None = None,
-    backend: str = "auto",
+    *,
     routing_sink: RoutingSink | None = None,
-    moe_static: bool = False,
-    causal_rows: int | None = None,
-    zero_padding: bool = True,
 ) -> Tensor:
     """Run the decoder over T new positions per row; return hidden states BEFORE post_ln.
 
-    x_BTC: input embeddings [B, T, dim]. positions_BT: int64 absolute positions (RoPE).
-    slot_mapping: int64 [B*T], the physical page of each (b, t) in row-major order (padding
-    entries point at scratch page 0). page_table: int32 [B, max_pages]; seqused_k: int32 [B],
-    the row's KV length after this call; seqused_q: int32 [B] valid queries per row or None;
-    bidir_regions: int32 [B, 2] (start, end) bidirectional KV range per row or None.
-    lora: None or one ``LoraAdapter | None`` per row. K/V of every layer are written to ``kv``.
+    x_BTC: input embeddings [B, T, dim]. ``inputs`` (``forward_inputs.ForwardInputs``): the
+    attention batch -- positions (RoPE), the page each position's K/V is written to, page
+    table, key / query counts, bidirectional blocks, the plan's host facts, the backend --
+    plus the rows' LoRA adapters and the MoE form. K/V of every layer are written to ``kv``.
     routing_sink: called with (layer, Routing) for each MoE layer (Moondream 3), or None.
-    moe_static: run the MoE layers in their static-shape, sync-free form (``moe.moe_mlp_static``,
-    for decode on CUDA) instead of grouped by expert. causal_rows: a host-known bound on each
-    row's real queries outside bidir_regions (``kestrel_kernels.plan_attention``), or None.
-    zero_padding=False: padding query rows' attention outputs may hold anything (their hidden
-    states are then meaningless; the caller drops them).
+    Padding query rows' hidden states are meaningless (the caller drops them).
     """
+    batch = inputs.attention
     B, T, C = x_BTC.shape
+    if (batch.rows, batch.q_len) != (B, T):
+        raise ValueError(f"x_BTC is [{B}, {T}, ...] but the attention batch is "
+                         f"[{batch.rows}, {batch.q_len}]")  # fmt: skip
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    positions_BT = batch.positions_BT
     cos_BTR, sin_BTR = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta)
-    plan = LoraBatch.plan(lora, B, x_BTC.device)
-    attn_plan = kestrel_kernels.plan_attention(
-        T, page_table, seqused_k, seqused_q=seqused_q, causal=True,
-        bidir_regions=bidir_regions, dtype=x_BTC.dtype, backend=backend, causal_rows=causal_rows,
-        zero_padding=zero_padding,
-    )  # fmt: skip
+    plan = LoraBatch.plan(inputs.lora, B, x_BTC.device)
+    attn_plan = kestrel_kernels.plan_batch(batch, x_BTC.dtype)
     kv_scales = getattr(kv, "kv_scales", None)  # per-layer scales of FP8 KV pages, or None
     x, blocks = x_BTC, w.blocks
     h = layer_norm(x, blocks[0].ln)
@@ -144,24 +130,13 @@ def text_forward(
         # rotary on q and k, k and v written to their pages: one launch where fused
         scales = None if kv_scales is None else kv_scales[i]
         q = rope_write_kv(
-            qkv, cos_BTR, sin_BTR, kv.k[i], kv.v[i], slot_mapping,
+            qkv, cos_BTR, sin_BTR, kv.k[i], kv.v[i], batch.slot_mapping,
             n_heads=H, n_kv_heads=Hkv, head_dim=D, tau_q=tau_q, tau_v=tau_v, kv_scales=scales,
         )  # fmt: skip
-        attn = kestrel_kernels.paged_attention(
-            q,
-            kv.k[i],
-            kv.v[i],
-            page_table,
-            seqused_k,
-            seqused_q=seqused_q,
-            causal=True,
-            bidir_regions=bidir_regions,
-            plan=attn_plan,
-            kv_scales=scales,
-        )  # [B, T, H, D]
+        attn = kestrel_kernels.attend(q, kv.k[i], kv.v[i], attn_plan, kv_scales=scales)
         # proj LoRA reads the LN output h, not the attention output (reference quirk).
         attn_out = _add_lora(linear(attn.reshape(B, T, C), blk.proj), h, plan, i, "proj")
-        mlp_out = _mlp(h, blk, cfg, plan, i, routing_sink, moe_static)
+        mlp_out = _mlp(h, blk, cfg, plan, i, routing_sink, inputs.moe_static)
         if i + 1 < len(blocks):  # the residual add runs with the next block's LayerNorm
             ln = blocks[i + 1].ln
             x, h = add_layer_norm(x, (attn_out, mlp_out), ln.weight, ln.bias, LN_EPS)

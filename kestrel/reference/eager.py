@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
@@ -48,6 +49,7 @@ from kestrel.skills.region import DetectSkill, PointSkill, RegionSkill
 from kestrel.skills.settings import Settings
 from kestrel.skills.text import CaptionSkill, QuerySkill, TextPhase
 from kestrel.tokens import CoordToken, SizeToken, TextToken
+from kestrel_kernels.batch import AttentionBatch
 
 __all__ = ["EagerMoondream", "EncodedImage", "QueryTrace", "RegionResult"]
 
@@ -107,20 +109,19 @@ class EagerMoondream:
         bidir = None
         if seq.bidir_end is not None:
             bidir = torch.tensor([[0, seq.bidir_end]], dtype=torch.int32, device=dev)
-        hidden = text_forward(
-            emb_TC[None],
-            self.model.text,
-            self.model.config.text,
+        attention = AttentionBatch(
             positions_BT=positions[None],
-            kv=self.kv,
             slot_mapping=positions + 1,
             page_table=self._page_table,
             seqused_k=torch.tensor([end], dtype=torch.int32, device=dev),
             bidir_regions=bidir,
-            lora=None if seq.adapter is None else [seq.adapter],
             backend=self.backend,
+        )
+        inputs = ForwardInputs.of(attention, [seq.adapter])
+        hidden = text_forward(
+            emb_TC[None], self.model.text, self.model.config.text, inputs, self.kv,
             routing_sink=self.routing_sink,
-        )[0]
+        )[0]  # fmt: skip
         seq.pos = end
         return hidden
 

@@ -31,10 +31,18 @@ import torch
 from torch import Tensor
 
 import kestrel_kernels
+from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, text_forward
 from kestrel.runtime.decode import decode_static
-from kestrel.runtime.prefill import PrefillItem, check_items, group_by_length, prefill_batch
+from kestrel.runtime.prefill import (
+    PrefillItem,
+    causal_rows,
+    check_items,
+    group_by_length,
+    prefill_batch,
+)
+from kestrel_kernels.batch import AttentionBatch, RowsLayout
 from kestrel_kernels.segments import single_call_max_rows
 from kestrel_kernels.transfer import upload
 
@@ -139,37 +147,28 @@ def prefill_static(
     kv: PagedKV,
     page_table_RP: Tensor,
     x_BTC: Tensor,
-    meta_4B: Tensor,
-    bidir_regions: Tensor | None,
+    meta: Tensor,
+    layout: RowsLayout,
     backend: str,
     causal_rows: int | None = None,
 ) -> Tensor:
     """One padded prefill forward as a pure function of tensors with static shapes.
 
-    ``x_BTC``: the rows' new embeddings, zero-padded; ``meta_4B``: int64 ``[4, B]`` -- real new
-    positions ``n``, reused positions ``skip``, batch row, prompt length -- per row (a padding
-    row has ``n = 0``, batch row 0 and prompt length 0: it writes no page and sees no key).
-    Returns the hidden state (before post_ln) of each row's last real position, ``[B, C]``.
+    ``x_BTC``: the rows' new embeddings, zero-padded; ``meta``: the rows' int32 ``layout``
+    block (``kestrel_kernels.batch.RowsLayout``: a padding row writes no page and reads page
+    0). Returns the hidden state (before post_ln) of each row's last real position, ``[B, C]``.
     Unlike ``prefill._forward``, the page table is not cut to the longest prompt (a Python int
     that would recompile per prompt length): every row keeps its full width. ``causal_rows``:
     ``text_forward``'s bound on each row's queries outside its regions: None or
     ``segments.single_call_max_rows()`` only (two graphs at most, not one per question length).
     """
-    n_B, skip_B, rows_B, prompt_B = meta_4B.unbind(0)
-    B, T, _ = x_BTC.shape
-    t_1T = torch.arange(T, device=x_BTC.device)[None]
-    real_BT = t_1T < n_B[:, None]
-    positions_BT = torch.where(real_BT, skip_B[:, None] + t_1T, 0)  # padding: position 0
-    pages_BP = page_table_RP.index_select(0, rows_B)
-    slots = torch.where(real_BT, pages_BP.gather(1, positions_BT), -1).reshape(-1)
-    hidden_BTC = text_forward(
-        x_BTC, model.text, model.config.text, positions_BT=positions_BT, kv=kv,
-        slot_mapping=slots, page_table=pages_BP, seqused_k=prompt_B.to(torch.int32),
-        seqused_q=n_B.to(torch.int32), bidir_regions=bidir_regions, backend=backend,
-        causal_rows=causal_rows,
-    )  # fmt: skip
-    last_B = (n_B - 1).clamp(min=0)
-    return hidden_BTC[torch.arange(B, device=x_BTC.device), last_B]
+    rows = layout.views(meta)
+    pages_BP = page_table_RP.index_select(0, rows.rows_B.long())
+    attention = AttentionBatch.from_rows(
+        rows, pages_BP, padded=True, causal_rows=causal_rows, backend=backend
+    )
+    hidden_BTC = text_forward(x_BTC, model.text, model.config.text, ForwardInputs(attention), kv)
+    return hidden_BTC.reshape(layout.B * layout.T, -1).index_select(0, rows.last_B)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -238,23 +237,18 @@ class CompiledPrefill:
     ) -> Tensor:
         dev, dim = items[0].x_TC.device, items[0].x_TC.shape[1]
         B, T = self.bucket(len(items), max(it.n for it in items))
-        pad = [0] * (B - len(items))
-        meta_4B = upload(
-            [[it.n for it in items] + pad, [it.skip for it in items] + pad,
-             [it.row for it in items] + pad, [it.prompt_length for it in items] + pad],
-            torch.int64, dev,
-        )  # fmt: skip
+        layout = RowsLayout(B, T, max(len(it.regions) for it in items))
+        meta = upload(layout.encode([it.span for it in items]), torch.int32, dev)
         x_BTC = items[0].x_TC.new_zeros(B, T, dim)
         for b, it in enumerate(items):
             x_BTC[b, : it.n] = it.x_TC
-        bidir = _padded_regions(items, B, dev)
         bound, limit = None, single_call_max_rows()  # the single-call attention plan, where
-        if bidir is not None and max(map(_outside_regions, items)) <= limit:
+        if layout.R and max(map(causal_rows, items)) <= limit:
             bound = limit  # every row's text after its image fits (one fixed bound: one graph)
-        self._note((B, T, -1 if bidir is None else bidir.dim()))
+        self._note((B, T, -1 if layout.R == 0 else 2 if layout.R == 1 else 3))
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             hidden_BC = self._compiled(
-                model, kv, page_table_RP, x_BTC, meta_4B, bidir, backend, bound
+                model, kv, page_table_RP, x_BTC, meta, layout, backend, bound
             )
         return hidden_BC[: len(items)]
 
@@ -262,20 +256,3 @@ class CompiledPrefill:
         if shape not in self._shapes:
             log.info("compiling prefill for %d rows x %d positions (torch.compile)", *shape[:2])
             self._shapes.add(shape)
-
-
-def _outside_regions(item: PrefillItem) -> int:
-    """The item's new positions outside its bidirectional blocks."""
-    lo, hi = item.skip, item.prompt_length
-    return item.n - sum(max(0, min(e, hi) - max(s, lo)) for s, e in item.regions)
-
-
-def _padded_regions(items: Sequence[PrefillItem], rows: int, dev: torch.device) -> Tensor | None:
-    """``prefill._regions`` for ``rows`` rows (padding rows have none)."""
-    most = max(len(it.regions) for it in items)
-    if most == 0:
-        return None
-    table = [list(it.regions) + [(0, 0)] * (most - len(it.regions)) for it in items]
-    table += [[(0, 0)] * most] * (rows - len(items))
-    out = upload(table, torch.int32, dev)
-    return out[:, 0] if most == 1 else out

@@ -20,9 +20,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from kestrel.kv.storage import PagedKVCache
+from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import text_forward
 from kestrel.moondream.vision import encode_image
+from kestrel_kernels.batch import AttentionBatch
 
 __all__ = [
     "DEFAULT_KV_MEMORY_FRACTION",
@@ -83,18 +85,16 @@ def _warmup(model: MoondreamModel, backend: str) -> None:
     n = text.max_context
     scratch = PagedKVCache(n + 1, text.n_layers, text.n_kv_heads, text.head_dim, dt, dev)
     pages_1P = torch.arange(1, n + 1, dtype=torch.int32, device=dev)[None]
-    text_forward(
-        torch.zeros(1, n, text.dim, dtype=dt, device=dev),
-        model.text,
-        text,
+    attention = AttentionBatch(
         positions_BT=torch.arange(n, device=dev)[None],
-        kv=scratch,
         slot_mapping=pages_1P[0].to(torch.int64),
         page_table=pages_1P,
         seqused_k=torch.tensor([n], dtype=torch.int32, device=dev),
         bidir_regions=torch.tensor([[0, cfg.prefix_len]], dtype=torch.int32, device=dev),
         backend=backend,
     )
+    x_1NC = torch.zeros(1, n, text.dim, dtype=dt, device=dev)
+    text_forward(x_1NC, model.text, text, ForwardInputs(attention), scratch)
 
 
 def size_kv_pool(

@@ -23,31 +23,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, embed_text, lm_head, text_forward
-from kestrel_kernels.transfer import upload
+from kestrel_kernels.batch import AttentionBatch
 
 __all__ = ["decode_eager", "decode_static"]
 
 
-def _one_step(
-    model, kv, x_BC, pages_BK, slots_B, lengths_B, lora, backend: str, moe_static: bool
-) -> Tensor:
-    """The decoder over one new position per row (KV length ``lengths_B`` before it): [B, C]."""
-    hidden_B1C = text_forward(
-        x_BC[:, None, :],
-        model.text,
-        model.config.text,
-        positions_BT=lengths_B[:, None],
-        kv=kv,
-        slot_mapping=slots_B,
-        page_table=pages_BK,
-        seqused_k=(lengths_B + 1).to(torch.int32),
-        lora=lora,
-        backend=backend,
-        moe_static=moe_static,
-    )
+def _one_step(model, kv, x_BC: Tensor, inputs: ForwardInputs) -> Tensor:
+    """The decoder over one new position per row: hidden states before post_ln, [B, C]."""
+    hidden_B1C = text_forward(x_BC[:, None, :], model.text, model.config.text, inputs, kv)
     return hidden_B1C[:, 0]
 
 
@@ -65,14 +52,9 @@ def decode_eager(
 
     ``page_table_RP``: the runtime's device page table ``[max_batch + 1, max_seq_len]``.
     """
-    dev = x_BC.device
-    rows_B, lengths_B = upload([list(rows), list(lengths)], torch.int64, dev).unbind(0)
-    max_k = max(lengths) + 1
-    pages_BK = page_table_RP[rows_B, :max_k]
-    slots_B = pages_BK.gather(1, lengths_B[:, None]).reshape(-1).to(torch.long)
-    lora = list(adapters) if any(a is not None for a in adapters) else None
+    attention = AttentionBatch.decode_host(page_table_RP, rows, lengths, backend=backend)
     static = x_BC.is_cuda  # see the module doc
-    return _one_step(model, kv, x_BC, pages_BK, slots_B, lengths_B, lora, backend, static)
+    return _one_step(model, kv, x_BC, ForwardInputs.of(attention, adapters, moe_static=static))
 
 
 def decode_static(
@@ -97,7 +79,6 @@ def decode_static(
     x_BC = embed_text(ids_B, model.text)
     x_BC = torch.where(override_B[:, None], override_BC, x_BC)
     pages_BP = page_table_RP.index_select(0, rows_B)  # [B, max_seq_len]
-    slots_B = pages_BP.gather(1, lengths_B[:, None])[:, 0].to(torch.int64)
-    slots_B = torch.where(rows_B > 0, slots_B, -1)
-    hidden_BC = _one_step(model, kv, x_BC, pages_BP, slots_B, lengths_B, None, backend, True)
+    attention = AttentionBatch.decode(pages_BP, lengths_B, live_B=rows_B > 0, backend=backend)
+    hidden_BC = _one_step(model, kv, x_BC, ForwardInputs(attention, moe_static=True))
     return hidden_BC, lm_head(hidden_BC, model.text)

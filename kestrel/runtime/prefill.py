@@ -15,17 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import PagedKV, text_forward
 from kestrel.runtime.sequence import SequenceError, SequenceState
 from kestrel.tokens import ImageToken
+from kestrel_kernels.batch import AttentionBatch, RowsLayout, RowSpan
 from kestrel_kernels.transfer import upload
 
 __all__ = [
@@ -63,6 +64,11 @@ class PrefillItem:
     def n(self) -> int:
         return int(self.x_TC.shape[0])
 
+    @property
+    def span(self) -> RowSpan:
+        """The item's row as the attention metadata sees it (``kestrel_kernels.batch``)."""
+        return RowSpan(self.row, self.skip, self.prompt_length, self.regions)
+
 
 def group_by_length(lengths: Sequence[int], max_padding: float = MAX_PADDING) -> list[list[int]]:
     """Indices into ``lengths`` split into groups whose padded size (count x longest) stays
@@ -88,31 +94,6 @@ def check_items(items: Sequence[PrefillItem]) -> None:
     for it in items:
         if it.n < 1 or it.skip + it.n != it.prompt_length:
             raise ValueError(f"prefill covers {it.skip}+{it.n} != prompt {it.prompt_length}")
-
-
-def paged_text_forward(
-    model: MoondreamModel,
-    kv: PagedKV,
-    x_BTC: torch.Tensor,
-    positions_BT: torch.Tensor,
-    pages_BK: torch.Tensor,
-    *,
-    padded: bool,
-    **options: Any,
-) -> torch.Tensor:
-    """``text_forward`` of rows whose K/V go to pages: row b's position t writes page
-    ``pages_BK[b, positions_BT[b, t]]``. With ``padded``, a position of -1 is padding: it is
-    computed at position 0 and writes no K/V (slot -1). ``options``: text_forward's others."""
-    positions_BT = positions_BT.long()
-    if padded:
-        real_BT, positions_BT = positions_BT >= 0, positions_BT.clamp(min=0)
-        slots = torch.where(real_BT, pages_BK.gather(1, positions_BT), -1)
-    else:
-        slots = pages_BK.gather(1, positions_BT)
-    return text_forward(
-        x_BTC, model.text, model.config.text, positions_BT=positions_BT, kv=kv,
-        slot_mapping=slots.reshape(-1), page_table=pages_BK, **options,
-    )  # fmt: skip
 
 
 def prefill_batch(
@@ -142,7 +123,9 @@ def _forward(
     dev = items[0].x_TC.device
     B, T = len(items), max(it.n for it in items)
     padded = any(it.n < T for it in items)
-    meta = _Metadata.upload(items, T, padded, dev)
+    layout = RowsLayout(B, T, max(len(it.regions) for it in items))
+    # the metadata made on the host, uploaded in one non-blocking copy
+    meta = layout.views(upload(layout.encode([it.span for it in items]), torch.int32, dev))
     if B == 1:
         x_BTC = items[0].x_TC[None]
     else:
@@ -155,76 +138,15 @@ def _forward(
         pages_BK = page_table_RP[rows[0] : rows[0] + B, :max_k]
     else:
         pages_BK = page_table_RP[:, :max_k].index_select(0, meta.rows_B)
-    adapters = [it.adapter for it in items]
-    hidden_BTC = paged_text_forward(
-        model,
-        kv,
-        x_BTC,
-        meta.positions_BT,
-        pages_BK,
-        padded=padded,
-        seqused_k=meta.seqused_k,
-        seqused_q=meta.seqused_q,
-        bidir_regions=meta.regions,
-        lora=adapters if any(a is not None for a in adapters) else None,
-        backend=backend,
+    attention = AttentionBatch.from_rows(
+        meta, pages_BK, padded=padded, backend=backend,
         causal_rows=None if meta.regions is None else max(causal_rows(it) for it in items),
-    )
-    if meta.last_B is None:  # every row ends at T - 1
+    )  # fmt: skip
+    inputs = ForwardInputs.of(attention, [it.adapter for it in items])
+    hidden_BTC = text_forward(x_BTC, model.text, model.config.text, inputs, kv)
+    if not padded:  # every row ends at T - 1
         return hidden_BTC[:, -1]
     return hidden_BTC.reshape(B * T, -1).index_select(0, meta.last_B)
-
-
-@dataclass(frozen=True, slots=True)
-class _Metadata:
-    """A forward's int32 metadata, made on the host and uploaded in one non-blocking copy.
-
-    ``positions_BT``: each query's absolute position (-1 on padding); ``seqused_q`` and
-    ``last_B`` (the packed row of each row's last real query) only when rows are padded;
-    ``regions``: ``[B, 2]`` or ``[B, R, 2]`` bidirectional blocks, ``(0, 0)`` = none."""
-
-    seqused_k: Tensor
-    rows_B: Tensor
-    positions_BT: Tensor
-    seqused_q: Tensor | None
-    last_B: Tensor | None
-    regions: Tensor | None
-
-    @classmethod
-    def upload(
-        cls, items: Sequence[PrefillItem], T: int, padded: bool, dev: torch.device
-    ) -> _Metadata:
-        B, most = len(items), max(len(it.regions) for it in items)
-        parts = [[it.prompt_length for it in items], [it.row for it in items]]
-        parts += [
-            [p for it in items for p in [*range(it.skip, it.prompt_length), *[-1] * (T - it.n)]]
-        ]
-        if padded:
-            parts += [[it.n for it in items], [b * T + it.n - 1 for b, it in enumerate(items)]]
-        if most:
-            parts += [
-                [
-                    v
-                    for it in items
-                    for r in [*it.regions, *[(0, 0)] * (most - len(it.regions))]
-                    for v in r
-                ]
-            ]
-        flat = upload([v for part in parts for v in part], torch.int32, dev)
-        views, at = [], 0
-        for part in parts:
-            views.append(flat[at : at + len(part)])
-            at += len(part)
-        regions = views.pop().view(B, most, 2) if most else None
-        seqused_q, last = (views[3], views[4]) if padded else (None, None)
-        return cls(
-            seqused_k=views[0],
-            rows_B=views[1],
-            positions_BT=views[2].view(B, T),
-            seqused_q=seqused_q,
-            last_B=last,
-            regions=None if regions is None else regions[:, 0] if most == 1 else regions,
-        )
 
 
 def causal_rows(item: PrefillItem) -> int:

@@ -6,10 +6,12 @@ far more than the GPU spends on them. Its shape varies, so it is padded up to a 
 ``rows`` sequences of at most ``tokens`` new positions each, with or without a bidirectional
 image block (a miss of an image prompt has one). Each bucket's inputs live in a
 ``ForwardBatch``, fixed buffers the graph reads: the embeddings, and one int32 block holding the
-positions (-1 on padding), each row's KV and query lengths, its page-table row and its image
-block. The graph computes the page slots, the decoder, the last real position's hidden state
-and its logits. Padding positions and rows write no K/V (slot -1) and their outputs are
-dropped, as in the eager padded prefill (``prefill.py``), whose arithmetic per row this is.
+positions (-1 on padding), each row's KV and query lengths, its page-table row, its last
+position and its image block, laid out as the eager prefill's
+(``kestrel_kernels.batch.RowsLayout``) and read into the same ``ForwardInputs``. The graph
+computes the page slots, the decoder, the last real position's hidden state and its logits.
+Padding positions and rows write no K/V (slot -1) and their outputs are dropped, as in the
+eager padded prefill (``prefill.py``), whose arithmetic per row this is.
 
 Every bucket is captured at start-up (``capture_all``, like the decode graphs: never while
 serving). ``run_all`` splits a wave of prefills that fits no single bucket (each image miss
@@ -20,6 +22,7 @@ row, more positions than the largest bucket -- runs eagerly, in one batched forw
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,9 +31,11 @@ import torch
 from torch import Tensor
 
 import kestrel.runtime.cuda_graphs as cuda_graphs
+from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.text import PagedKV, lm_head
-from kestrel.runtime.prefill import PrefillItem, causal_rows, check_items, paged_text_forward
+from kestrel.moondream.text import PagedKV, lm_head, text_forward
+from kestrel.runtime.prefill import PrefillItem, causal_rows, check_items
+from kestrel_kernels.batch import AttentionBatch, RowsLayout, RowsMeta
 from kestrel_kernels.counting import count_upload
 from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
 
@@ -40,7 +45,6 @@ log = logging.getLogger("kestrel.runtime")
 
 HIT_TOKENS = (16, 32, 64)
 HIT_ROWS = (1, 2, 4, 8)
-_META_ROWS = 6  # per row: KV length, query length, page-table row, block start, block end, pad
 Shape = tuple[int, int, bool, "int | None"]  # rows, tokens, image block, causal-rows bound
 Output = tuple[Tensor, Tensor]  # hidden [n, C], logits [n, V]
 
@@ -60,9 +64,9 @@ def prefill_buckets(prefix_len: int, max_context: int, max_batch: int) -> list[S
 @dataclass(slots=True)
 class ForwardBatch:
     """The fixed inputs of one prefill shape ``[B, T]`` (module doc): ``x_BTC`` and ``meta``,
-    int32 ``[B * T + 6 * B]``: positions, then per row the fields of ``_META_ROWS``.
-    ``causal_rows``: the bound on a row's queries outside its image block that the attention
-    plan is built for (None: ``T``)."""
+    an int32 ``kestrel_kernels.batch.RowsLayout`` block (one image block per row), the same
+    layout the eager prefill uploads. ``causal_rows``: the bound on a row's queries outside its
+    image block that the attention plan is built for (None: ``T``)."""
 
     B: int
     T: int
@@ -75,7 +79,7 @@ class ForwardBatch:
     def allocate(cls, shape: Shape, dim: int, dtype, device) -> ForwardBatch:
         B, T, regions, causal_rows = shape
         x = torch.zeros(B, T, dim, dtype=dtype, device=device)
-        meta = torch.zeros(B * T + _META_ROWS * B, dtype=torch.int32, device=device)
+        meta = torch.zeros(RowsLayout(B, T, 1).size, dtype=torch.int32, device=device)
         batch = cls(B, T, regions, causal_rows, x, meta)
         batch.meta.copy_(batch.host_meta([]))
         return batch
@@ -83,6 +87,10 @@ class ForwardBatch:
     @property
     def shape(self) -> Shape:
         return (self.B, self.T, self.regions, self.causal_rows)
+
+    @property
+    def layout(self) -> RowsLayout:
+        return RowsLayout(self.B, self.T, 1)
 
     def fits(self, items: Sequence[PrefillItem]) -> bool:
         return len(items) <= self.B and all(
@@ -95,27 +103,29 @@ class ForwardBatch:
 
     def host_meta(self, items: Sequence[PrefillItem]) -> Tensor:
         """The ``meta`` block for ``items`` (padding rows: no position, one key on page 0)."""
-        pad = self.B - len(items)
-        positions = [p for it in items for p in [*range(it.skip, it.prompt_length),
-                                                  *[-1] * (self.T - it.n)]]  # fmt: skip
-        positions += [-1] * (self.T * pad)
-        starts = [it.regions[0][0] if it.regions else 0 for it in items] + [0] * pad
-        ends = [it.regions[0][1] if it.regions else 0 for it in items] + [0] * pad
-        fields = [
-            [it.prompt_length for it in items] + [1] * pad,  # seqused_k
-            [it.n for it in items] + [1] * pad,  # seqused_q
-            [it.row for it in items] + [0] * pad,  # page-table rows (0: the padding row)
-            starts,
-            ends,
-            [0] * self.B,
-        ]
-        return torch.tensor(positions + [v for f in fields for v in f], dtype=torch.int32)
+        return torch.tensor(self.layout.encode([it.span for it in items]), dtype=torch.int32)
+
+    def views(self) -> RowsMeta:
+        """The fields of ``meta`` as views (``RowsLayout.views``)."""
+        return self.layout.views(self.meta)
 
     def fields(self) -> tuple[Tensor, ...]:
         """(positions [B, T], seqused_k, seqused_q, rows, regions [B, 2]) views of ``meta``."""
-        B, T = self.B, self.T
-        positions, rest = self.meta[: B * T].view(B, T), self.meta[B * T :].view(_META_ROWS, B)
-        return positions, rest[0], rest[1], rest[2], rest[3:5].t()
+        m = self.views()
+        return m.positions_BT, m.seqused_k, m.seqused_q, m.rows_B, m.regions
+
+    def inputs(self, page_table_RP: Tensor, backend: str) -> ForwardInputs:
+        """The forward's inputs read from these buffers (no host sync): every row's full
+        page-table row, padding positions and rows writing nothing, padding queries' outputs
+        left unzeroed (they are dropped; positions do not mix)."""
+        meta = self.views()
+        if not self.regions:
+            meta = dataclasses.replace(meta, regions=None)
+        pages_BP = page_table_RP.index_select(0, meta.rows_B.long())
+        return ForwardInputs(AttentionBatch.from_rows(
+            meta, pages_BP, padded=True, causal_rows=self.causal_rows, zero_padding=False,
+            backend=backend,
+        ))  # fmt: skip
 
 
 def prefill_static(
@@ -123,25 +133,10 @@ def prefill_static(
 ) -> tuple[Tensor, Tensor]:
     """The whole padded prefill of ``batch`` as a pure function of its buffers (no host sync):
     (hidden before post_ln [B, C], logits [B, V]) of each row's last real position."""
-    positions_BT, seqused_k, seqused_q, rows_B, regions_B2 = batch.fields()
-    pages_BP = page_table_RP.index_select(0, rows_B.long())
-    hidden_BTC = paged_text_forward(
-        model,
-        kv,
-        batch.x_BTC,
-        positions_BT,
-        pages_BP,
-        padded=True,
-        seqused_k=seqused_k,
-        seqused_q=seqused_q,
-        bidir_regions=regions_B2.contiguous() if batch.regions else None,
-        backend=backend,
-        causal_rows=batch.causal_rows,
-        zero_padding=False,  # padding positions' outputs are dropped; positions do not mix
-    )
-    B, T = batch.B, batch.T
-    last_B = (seqused_q.long() - 1).clamp(min=0) + torch.arange(B, device=seqused_q.device) * T
-    hidden_BC = hidden_BTC.reshape(B * T, -1).index_select(0, last_B)
+    inputs = batch.inputs(page_table_RP, backend)
+    hidden_BTC = text_forward(batch.x_BTC, model.text, model.config.text, inputs, kv)
+    last_B = batch.views().last_B
+    hidden_BC = hidden_BTC.reshape(batch.B * batch.T, -1).index_select(0, last_B)
     return hidden_BC, lm_head(hidden_BC, model.text)
 
 

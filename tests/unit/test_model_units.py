@@ -263,7 +263,9 @@ def test_model_from_state_dict_errors_and_counts(cfg):
 
 def _run_rows(model, x_BTC, lora):
     from kestrel.kv.page_table import PagedKVCache
+    from kestrel.moondream.forward_inputs import ForwardInputs
     from kestrel.moondream.text import text_forward
+    from kestrel_kernels.batch import AttentionBatch
 
     t = model.config.text
     B, T, _ = x_BTC.shape
@@ -271,15 +273,13 @@ def _run_rows(model, x_BTC, lora):
         n_pages=1 + B * T, n_layers=t.n_layers, n_kv_heads=t.n_kv_heads, head_dim=t.head_dim
     )
     pages = torch.arange(1, 1 + B * T).view(B, T)
-    return text_forward(
-        x_BTC, model.text, t,
+    attention = AttentionBatch(
         positions_BT=torch.arange(T).expand(B, T),
-        kv=kv,
         slot_mapping=pages.flatten(),
         page_table=pages.to(torch.int32),
         seqused_k=torch.full((B,), T, dtype=torch.int32),
-        lora=lora,
-    )  # fmt: skip
+    )
+    return text_forward(x_BTC, model.text, t, ForwardInputs.of(attention, lora), kv)
 
 
 def test_text_forward_per_row_lora(cfg):
