@@ -1,8 +1,8 @@
 """libvips decodes PNG images, to the pixels PIL would give, in a fraction of PIL's time.
 
 Charts, screenshots and documents -- much of what a vision-language model is asked about --
-come as PNG, and PIL spends most of a request's image preparation unpacking them: ~4.4 ms for a
-862 x 582 chart here, against ~2.2 ms through libvips (already the crop pipeline's resampler),
+come as PNG, and PIL spends most of a request's image preparation unpacking them: ~4.3 ms for a
+862 x 582 chart here, against ~2.6 ms through libvips (already the crop pipeline's resampler),
 SHA-256 included (``scripts/bench_images.py``). That time is on the caller's thread of every
 request that brings an image, so at batch 1 it adds to every answer. PNG is lossless: both
 decoders give the same pixels (the tests compare them). JPEG stays with PIL, which decodes it
