@@ -143,9 +143,12 @@ def chart_workload(n: int, n_tokens, seed: int) -> list[Query]:
 
 
 def measure(engine: Engine, queries: list[Query], batch: int, settings: dict, cot: bool) -> dict:
-    """Run ``queries`` with ``batch`` in flight; requests/s, p50 latency, mean tokens out."""
+    """Run ``queries`` with ``batch`` in flight; requests/s, p50 latency, mean tokens out, and
+    where a request's time went (p50 ms): the caller's submit (the image decoded and hashed),
+    time to first token of a miss and of a hit (``cache_tier``), and the decode after it."""
     slots, done, lock = threading.Semaphore(batch), threading.Event(), threading.Lock()
-    latency, tokens, errors = [], [], []
+    latency, tokens, errors, submit = [], [], [], []
+    parts: dict[str, list[float]] = {"ttft_miss_ms": [], "ttft_hit_ms": [], "decode_ms": []}
 
     def finished(future, t0: float) -> None:  # on the scheduler thread: keep it short
         latency.append(time.perf_counter() - t0)
@@ -154,6 +157,8 @@ def measure(engine: Engine, queries: list[Query], batch: int, settings: dict, co
         else:
             m = future.result().metrics
             tokens.append(m.output_tokens + m.reasoning_tokens)  # CoT: thinking + answer
+            parts["ttft_hit_ms" if m.cache_tier != "none" else "ttft_miss_ms"].append(m.ttft_ms)
+            parts["decode_ms"].append(m.decode_ms)
         slots.release()
         with lock:
             if len(latency) == len(queries):
@@ -164,15 +169,18 @@ def measure(engine: Engine, queries: list[Query], batch: int, settings: dict, co
         slots.acquire()
         t0 = time.perf_counter()
         future = engine.submit_query(q.image, q.question, settings=settings, reasoning=cot)
+        submit.append(time.perf_counter() - t0)
         future.add_done_callback(partial(finished, t0=t0))
     done.wait()
     wall = time.perf_counter() - start
     if errors:
         print(f"{len(errors)} of {len(queries)} requests failed: {errors[0]!r}", flush=True)
+    p50 = {k: statistics.median(v) if v else float("nan") for k, v in parts.items()}
     return {"rps": (len(queries) - len(errors)) / wall,
             "p50_ms": 1e3 * statistics.median(latency),
             "tokens": statistics.mean(tokens) if tokens else 0.0,
-            "failed": float(len(errors))}  # fmt: skip
+            "failed": float(len(errors)),
+            "submit_ms": 1e3 * statistics.median(submit), **p50}  # fmt: skip
 
 
 class StartupTraffic:
@@ -320,9 +328,15 @@ def summary(engine: Engine, runs: dict, startup: tuple[int, int], device: str) -
     rps = {
         name: round(statistics.median(r["rps"] for r in rounds), 2) for name, rounds in runs.items()
     }
+    parts = ("submit_ms", "ttft_miss_ms", "ttft_hit_ms", "decode_ms")
+    breakdown = {  # batch 1: where a lone request's time goes (p50 ms, median over rounds)
+        name: {k: round(statistics.median(r[k] for r in rounds), 2) for k in parts}
+        for name, rounds in runs.items() if name.endswith("batch 1")
+    }  # fmt: skip
     return {
         "device": device,
         "req_s": rps,
+        "batch1_ms": breakdown,
         "failed_requests": failed,
         "startup_requests": sum(startup),
         "failed_captures": len(graphs.failures) if graphs is not None else 0,

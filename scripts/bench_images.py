@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> None:
         with Image.open(io.BytesIO(data)) as image:
             bench.emit(f"\n{name}: {image.width} x {image.height}, {len(data):,} bytes")
         runs = bench.run({
-            "PIL": variant(data, args.repeats, pil=True),
-            "prepare_image": variant(data, args.repeats, pil=False),
+            f"{name}: PIL": variant(data, args.repeats, pil=True),
+            f"{name}: prepare_image": variant(data, args.repeats, pil=False),
         })  # fmt: skip
-        bench.table(runs, {"ms": "ms per image"}, baseline="PIL")
+        bench.table(runs, {"ms": "ms per image"}, baseline=f"{name}: PIL")
     bench.finish()
 
 

@@ -109,6 +109,7 @@ print(json.dumps({
     "probe": probe, "probe_rc": probe_rc,
     "pytest": {**counts, "rc": pytest_rc},
     "req_s": bench["req_s"] if bench else None,
+    "batch1_ms": bench.get("batch1_ms") if bench else None,
     "failed_requests": bench["failed_requests"] if bench else None,
     "failed_captures": bench["failed_captures"] if bench else None,
     "captured": bench["captured"] if bench else None,

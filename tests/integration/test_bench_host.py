@@ -1,0 +1,38 @@
+"""scripts/bench_images.py and scripts/bench_crop_parts.py, small: each checks its variants
+agree (the same pixels, the same crops) before timing, and prints one row per variant."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        yield {n: importlib.import_module(n) for n in ("bench_images", "bench_crop_parts")}
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_image_decode_bench_compares_pil_with_prepare_image(scripts, capsys) -> None:
+    scripts["bench_images"].main(["--allow-busy", "--rounds", "1", "--repeats", "2", "--json"])
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["figures"]
+    for name in ("chart PNG", "chart JPEG", "1280x960 JPEG"):  # each input's own figures
+        assert figures[f"{name}: PIL"]["ms"]["median"] > 0
+        assert figures[f"{name}: prepare_image"]["ms"]["median"] > 0
+        assert figures[f"{name}: prepare_image / {name}: PIL: ms"]["median"] > 0
+
+
+def test_crop_parts_bench_runs_serial_and_parts(scripts, capsys) -> None:
+    scripts["bench_crop_parts"].main(["--allow-busy", "--rounds", "1", "--repeats", "2",
+                                      "--parts", "1,2", "--size", "480x640"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| 1 parts |" in out and "| 2 parts |" in out and "1.00x" in out
