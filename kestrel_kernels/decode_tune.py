@@ -37,6 +37,7 @@ __all__ = [
     "TOLERANCE",
     "DecodeCase",
     "DecodeTrial",
+    "check_fp8",
     "compare",
     "decode_case",
     "graph_ms",
@@ -75,11 +76,12 @@ class DecodeCase:
 
 
 def decode_case(
-    k_cache: Tensor, v_cache: Tensor, batch: int, width: int, heads: int, seed: int = 0
-) -> DecodeCase:
+    k_cache: Tensor, v_cache: Tensor, batch: int, width: int, heads: int, seed: int = 0,
+    q_dtype: torch.dtype | None = None,
+) -> DecodeCase:  # fmt: skip
     """Rows of about ``POSITIONS`` keys (fewer when the pages run short) over scattered pages
     of ``k_cache`` / ``v_cache``, whose values (page 0, the scratch page, aside) are
-    overwritten with random ones; random queries in the pages' dtype."""
+    overwritten with random ones; random queries in ``q_dtype`` (default: the pages')."""
     dev, n_pages = k_cache.device, k_cache.shape[0]
     per_row = max(1, min(POSITIONS, width, (n_pages - 1) // batch))
     lens = [per_row - (37 * b) % max(1, per_row // 12) for b in range(batch)]
@@ -88,11 +90,23 @@ def decode_case(
     table = torch.zeros(batch, width, dtype=torch.int32)
     for b, row in enumerate(pages.split(lens)):
         table[b, : len(row)] = row
-    k_cache[1:].normal_()
-    v_cache[1:].normal_()
-    q = torch.randn(batch, 1, heads, k_cache.shape[-1], generator=g).to(dev, k_cache.dtype)
+    for pages_ in (k_cache, v_cache):
+        _randomize(pages_[1:])
+    q = torch.randn(batch, 1, heads, k_cache.shape[-1], generator=g)
+    q = q.to(dev, q_dtype or k_cache.dtype)
     seqused_k = torch.tensor(lens, dtype=torch.int32, device=dev)
     return DecodeCase(q, k_cache, v_cache, table.to(dev), seqused_k)
+
+
+def _randomize(pages: Tensor) -> None:
+    """Random values in place (no temporary as large as the pool): normal for float pages;
+    for FP8 pages, random bit patterns of finite values of either sign."""
+    if pages.element_size() == 1 and pages.is_floating_point():
+        bits = pages.view(torch.uint8)
+        bits.random_(0, 0x70)  # e4m3: exponents up to 14, never the NaN pattern
+        bits.bitwise_or_(torch.randint_like(bits, 0, 2) << 7)
+    else:
+        pages.normal_()
 
 
 def graph_ms(fn: Callable[[], Tensor], calls: int = 20, repeats: int = 5) -> float:
@@ -126,9 +140,7 @@ def compare(
     timer: Callable[[Callable[[], Tensor]], float],
 ) -> DecodeTrial:
     """The decision for one batch size (module doc): agree first, then faster by ``MARGIN``."""
-    want, got = fa(), triton()
-    scale = float(want.abs().max()) or 1.0
-    diff = float((got.float() - want.float()).abs().max()) / scale
+    diff = _relative_diff(fa(), triton())
     if not diff <= TOLERANCE:  # NaN too
         return DecodeTrial(batch, None, None, diff, "fa", f"triton differs by {diff:.3g}")
     fa_ms, triton_ms = timer(fa), timer(triton)
@@ -175,3 +187,43 @@ def tune_pool(
                  trial.max_diff)  # fmt: skip
         trials.append(trial)
     return trials
+
+
+def check_fp8(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    scales,
+    batches: Sequence[int],
+    width: int,
+    heads: int,
+    *,
+    softmax_scale: float,
+    q_dtype: torch.dtype,
+) -> list[DecodeTrial]:
+    """Whether the Triton kernel over FP8 pages (with their ``scales``) agrees with the scaled
+    torch reference at each batch size; nothing is timed (the reference reads lengths on the
+    host, so it cannot be graph-captured: the kernel serves FP8 decode wherever it agrees)."""
+    import kestrel_kernels as kk
+    from kestrel_kernels.dispatch import decode_kernel_forced
+    from kestrel_kernels.triton_decode import paged_decode
+
+    trials = []
+    for batch in batches:
+        c = decode_case(k_cache, v_cache, batch, width, heads, seed=batch, q_dtype=q_dtype)
+        with decode_kernel_forced("fa"):
+            want = kk.paged_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.seqused_k,
+                                      softmax_scale=softmax_scale, backend="torch",
+                                      kv_scales=scales)  # fmt: skip
+        got = paged_decode(c.q[:, 0], c.k_cache, c.v_cache, c.page_table, c.seqused_k,
+                           softmax_scale=softmax_scale, kv_scales=scales)[:, None]  # fmt: skip
+        diff = _relative_diff(want, got)
+        ok = diff <= TOLERANCE
+        trials.append(DecodeTrial(batch, None, None, diff, "triton" if ok else "fa",
+                                  "agrees" if ok else f"triton differs by {diff:.3g}"))  # fmt: skip
+        log.info("FP8 decode, batch %d: %s", batch, trials[-1].reason)
+    return trials
+
+
+def _relative_diff(want: Tensor, got: Tensor) -> float:
+    scale = float(want.float().abs().max()) or 1.0
+    return float((got.float() - want.float()).abs().max()) / scale

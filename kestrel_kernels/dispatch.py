@@ -9,7 +9,8 @@ the Triton flash-decoding kernel (``triton_decode``) instead of ``fa``, or, for 
 
 - "auto" (the default): on CUDA, the batch sizes ``set_decode_table`` gives to "triton" --
   a CUDA runtime measures both kernels at start-up and sets it (``decode_tune.py``) -- and
-  FP8 pages whenever Triton is installed (the torch reference reads lengths on the host);
+  FP8 pages once the start-up check found the kernel agreeing with the scaled reference
+  (``fp8=True``; the reference reads lengths on the host, so it cannot be captured);
 - "triton": every decode-shaped call on CUDA, and on a CPU under ``TRITON_INTERPRET=1`` (the
   tests);
 - "fa": never.
@@ -39,6 +40,7 @@ from kestrel_kernels.segments import SegmentPlan
 __all__ = [
     "decode_kernel_forced",
     "decode_table",
+    "fp8_checked",
     "get_decode_kernel",
     "run_attention",
     "set_decode_kernel",
@@ -54,6 +56,7 @@ if _decode_kernel not in _DECODE_CHOICES:
         f"KESTREL_DECODE_KERNEL={_decode_kernel!r}; choose one of {_DECODE_CHOICES}"
     )
 _decode_table: dict[int, str] = {}  # batch size -> "fa" | "triton", for "auto"
+_fp8_checked = False  # under "auto": the kernel agreed with the scaled reference at start-up
 
 
 def set_decode_kernel(name: str) -> None:
@@ -70,17 +73,24 @@ def get_decode_kernel() -> str:
     return _decode_kernel
 
 
-def set_decode_table(table: Mapping[int, str]) -> None:
-    """The kernel of each decode batch size under "auto" (sizes not in it run "fa")."""
+def set_decode_table(table: Mapping[int, str], *, fp8: bool = False) -> None:
+    """Under "auto": the kernel of each decode batch size (sizes not in it run "fa"), and
+    whether the Triton kernel serves FP8 pages (``fp8``)."""
+    global _fp8_checked
     bad = {k: v for k, v in table.items() if v not in ("fa", "triton")}
     if bad:
         raise KernelInputError(f"decode table entries must be 'fa' or 'triton', got {bad}")
     _decode_table.clear()
     _decode_table.update(table)
+    _fp8_checked = bool(fp8)
 
 
 def decode_table() -> dict[int, str]:
     return dict(_decode_table)
+
+
+def fp8_checked() -> bool:
+    return _fp8_checked
 
 
 @contextmanager
@@ -100,7 +110,7 @@ def triton_serves_fp8(device: torch.device) -> bool:
     be graph-captured) rather than the torch reference."""
     if _decode_kernel == "triton":
         return True
-    return _decode_kernel == "auto" and device.type == "cuda" and triton_available()
+    return _decode_kernel == "auto" and device.type == "cuda" and _fp8_checked
 
 
 def _wanted(q: Tensor, scaled: bool) -> bool:
@@ -108,7 +118,9 @@ def _wanted(q: Tensor, scaled: bool) -> bool:
         return q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     if _decode_kernel != "auto" or q.device.type != "cuda":
         return False
-    return scaled or _decode_table.get(int(q.shape[0])) == "triton"
+    if scaled:
+        return _fp8_checked
+    return _decode_table.get(int(q.shape[0])) == "triton"
 
 
 def uses_triton_decode(

@@ -4,7 +4,7 @@
 
 Every request that brings an image decodes and hashes it on the caller's thread before it is
 queued (``prepare_image``); at batch 1 that time adds to every answer. Three inputs: a chart
-PNG like the GPU bench's (``bench_gpu.chart_png``: 640-900 x 480-640), the same chart as a
+PNG like the GPU bench's (``chart_workload.chart_png``: 640-900 x 480-640), the same chart as a
 JPEG, and a 1280 x 960 photo-like JPEG. Two variants, run interleaved through the harness:
 
 - ``PIL``: every decode through PIL, as before ``kestrel/images/vips.py``;
@@ -26,7 +26,7 @@ from unittest import mock
 
 import harness
 import numpy as np
-from bench_gpu import chart_png
+from chart_workload import chart_png
 from PIL import Image
 
 from kestrel import images

@@ -3,15 +3,16 @@
 Decode steps (``cuda_graphs.DecodeGraphs``) are graph-captured with the ``fa`` backend on CUDA
 (or compiled, with ``compile=True``); with FP8 KV pages only when decode attention runs the
 Triton decode kernel there (``dispatch.triton_serves_fp8``: sync-free over scaled pages; the
-torch reference reads lengths on the host). Before the decode graphs are captured,
-``tune_decode`` measures FlashAttention against the Triton decode kernel for every bucket
-(``kestrel_kernels.decode_tune``, under ``KESTREL_DECODE_KERNEL=auto``), so each bucket's graph
-holds the faster one. The vision encoder
-(``vision_graphs``) is captured alongside whenever nothing is compiled: it touches no KV and no
-MoE. Prefill (``prefill_graphs``) is captured too when the model has no MoE layers (Moondream
-3's grouped MoE synchronises in prefill) and the pages are not FP8 (scaled prefill attention
-reads lengths on the host). ``capture_all`` captures every one of them; the runtime calls it
-once, before it serves.
+torch reference reads lengths on the host). Before the graphs are built,
+``choose_decode_kernels`` measures FlashAttention against the Triton decode kernel for every
+bucket (``kestrel_kernels.decode_tune``, under ``KESTREL_DECODE_KERNEL=auto``), so each
+bucket's graph holds the faster one; over FP8 pages it checks the Triton kernel against the
+scaled reference, and only a kernel that agrees serves them (and lets FP8 decode be captured).
+The vision encoder (``vision_graphs``) is captured alongside whenever nothing is compiled: it
+touches no KV and no MoE. Prefill (``prefill_graphs``) is captured too when the model has no
+MoE layers (Moondream 3's grouped MoE synchronises in prefill) and the pages are not FP8
+(scaled prefill attention reads lengths on the host). ``capture_all`` captures every one of
+them; the runtime calls it once, before it serves.
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ from torch import Tensor
 
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV
-from kestrel.runtime.cuda_graphs import DecodeGraphs, graphs_supported
+from kestrel.runtime.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_supported
 from kestrel.runtime.prefill_graphs import PrefillGraphs
 from kestrel.runtime.vision_graphs import VisionGraphs
 from kestrel_kernels.contract import default_scale
-from kestrel_kernels.decode_tune import DecodeTrial, tune_pool
+from kestrel_kernels.decode_tune import DecodeTrial, check_fp8, tune_pool
 from kestrel_kernels.dispatch import get_decode_kernel, set_decode_table, triton_serves_fp8
 from kestrel_kernels.fused import triton_available
 
-__all__ = ["GraphSet"]
+__all__ = ["GraphSet", "choose_decode_kernels"]
 
 log = logging.getLogger("kestrel.runtime")
 
@@ -74,29 +75,45 @@ class GraphSet:
             )
         return cls(decode, prefill, VisionGraphs(model))
 
-    def tune_decode(self, model: MoondreamModel, kv: PagedKV) -> list[DecodeTrial]:
-        """Measure the decode kernels for every captured bucket and keep the faster for each
-        (module doc); nothing when the graphs are not captured, the pages are FP8, Triton is
-        missing or the kernel is forced. A measurement that fails leaves "fa" everywhere."""
-        d = self.decode
-        if d is None or not d.capture or d.compiled is not None or get_decode_kernel() != "auto":
-            return []
-        if getattr(kv, "kv_scales", None) is not None or not triton_available():
-            return []
-        cfg = model.config.text
-        try:
-            trials = tune_pool(
-                kv.k[0], kv.v[0], d.sizes, d.page_table_RP.shape[1], cfg.n_heads,
-                softmax_scale=default_scale(cfg.head_dim, None),
-            )  # fmt: skip
-        except Exception as exc:  # a kernel that cannot run here is not chosen
-            log.warning("decode kernel measurement failed, FlashAttention serves decode: %s", exc)
-            set_decode_table({})
-            return []
-        set_decode_table({t.batch: t.choice for t in trials})
-        return trials
-
     def capture_all(self) -> None:
         for graphs in (self.decode, self.prefill, self.vision):
             if graphs is not None:
                 graphs.capture_all()
+
+
+def choose_decode_kernels(
+    model: MoondreamModel,
+    kv: PagedKV,
+    page_table_RP: Tensor,
+    *,
+    max_batch_size: int,
+    backend: str,
+    capture: bool,
+    compile: bool,
+) -> list[DecodeTrial]:
+    """Before the graphs are built: which decode kernel each bucket captures (module doc),
+    measured over the idle pool's first layer and set in ``dispatch``; over FP8 pages, whether
+    the Triton kernel agrees with the scaled reference. Nothing when no graph is captured,
+    Triton is missing or the kernel is forced; a failed measurement leaves FlashAttention (and
+    the reference over FP8 pages) everywhere."""
+    if not (capture and graphs_supported(model, backend)) or compile:
+        return []
+    if get_decode_kernel() != "auto" or not triton_available():
+        return []
+    cfg = model.config.text
+    scale, width = default_scale(cfg.head_dim, None), page_table_RP.shape[1]
+    scales = getattr(kv, "kv_scales", None)
+    sizes = bucket_sizes(max_batch_size)
+    try:
+        if scales is not None:
+            trials = check_fp8(kv.k[0], kv.v[0], scales[0], (sizes[0], sizes[-1]), width,
+                               cfg.n_heads, softmax_scale=scale, q_dtype=model.dtype)  # fmt: skip
+            set_decode_table({}, fp8=all(t.choice == "triton" for t in trials))
+            return trials
+        trials = tune_pool(kv.k[0], kv.v[0], sizes, width, cfg.n_heads, softmax_scale=scale)
+    except Exception as exc:  # a kernel that cannot run here is not chosen
+        log.warning("decode kernel measurement failed, FlashAttention serves decode: %s", exc)
+        set_decode_table({})
+        return []
+    set_decode_table({t.batch: t.choice for t in trials})
+    return trials

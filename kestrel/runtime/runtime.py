@@ -61,7 +61,7 @@ from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.cuda_memory import KvPoolReport, pool_pages
 from kestrel.runtime.decode_steps import DecodeSteps
 from kestrel.runtime.embeddings import EmbeddingBatch, embedding_tier
-from kestrel.runtime.graph_set import GraphSet
+from kestrel.runtime.graph_set import GraphSet, choose_decode_kernels
 from kestrel.runtime.host_kv import host_kv_tier
 from kestrel.runtime.prefill import prefill_batch, prefill_item
 from kestrel.runtime.prefill_graphs import PrefillGraphs
@@ -178,11 +178,14 @@ class MoondreamRuntime(DecodeSteps):
         if compile:
             check_compile(self.device)
         self.compiled_prefill = CompiledPrefill() if compile else None
+        options = dict(max_batch_size=max_batch_size, backend=attention_backend,
+                       capture=cuda_graphs, compile=compile)  # fmt: skip
+        self.decode_trials = choose_decode_kernels(
+            model, self.kv, self.page_table.page_table, **options
+        )
         graphs = GraphSet.build(
-            model, self.kv, self.page_table.page_table, max_batch_size=max_batch_size,
-            backend=attention_backend, capture=cuda_graphs, compile=compile,
-            fp8_kv=kv_scales is not None,
-        )  # fmt: skip
+            model, self.kv, self.page_table.page_table, fp8_kv=kv_scales is not None, **options
+        )
         self.decode_graphs: DecodeGraphs | None = graphs.decode
         self.prefill_graphs: PrefillGraphs | None = graphs.prefill
         self.vision_graphs: VisionGraphs | None = graphs.vision
@@ -195,7 +198,6 @@ class MoondreamRuntime(DecodeSteps):
         pins = _pins_host(self.device)
         if pins:
             pinned.reserve(self.device)
-        self.decode_trials = graphs.tune_decode(self.model, self.kv)
         graphs.capture_all()
         # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
         cached = (kv_cache_pages - 1) // self.config.image_tokens

@@ -14,7 +14,7 @@ from PIL import Image
 from kestrel import Engine
 from kestrel_kernels import dispatch, fa_backend
 from kestrel_kernels.decode_tune import TOLERANCE, tune_pool
-from tests.conftest import fixture_dir
+from tests.conftest import FIXTURES, fixture_dir
 from tests.integration.conftest import FIXTURE_MODEL, assert_idle
 
 pytestmark = pytest.mark.gpu
@@ -74,3 +74,19 @@ def test_an_engine_measures_each_bucket_and_answers_as_with_fa() -> None:
     # within the shared bound in test_triton_decode_gpu.py)
     same = sum(a == b for a, b in zip(answers["auto"], answers["fa"], strict=True))
     assert same >= 4, answers
+
+
+def test_fp8_pages_are_checked_then_captured() -> None:
+    """The md3-tiny-a-fp8 fixture (its KV scales) with FP8 pages: the Triton kernel is checked
+    against the scaled reference at start-up, agrees, serves FP8 decode, and the decode
+    buckets are captured through it."""
+    dispatch.set_decode_kernel("auto")
+    with Engine(str(FIXTURES / "md3-tiny-a-fp8"), device="cuda", kv_dtype="fp8",
+                kv_cache_pages=6000, max_batch_size=4) as engine:  # fmt: skip
+        rt = engine.runtime
+        assert [(t.batch, t.choice) for t in rt.decode_trials] == [(1, "triton"), (4, "triton")]
+        assert dispatch.fp8_checked() and rt.decode_graphs is not None
+        assert rt.decode_graphs.captured == rt.decode_graphs.sizes
+        result = engine.query(None, "Say something.", settings={"max_tokens": 8})
+        assert result.metrics.output_tokens > 0
+        assert_idle(engine)

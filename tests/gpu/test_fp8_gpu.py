@@ -110,10 +110,12 @@ def test_fp8_graph_decode_matches_eager(fa_ready, fp8_model, n) -> None:  # noqa
 
 
 def test_fp8_kv_pages_on_device(fp8_model) -> None:
-    """FP8 KV pages on the GPU (the scaled case's torch form): e4m3 pages on the device, no
-    decode graphs, logits within e4m3's error of bfloat16 pages (scales calibrated here)."""
+    """FP8 KV pages on the GPU (the scaled case's torch form, the Triton decode kernel switched
+    off): e4m3 pages on the device, no decode graphs, logits within e4m3's error of bfloat16
+    pages (scales calibrated here). With the kernel on, test_decode_tune_gpu.py."""
     from kestrel.runtime.runtime import MoondreamRuntime
     from kestrel.tokens import TextToken
+    from kestrel_kernels import dispatch
     from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
     image = np.asarray(Image.open(FIXTURES / "md3-tiny-a/images/shapes_378.png").convert("RGB"))
@@ -132,9 +134,16 @@ def test_fp8_kv_pages_on_device(fp8_model) -> None:
     scales = [KvScales((plain.kv.k[i].abs().max().float() * 1.25 / 448).reshape(1),
                        (plain.kv.v[i].abs().max().float() * 1.25 / 448).reshape(1))
               for i in range(fp8_model.config.text.n_layers)]  # fmt: skip
-    rt = MoondreamRuntime(fp8_model, kv_cache_pages=1000, max_batch_size=1, kv_scales=scales)
+    before = dispatch.get_decode_kernel()
+    dispatch.set_decode_kernel("fa")
+    try:
+        rt = MoondreamRuntime(fp8_model, kv_cache_pages=1000, max_batch_size=1,
+                              kv_scales=scales)  # fmt: skip
+        got = decode(rt)
+    finally:
+        dispatch.set_decode_kernel(before)
     assert rt.kv.k[0].dtype == KV_FP8_DTYPE and rt.kv.k[0].is_cuda and rt.decode_graphs is None
-    for g, w in zip(decode(rt), want, strict=True):
+    for g, w in zip(got, want, strict=True):
         assert bool(torch.isfinite(g).all())
         assert float((g - w).abs().max()) < 0.25 * float(w.abs().max())
 

@@ -14,8 +14,8 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.runtime import graph_set
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel_kernels import decode_tune, dispatch
-from kestrel_kernels.contract import KernelInputError
-from kestrel_kernels.decode_tune import DecodeTrial, compare, decode_case, tune_pool
+from kestrel_kernels.contract import KernelInputError, KvScales
+from kestrel_kernels.decode_tune import DecodeTrial, check_fp8, compare, decode_case, tune_pool
 from tests.conftest import FIXTURES
 
 
@@ -97,7 +97,7 @@ def test_the_table_sends_chosen_sizes_to_triton_on_cuda() -> None:
 
     assert dispatch._wanted(q(1), scaled=False) and not dispatch._wanted(q(8), scaled=False)
     assert not dispatch._wanted(q(2), scaled=False)  # not measured: fa
-    assert dispatch._wanted(q(2), scaled=True)  # FP8 pages: the reference reads the host
+    assert not dispatch._wanted(q(2), scaled=True)  # FP8 pages: only once checked (below)
     assert not dispatch._wanted(q(1, SimpleNamespace(type="cpu")), scaled=False)
     with dispatch.decode_kernel_forced("fa"):
         assert not dispatch._wanted(q(1), scaled=False)
@@ -107,29 +107,51 @@ def test_the_table_sends_chosen_sizes_to_triton_on_cuda() -> None:
     assert dispatch.decode_table() == {1: "triton", 8: "fa"}
 
 
-def test_fp8_decode_graphs_follow_the_kernel_that_serves_fp8(monkeypatch) -> None:
+def test_fp8_pages_go_to_triton_only_once_checked() -> None:
     dispatch.set_decode_kernel("auto")
+    cuda = torch.device("cuda")
+    fp8_q = SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=(2, 1, 4, 16))
+    dispatch.set_decode_table({})
+    assert not dispatch.triton_serves_fp8(cuda) and not dispatch._wanted(fp8_q, scaled=True)
+    dispatch.set_decode_table({}, fp8=True)
+    assert dispatch.triton_serves_fp8(cuda) and dispatch._wanted(fp8_q, scaled=True)
     assert not dispatch.triton_serves_fp8(torch.device("cpu"))
-    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
-    assert dispatch.triton_serves_fp8(torch.device("cuda"))
     dispatch.set_decode_kernel("fa")
-    assert not dispatch.triton_serves_fp8(torch.device("cuda"))
+    assert not dispatch.triton_serves_fp8(cuda)
+    dispatch.set_decode_kernel("triton")
+    assert dispatch.triton_serves_fp8(torch.device("cpu"))  # forced: the interpreter tests
 
 
-def _graphs(monkeypatch):
+def test_the_fp8_check_compares_with_the_scaled_reference(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k = torch.zeros(300, 2, 16, dtype=torch.float8_e4m3fn)
+    v = torch.zeros_like(k)
+    scales = KvScales(torch.tensor([0.05]), torch.tensor([0.04]))
+    trials = check_fp8(k, v, scales, (1, 3), width=64, heads=4, softmax_scale=0.25,
+                       q_dtype=torch.float32)  # fmt: skip
+    assert [(t.batch, t.choice, t.reason) for t in trials] == [(1, "triton", "agrees"),
+                                                               (3, "triton", "agrees")]  # fmt: skip
+    assert all(t.max_diff < 1e-4 for t in trials)
+    bits = k.view(torch.uint8)[1:]
+    assert bool((bits & 0x7F).max() < 0x70) and bool((bits >= 0x80).any())  # finite, both signs
+    assert torch.isfinite(k[1:].float()).all() and bool((k[0].float() == 0).all())
+
+
+def _runtime(fixture: str = "md2-tiny-a", **kw):
+    model = MoondreamModel.from_pretrained(FIXTURES / fixture)
+    return model, MoondreamRuntime(model, kv_cache_pages=64, max_batch_size=4, **kw)
+
+
+def _choose(monkeypatch, model, rt, **kw):
     monkeypatch.setattr(graph_set, "graphs_supported", lambda model, backend: True)
     monkeypatch.setattr(graph_set, "triton_available", lambda: True)
-    model = MoondreamModel.from_pretrained(FIXTURES / "md2-tiny-a")
-    rt = MoondreamRuntime(model, kv_cache_pages=64, max_batch_size=4)
-    built = graph_set.GraphSet.build(
-        model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend="fa",
-        capture=True, compile=False, fp8_kv=False,
-    )  # fmt: skip
-    return model, rt, built
+    options = dict(max_batch_size=4, backend="fa", capture=True, compile=False) | kw
+    return graph_set.choose_decode_kernels(model, rt.kv, rt.page_table.page_table, **options)
 
 
 def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> None:
-    model, rt, built = _graphs(monkeypatch)
+    model, rt = _runtime()
     seen = {}
 
     def fake(k, v, batches, width, heads, *, softmax_scale):
@@ -140,25 +162,47 @@ def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> Non
 
     monkeypatch.setattr(graph_set, "tune_pool", fake)
     dispatch.set_decode_kernel("auto")
-    trials = built.tune_decode(model, rt.kv)
+    trials = _choose(monkeypatch, model, rt)
     cfg = model.config.text
     assert seen == dict(batches=(1, 2, 4), width=rt.page_table.page_table.shape[1],
                         heads=cfg.n_heads, scale=cfg.head_dim**-0.5, layer0=True)  # fmt: skip
     assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"} and len(trials) == 3
+    assert not dispatch.fp8_checked()
+    for forced in ({"compile": True}, {"capture": False}):  # nothing captured: nothing measured
+        assert _choose(monkeypatch, model, rt, **forced) == []
     dispatch.set_decode_kernel("fa")  # forced: nothing measured, the table left alone
-    assert built.tune_decode(model, rt.kv) == []
+    assert _choose(monkeypatch, model, rt) == []
+    assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"}
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image for this device")
 
     monkeypatch.setattr(graph_set, "tune_pool", broken)
     dispatch.set_decode_kernel("auto")
-    assert built.tune_decode(model, rt.kv) == [] and dispatch.decode_table() == {}
+    assert _choose(monkeypatch, model, rt) == [] and dispatch.decode_table() == {}
+
+
+@pytest.mark.parametrize("agrees", [True, False])
+def test_fp8_pages_are_checked_not_timed(monkeypatch, agrees: bool) -> None:
+    layers = MoondreamModel.from_pretrained(FIXTURES / "md3-tiny-a-fp8").config.text.n_layers
+    scales = [KvScales(torch.tensor([0.5]), torch.tensor([0.3])) for _ in range(layers)]
+    model, rt = _runtime("md3-tiny-a-fp8", kv_scales=scales)
+    seen = {}
+
+    def fake(k, v, layer_scales, batches, width, heads, *, softmax_scale, q_dtype):
+        first = (layer_scales.k.item(), layer_scales.v.item())
+        seen.update(batches=batches, scales=first == pytest.approx((0.5, 0.3)), q_dtype=q_dtype)
+        return [DecodeTrial(b, None, None, 0.0, "triton" if agrees else "fa", "") for b in batches]
+
+    monkeypatch.setattr(graph_set, "check_fp8", fake)
+    monkeypatch.setattr(graph_set, "tune_pool", lambda *a, **k: pytest.fail("timed FP8 pages"))
+    dispatch.set_decode_kernel("auto")
+    trials = _choose(monkeypatch, model, rt)
+    assert seen == dict(batches=(1, 4), scales=True, q_dtype=model.dtype) and len(trials) == 2
+    assert dispatch.fp8_checked() is agrees and dispatch.decode_table() == {}
 
 
 def test_nothing_is_measured_without_captured_graphs() -> None:
-    model = MoondreamModel.from_pretrained(FIXTURES / "md2-tiny-a")
-    rt = MoondreamRuntime(model, kv_cache_pages=64, max_batch_size=2)
-    assert rt.decode_trials == [] and rt.decode_graphs is None
-    assert graph_set.GraphSet().tune_decode(model, rt.kv) == []
+    _, rt = _runtime()
+    assert rt.decode_trials == [] and rt.decode_graphs is None  # a CPU runtime
     assert decode_tune.MARGIN > 0 and decode_tune.TOLERANCE < 0.1
