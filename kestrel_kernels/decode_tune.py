@@ -11,8 +11,9 @@ CUDA runtime measures them before it captures its decode graphs (``tune_pool``):
 - both kernels run once and their outputs are compared: the Triton kernel is considered only
   where it agrees with FlashAttention within ``TOLERANCE`` of the largest magnitude;
 - each is then timed (``graph_ms``: ``calls`` calls captured in one CUDA graph, replayed, the
-  median per call), and Triton serves that batch size only if it is at least ``MARGIN``
-  faster.
+  median per call), the Triton kernel in each of its launch configurations (``CANDIDATES``:
+  heads per program, positions per iteration, warps, programs aimed for), and Triton serves
+  that batch size, in its fastest configuration, only if that is at least ``MARGIN`` faster.
 
 The choices go to ``dispatch.set_decode_table`` before the graphs are captured, so each
 bucket's graph holds the kernel chosen for its size; the trials are logged and kept
@@ -23,15 +24,19 @@ and a stand-in timer).
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from kestrel_kernels.triton_decode import DecodeConfig
+
 __all__ = [
+    "CANDIDATES",
     "MARGIN",
     "POSITIONS",
     "TOLERANCE",
@@ -49,12 +54,22 @@ log = logging.getLogger("kestrel.kernels")
 POSITIONS = 800  # keys per row timed: an image prompt and a short answer
 TOLERANCE = 2e-2  # of the largest magnitude: bf16 rounding of two summation orders
 MARGIN = 0.05  # Triton must be this much faster to be chosen
+# The Triton kernel's launch configurations tried at each batch size: the default first guess,
+# longer and shorter position blocks, wider head blocks on more warps, more split programs.
+CANDIDATES = (
+    DecodeConfig(),
+    DecodeConfig(block_n=8),
+    DecodeConfig(block_n=16, num_warps=8),
+    DecodeConfig(heads=16, num_warps=8),
+    DecodeConfig(target_programs=4096),
+)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeTrial:
-    """One batch size's measurement: each kernel's ms per call (None: not timed), their
-    largest difference relative to the largest magnitude, the choice and why."""
+    """One batch size's measurement: each kernel's ms per call (None: not timed; Triton's in
+    its fastest configuration ``config``), their largest difference relative to the largest
+    magnitude, the choice and why."""
 
     batch: int
     fa_ms: float | None
@@ -62,6 +77,7 @@ class DecodeTrial:
     max_diff: float
     choice: str
     reason: str
+    config: DecodeConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,17 +152,23 @@ def graph_ms(fn: Callable[[], Tensor], calls: int = 20, repeats: int = 5) -> flo
 def compare(
     batch: int,
     fa: Callable[[], Tensor],
-    triton: Callable[[], Tensor],
+    triton: Mapping[DecodeConfig, Callable[[], Tensor]],
     timer: Callable[[Callable[[], Tensor]], float],
 ) -> DecodeTrial:
-    """The decision for one batch size (module doc): agree first, then faster by ``MARGIN``."""
-    diff = _relative_diff(fa(), triton())
-    if not diff <= TOLERANCE:  # NaN too
-        return DecodeTrial(batch, None, None, diff, "fa", f"triton differs by {diff:.3g}")
-    fa_ms, triton_ms = timer(fa), timer(triton)
-    if triton_ms <= fa_ms * (1 - MARGIN):
-        return DecodeTrial(batch, fa_ms, triton_ms, diff, "triton", "faster")
-    return DecodeTrial(batch, fa_ms, triton_ms, diff, "fa", "triton not faster")
+    """The decision for one batch size (module doc): each Triton configuration must agree with
+    FlashAttention to be timed; the fastest that agrees must beat it by ``MARGIN``."""
+    want = fa()
+    diffs = {config: _relative_diff(want, fn()) for config, fn in triton.items()}
+    agreeing = [config for config, diff in diffs.items() if diff <= TOLERANCE]  # NaN: no
+    if not agreeing:
+        worst = max(diffs.values(), default=float("nan"))
+        return DecodeTrial(batch, None, None, worst, "fa", f"triton differs by {worst:.3g}")
+    fa_ms = timer(fa)
+    timed = {config: timer(triton[config]) for config in agreeing}
+    best = min(timed, key=timed.__getitem__)
+    faster = timed[best] <= fa_ms * (1 - MARGIN)
+    return DecodeTrial(batch, fa_ms, timed[best], diffs[best], "triton" if faster else "fa",
+                       "faster" if faster else "triton not faster", best)  # fmt: skip
 
 
 def tune_pool(
@@ -159,10 +181,11 @@ def tune_pool(
     softmax_scale: float,
     baseline: str = "fa",
     timer: Callable[[Callable[[], Tensor]], float] = graph_ms,
+    candidates: Sequence[DecodeConfig] = CANDIDATES,
 ) -> list[DecodeTrial]:
     """One trial per batch size over the pool's pages ``k_cache`` / ``v_cache`` (one layer's,
     idle: their values are overwritten); ``baseline``: the backend the Triton kernel is
-    measured against ("torch" in the CPU tests)."""
+    measured against ("torch" in the CPU tests); ``candidates``: its configurations."""
     import kestrel_kernels as kk
     from kestrel_kernels.dispatch import decode_kernel_forced
     from kestrel_kernels.triton_decode import paged_decode
@@ -176,14 +199,15 @@ def tune_pool(
             return kk.paged_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.seqused_k,
                                       softmax_scale=softmax_scale, plan=plan)  # fmt: skip
 
-        def triton(c: DecodeCase = c) -> Tensor:
+        def triton(config: DecodeConfig, c: DecodeCase = c) -> Tensor:
             return paged_decode(c.q[:, 0], c.k_cache, c.v_cache, c.page_table, c.seqused_k,
-                                softmax_scale=softmax_scale)[:, None]  # fmt: skip
+                                softmax_scale=softmax_scale, config=config)[:, None]  # fmt: skip
 
+        fns = {config: functools.partial(triton, config) for config in candidates}
         with decode_kernel_forced("fa"):  # the baseline runs its own kernel, whatever is set
-            trial = compare(batch, fa, triton, timer)
-        log.info("decode kernel for batch %d: %s (%s; fa %s ms, triton %s ms, diff %.2g)",
-                 batch, trial.choice, trial.reason, trial.fa_ms, trial.triton_ms,
+            trial = compare(batch, fa, fns, timer)
+        log.info("decode kernel for batch %d: %s (%s; fa %s ms, triton %s ms in %s, diff %.2g)",
+                 batch, trial.choice, trial.reason, trial.fa_ms, trial.triton_ms, trial.config,
                  trial.max_diff)  # fmt: skip
         trials.append(trial)
     return trials

@@ -36,8 +36,10 @@ from kestrel_kernels.contract import (
 )
 from kestrel_kernels.fused import triton_available
 from kestrel_kernels.segments import SegmentPlan
+from kestrel_kernels.triton_decode import DecodeConfig
 
 __all__ = [
+    "decode_configs",
     "decode_kernel_forced",
     "decode_table",
     "fp8_checked",
@@ -56,6 +58,7 @@ if _decode_kernel not in _DECODE_CHOICES:
         f"KESTREL_DECODE_KERNEL={_decode_kernel!r}; choose one of {_DECODE_CHOICES}"
     )
 _decode_table: dict[int, str] = {}  # batch size -> "fa" | "triton", for "auto"
+_decode_configs: dict[int, DecodeConfig] = {}  # batch size -> the Triton launch measured best
 _fp8_checked = False  # under "auto": the kernel agreed with the scaled reference at start-up
 
 
@@ -73,16 +76,31 @@ def get_decode_kernel() -> str:
     return _decode_kernel
 
 
-def set_decode_table(table: Mapping[int, str], *, fp8: bool = False) -> None:
+def set_decode_table(
+    table: Mapping[int, str],
+    *,
+    fp8: bool = False,
+    configs: Mapping[int, DecodeConfig] | None = None,
+) -> None:
     """Under "auto": the kernel of each decode batch size (sizes not in it run "fa"), and
-    whether the Triton kernel serves FP8 pages (``fp8``)."""
+    whether the Triton kernel serves FP8 pages (``fp8``). ``configs``: the Triton kernel's
+    launch configuration by batch size, whatever the mode (sizes not in it: the default)."""
     global _fp8_checked
     bad = {k: v for k, v in table.items() if v not in ("fa", "triton")}
     if bad:
         raise KernelInputError(f"decode table entries must be 'fa' or 'triton', got {bad}")
+    wrong = {k: v for k, v in (configs or {}).items() if not isinstance(v, DecodeConfig)}
+    if wrong:
+        raise KernelInputError(f"decode configs must be DecodeConfig values, got {wrong}")
     _decode_table.clear()
     _decode_table.update(table)
+    _decode_configs.clear()
+    _decode_configs.update(configs or {})
     _fp8_checked = bool(fp8)
+
+
+def decode_configs() -> dict[int, DecodeConfig]:
+    return dict(_decode_configs)
 
 
 def decode_table() -> dict[int, str]:
@@ -167,7 +185,7 @@ def run_attention(
 
         out = paged_decode(
             q[:, 0], k_cache, v_cache, page_table, seqused_k, softmax_scale=softmax_scale,
-            kv_scales=kv_scales, seqused_q=seqused_q,
+            kv_scales=kv_scales, seqused_q=seqused_q, config=_decode_configs.get(q.shape[0]),
         )  # fmt: skip
         return out.unsqueeze(1)
     kwargs = dict(

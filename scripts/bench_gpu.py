@@ -245,6 +245,12 @@ def compare(bench, runs: dict) -> None:
         bench.emit(f"| {name} | {rps:.1f} | {PUBLISHED_REQ_S[b]} | {OURS_BEFORE_REQ_S[b]} |")
 
 
+def _launch(config) -> list[int] | None:
+    if config is None:
+        return None
+    return [config.heads, config.block_n, config.num_warps, config.target_programs]
+
+
 def summary(engine: Engine, runs: dict, startup: tuple[int, int], device: str) -> dict:
     """The one-line result: req/s per row (median), failed requests, failed captures."""
     graphs = engine.runtime.decode_graphs
@@ -265,8 +271,10 @@ def summary(engine: Engine, runs: dict, startup: tuple[int, int], device: str) -
         "startup_requests": sum(startup),
         "failed_captures": len(graphs.failures) if graphs is not None else 0,
         "captured": list(graphs.captured) if graphs is not None else [],
-        "decode_kernels": {  # the start-up choice per bucket (decode_tune.py), ms fa / triton
-            t.batch: [t.choice, t.fa_ms, t.triton_ms] for t in engine.runtime.decode_trials
+        "decode_kernels": {  # the start-up choice per bucket (decode_tune.py): ms fa / triton,
+            # Triton's fastest launch (heads, block_n, num_warps, target_programs)
+            t.batch: [t.choice, t.fa_ms, t.triton_ms, _launch(t.config)]
+            for t in engine.runtime.decode_trials
         },
     }
 

@@ -115,5 +115,6 @@ def choose_decode_kernels(
         log.warning("decode kernel measurement failed, FlashAttention serves decode: %s", exc)
         set_decode_table({})
         return []
-    set_decode_table({t.batch: t.choice for t in trials})
+    configs = {t.batch: t.config for t in trials if t.config is not None}
+    set_decode_table({t.batch: t.choice for t in trials}, configs=configs)
     return trials

@@ -43,7 +43,7 @@ def test_both_kernels_are_timed_at_moondream_shapes() -> None:
     trials = tune_pool(k, v, (1, 8, 64), width=2048, heads=32, softmax_scale=0.125)
     for t in trials:
         print(f"batch {t.batch}: {t.choice} ({t.reason}); fa {t.fa_ms} ms, triton "
-              f"{t.triton_ms} ms, diff {t.max_diff:.2g}")  # fmt: skip
+              f"{t.triton_ms} ms in {t.config}, diff {t.max_diff:.2g}")  # fmt: skip
     assert [t.batch for t in trials] == [1, 8, 64]
     for t in trials:
         assert t.max_diff <= TOLERANCE, t  # the kernels agree at these shapes

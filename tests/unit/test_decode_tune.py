@@ -5,56 +5,67 @@ gating and failure path."""
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import kestrel_kernels as kk
 from kestrel.moondream.model import MoondreamModel
 from kestrel.runtime import graph_set
 from kestrel.runtime.runtime import MoondreamRuntime
-from kestrel_kernels import decode_tune, dispatch
+from kestrel_kernels import decode_tune, dispatch, triton_decode
 from kestrel_kernels.contract import KernelInputError, KvScales
 from kestrel_kernels.decode_tune import DecodeTrial, check_fp8, compare, decode_case, tune_pool
+from kestrel_kernels.triton_decode import DecodeConfig
 from tests.conftest import FIXTURES
 
 
 @pytest.fixture(autouse=True)
 def _restore():
     kernel, table = dispatch.get_decode_kernel(), dispatch.decode_table()
+    configs, fp8 = dispatch.decode_configs(), dispatch.fp8_checked()
     yield
     dispatch.set_decode_kernel(kernel)
-    dispatch.set_decode_table(table)
+    dispatch.set_decode_table(table, fp8=fp8, configs=configs)
 
 
 def _const(value: torch.Tensor):
     return lambda: value
 
 
-def test_triton_is_chosen_only_when_it_agrees_and_is_faster() -> None:
+A, B = DecodeConfig(), DecodeConfig(block_n=8)
+
+
+def test_the_fastest_agreeing_configuration_must_beat_fa() -> None:
     want = torch.tensor([1.0, -2.0, 0.5])
-    timed: list[str] = []
+    timed: list[object] = []
+    fa = _const(want)
+    close, far = _const(want + 0.01), _const(want + 0.1)  # 0.5% and 5% of the largest
 
     def timer(ms: dict):
         def run(fn) -> float:
-            name = "fa" if fn is fa else "triton"
-            timed.append(name)
-            return ms[name]
+            timed.append(fn)
+            return ms[fn]
 
         return run
 
-    fa = _const(want)
-    close = _const(want + 0.01)  # 0.5% of the largest magnitude
-    t = compare(4, fa, close, timer({"fa": 1.0, "triton": 0.9}))
+    def trial(triton: dict, ms: dict):
+        timed.clear()
+        return compare(4, fa, triton, timer(ms))
+
+    t = trial({A: close, B: close}, {fa: 1.0, close: 0.9})
     assert (t.choice, t.reason, t.fa_ms, t.triton_ms) == ("triton", "faster", 1.0, 0.9)
-    assert t.max_diff == pytest.approx(0.005)
-    t = compare(4, fa, close, timer({"fa": 1.0, "triton": 0.97}))  # within the margin
-    assert (t.choice, t.reason) == ("fa", "triton not faster")
-    timed.clear()
-    t = compare(4, fa, _const(want + 0.1), timer({"fa": 1.0, "triton": 0.1}))
+    assert t.max_diff == pytest.approx(0.005) and len(timed) == 3
+    slow, quick = _const(want + 0.01), _const(want - 0.01)
+    t = trial({A: slow, B: quick}, {fa: 1.0, slow: 0.97, quick: 0.8})
+    assert (t.choice, t.config, t.triton_ms) == ("triton", B, 0.8)  # the faster configuration
+    t = trial({A: close, B: far}, {fa: 1.0, close: 0.97, far: 0.1})  # B disagrees: not timed
+    assert (t.choice, t.reason, t.config) == ("fa", "triton not faster", A)
+    assert far not in timed
+    t = trial({A: far, B: _const(torch.full((3,), float("nan")))}, {fa: 1.0})
     assert t.choice == "fa" and t.reason.startswith("triton differs") and timed == []
-    nan = _const(torch.full((3,), float("nan")))
-    assert compare(4, fa, nan, timer({"fa": 1.0, "triton": 0.1})).choice == "fa"
 
 
 def test_a_case_uses_distinct_pages_and_spares_the_scratch_page() -> None:
@@ -76,13 +87,16 @@ def test_the_pool_measurement_runs_both_kernels(monkeypatch) -> None:
     v = torch.zeros(400, 2, 16)
     timed = []
 
-    def timer(fn) -> float:  # stand-in: Triton is faster at batch 1 only
-        timed.append(fn)
-        return 1.0 if len(timed) % 2 else (0.5 if len(timed) == 2 else 1.5)
+    def timer(fn) -> float:  # stand-in: at batch 1 only, Triton with block_n 8 is faster
+        config = fn.args[0] if isinstance(fn, functools.partial) else None
+        timed.append(config)
+        batch = len([c for c in timed if c is None])
+        return 1.0 if config is None else (0.5 if batch == 1 and config == B else 1.5)
 
     trials = tune_pool(k, v, (1, 2), width=64, heads=4, softmax_scale=0.25, baseline="torch",
-                       timer=timer)  # fmt: skip
-    assert [(t.batch, t.choice) for t in trials] == [(1, "triton"), (2, "fa")]
+                       timer=timer, candidates=(A, B))  # fmt: skip
+    assert [(t.batch, t.choice, t.config) for t in trials] == [(1, "triton", B), (2, "fa", A)]
+    assert timed == [None, A, B] * 2  # fa, then each configuration, per batch size
     assert all(t.max_diff < 1e-4 for t in trials)  # fp32: the kernel equals the reference
     assert dispatch.get_decode_kernel() == "auto"  # the baseline's forcing was undone
 
@@ -104,7 +118,32 @@ def test_the_table_sends_chosen_sizes_to_triton_on_cuda() -> None:
     assert dispatch._wanted(q(1), scaled=False)
     with pytest.raises(KernelInputError, match="'fa' or 'triton'"):
         dispatch.set_decode_table({4: "flash"})
+    with pytest.raises(KernelInputError, match="DecodeConfig"):
+        dispatch.set_decode_table({1: "triton"}, configs={1: "block_n=8"})
     assert dispatch.decode_table() == {1: "triton", 8: "fa"}
+
+
+def test_the_measured_configuration_reaches_the_kernel(monkeypatch) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen = []
+
+    def recorder(q, *args, config=None, **kwargs):
+        seen.append(config)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(triton_decode, "paged_decode", recorder)
+    dispatch.set_decode_kernel("triton")
+    dispatch.set_decode_table({}, configs={2: B})
+    assert dispatch.decode_configs() == {2: B}
+    scales = KvScales(torch.tensor([0.05]), torch.tensor([0.05]))
+    k = torch.randn(20, 2, 16).to(torch.float8_e4m3fn)  # FP8 pages: the kernel's other case
+    for batch in (2, 3):
+        table = torch.arange(1, 1 + 4 * batch, dtype=torch.int32).view(batch, 4) % 20
+        kk.paged_attention(torch.randn(batch, 1, 2, 16), k, k, table,
+                           torch.full((batch,), 4, dtype=torch.int32), backend="torch",
+                           kv_scales=scales)  # fmt: skip
+    assert seen == [B, None]  # batch 3 was not measured: the default launch
 
 
 def test_fp8_pages_go_to_triton_only_once_checked() -> None:
@@ -157,8 +196,8 @@ def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> Non
     def fake(k, v, batches, width, heads, *, softmax_scale):
         seen.update(batches=batches, width=width, heads=heads, scale=softmax_scale,
                     layer0=k is rt.kv.k[0])  # fmt: skip
-        return [DecodeTrial(b, 1.0, 0.5 if b == 1 else 2.0, 0.0,
-                            "triton" if b == 1 else "fa", "") for b in batches]  # fmt: skip
+        return [DecodeTrial(b, 1.0, 0.5 if b == 1 else 2.0, 0.0, "triton" if b == 1 else "fa",
+                            "", B if b == 1 else A) for b in batches]  # fmt: skip
 
     monkeypatch.setattr(graph_set, "tune_pool", fake)
     dispatch.set_decode_kernel("auto")
@@ -167,7 +206,7 @@ def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> Non
     assert seen == dict(batches=(1, 2, 4), width=rt.page_table.page_table.shape[1],
                         heads=cfg.n_heads, scale=cfg.head_dim**-0.5, layer0=True)  # fmt: skip
     assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"} and len(trials) == 3
-    assert not dispatch.fp8_checked()
+    assert dispatch.decode_configs() == {1: B, 2: A, 4: A} and not dispatch.fp8_checked()
     for forced in ({"compile": True}, {"capture": False}):  # nothing captured: nothing measured
         assert _choose(monkeypatch, model, rt, **forced) == []
     dispatch.set_decode_kernel("fa")  # forced: nothing measured, the table left alone
