@@ -316,13 +316,17 @@ _SM90_BUILDS = {
 }  # fmt: skip
 
 
-def sm90_build(name: str, workdir: str) -> dict[str, object]:
+def sm90_build(name: str, workdir: str, config: DecodeConfig | None = None) -> dict[str, object]:
     """Build kernel ``name`` ("split", "split_fp8", "combine") for an H100 (sm_90) on any
-    machine: ``triton_fused.compile_sm90``'s report (registers, spills). Needs a process
-    without ``TRITON_INTERPRET``."""
+    machine: ``triton_fused.compile_sm90``'s report (registers, spills). ``config``: a split
+    kernel's launch configuration (default: ``DecodeConfig()``). Needs a process without
+    ``TRITON_INTERPRET``."""
     from kestrel_kernels.triton_fused import compile_sm90
 
     if interpreting():
         raise RuntimeError("sm90_build needs a process without TRITON_INTERPRET=1")
     which, signature, constexprs, num_warps = _SM90_BUILDS[name]
+    if config is not None and which == 0:
+        constexprs = {**constexprs, "HEADS": config.heads, "BLOCK_N": config.block_n}
+        num_warps = config.num_warps
     return compile_sm90(_build(False)[which], signature, constexprs, name, workdir, num_warps)

@@ -352,12 +352,17 @@ def test_switch_read_from_the_environment() -> None:
 
 def test_kernels_compile_for_sm90(tmp_path) -> None:
     """The split kernel (bf16 and FP8 pages) and the combine kernel build for an H100 (sm_90)
-    here, no GPU needed, with no register spills (a fresh process: no interpreter)."""
+    here, no GPU needed, with no register spills (a fresh process: no interpreter); so does
+    the split kernel in every launch configuration the start-up measurement tries."""
     code = (
         "import json, sys; from kestrel_kernels.triton_decode import sm90_build\n"
+        "from kestrel_kernels.decode_tune import CANDIDATES\n"
         "for name in ('split', 'split_fp8', 'combine'):\n"
         "    r = sm90_build(name, sys.argv[1]); r.pop('report')\n"
         "    print(json.dumps({name: r}))\n"
+        "for i, c in enumerate(CANDIDATES[1:]):\n"
+        "    r = sm90_build('split', sys.argv[1], c); r.pop('report')\n"
+        "    print(json.dumps({f'split {c}': r}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -367,7 +372,7 @@ def test_kernels_compile_for_sm90(tmp_path) -> None:
     builds = {}
     for line in out.stdout.strip().splitlines():
         builds.update(json.loads(line))
-    assert set(builds) == {"split", "split_fp8", "combine"}
+    assert {"split", "split_fp8", "combine"} <= set(builds) and len(builds) == 7
     for name, got in builds.items():
         assert got["target"] and got["cubin_bytes"] > 0, name
         assert got["spill_bytes"] == 0, (name, got)
