@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -327,6 +328,14 @@ def validate_scaled_kv(dtype: torch.dtype, k_cache: Tensor, v_cache: Tensor, sca
                 math.isfinite(value) and value > 0,
                 f"the {name} must be finite and > 0, got {value}",
             )
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The environment variable ``name`` (``default`` when unset), one of ``choices``."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise KernelInputError(f"{name}={value!r}; choose one of {choices}")
+    return value
 
 
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:

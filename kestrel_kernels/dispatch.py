@@ -33,6 +33,7 @@ from kestrel_kernels.contract import (
     BackendUnavailableError,
     KernelInputError,
     KvScales,
+    env_choice,
 )
 from kestrel_kernels.fused import triton_available
 from kestrel_kernels.segments import SegmentPlan
@@ -52,11 +53,7 @@ __all__ = [
 ]
 
 _DECODE_CHOICES = ("auto", "fa", "triton")
-_decode_kernel = os.environ.get("KESTREL_DECODE_KERNEL", "auto")
-if _decode_kernel not in _DECODE_CHOICES:
-    raise KernelInputError(
-        f"KESTREL_DECODE_KERNEL={_decode_kernel!r}; choose one of {_DECODE_CHOICES}"
-    )
+_decode_kernel = env_choice("KESTREL_DECODE_KERNEL", _DECODE_CHOICES, "auto")
 _decode_table: dict[int, str] = {}  # batch size -> "fa" | "triton", for "auto"
 _decode_configs: dict[int, DecodeConfig] = {}  # batch size -> the Triton launch measured best
 _fp8_checked = False  # under "auto": the kernel agreed with the scaled reference at start-up

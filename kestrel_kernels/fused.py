@@ -39,7 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kestrel_kernels.contract import BackendUnavailableError, KernelInputError, KvScales
+from kestrel_kernels.contract import (
+    BackendUnavailableError,
+    KernelInputError,
+    KvScales,
+    env_choice,
+)
 from kestrel_kernels.counting import opaque
 from kestrel_kernels.torch_backend import write_kv_indexed, write_kv_scaled
 
@@ -54,9 +59,7 @@ __all__ = [
 ]
 
 _CHOICES = ("auto", "torch", "triton")
-_fused = os.environ.get("KESTREL_FUSED", "auto")
-if _fused not in _CHOICES:
-    raise KernelInputError(f"KESTREL_FUSED={_fused!r}; choose one of {_CHOICES}")
+_fused = env_choice("KESTREL_FUSED", _CHOICES, "auto")
 
 
 def set_fused_backend(name: str) -> None:

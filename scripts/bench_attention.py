@@ -24,6 +24,7 @@ import torch
 import kestrel_kernels as kk
 from kestrel_kernels import dispatch
 from kestrel_kernels.contract import KvScales, quantize_kv
+from kestrel_kernels.decode_tune import graph_ms
 
 
 def _case(batch: int, q_len: int, k_len: int, heads: int, head_dim: int, region: int):
@@ -92,30 +93,6 @@ def _decode_case(batch: int, width: int, heads: int, head_dim: int, seed: int) -
     return case
 
 
-def _graph_ms(fn, calls: int = 20, repeats: int = 7) -> float:
-    """Device milliseconds per ``fn()``: ``calls`` of them captured in one CUDA graph, the
-    graph replayed ``repeats`` times, the median replay divided by ``calls``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 def _decode_fns(case: dict, config) -> dict:
     """name -> (call, K/V bytes per call) for the decode kernels on ``case``."""
     from kestrel_kernels.triton_decode import paged_decode
@@ -165,7 +142,7 @@ def _gpu_rows(opts) -> list[dict]:
             for name, (fn, n_bytes) in fns.items():
                 if name == "fa" and config is not configs[0]:
                     continue
-                ms = _graph_ms(fn)
+                ms = graph_ms(fn)
                 diff = float((fn() - want).abs().max()) if want is not None else float("nan")
                 plan = plan_decode(batch, opts.width, opts.heads, config)
                 row = dict(kernel=name, batch=batch, positions=case["positions"], ms=ms,
