@@ -222,8 +222,8 @@ def _shared_page_attention(
     m = batch * q_len * g
     # every (row, query, head-in-group) becomes one query row of its KV head: [1, Hkv, M, D]
     q_1HMD = q.view(batch, q_len, hkv, g, d).permute(2, 0, 1, 3, 4).reshape(1, hkv, m, d)
-    k_1HUD = k_cache.index_select(0, uniq).transpose(0, 1)[None]
-    v_1HUD = v_cache.index_select(0, uniq).transpose(0, 1)[None]
+    k_UHD, v_UHD = _gather_pages(k_cache, v_cache, uniq)  # in the workspace on CPU
+    k_1HUD, v_1HUD = k_UHD.transpose(0, 1)[None], v_UHD.transpose(0, 1)[None]
     mask_11MU = mask_BLU[:, :, None, :].expand(batch, q_len, g, n_uniq).reshape(1, 1, m, n_uniq)
     out = F.scaled_dot_product_attention(q_1HMD, k_1HUD, v_1HUD, attn_mask=mask_11MU, scale=scale)
     out = out.view(hkv, batch, q_len, g, d).permute(1, 2, 0, 3, 4).reshape(q.shape)

@@ -27,14 +27,21 @@ from kestrel_kernels.contract import KvScales, quantize_kv
 from kestrel_kernels.decode_tune import graph_ms
 
 
-def _case(batch: int, q_len: int, k_len: int, heads: int, head_dim: int, region: int):
-    n_pages = batch * k_len + 1
-    pages = torch.randperm(n_pages - 1)[: batch * k_len].to(torch.int32) + 1
+def _case(
+    batch: int, q_len: int, k_len: int, heads: int, head_dim: int, region: int, shared: int = 0
+):  # fmt: skip
+    """Pages scattered over the pool; the first ``shared`` of every row are the same pages (an
+    image's KV that questions about it share)."""
+    own = k_len - shared
+    n_pages = shared + batch * own + 1
+    pages = torch.randperm(n_pages - 1).to(torch.int32) + 1
+    prefix = pages[:shared].expand(batch, shared)
+    table = torch.cat([prefix, pages[shared:].view(batch, own)], dim=1)
     return dict(
         q=torch.randn(batch, q_len, heads, head_dim),
         k_cache=torch.randn(n_pages, heads, head_dim),
         v_cache=torch.randn(n_pages, heads, head_dim),
-        page_table=pages.view(batch, k_len).contiguous(),
+        page_table=table.contiguous(),
         seqused_k=torch.full((batch,), k_len, dtype=torch.int32),
         bidir_regions=torch.tensor([[0, region]] * batch, dtype=torch.int32),
         backend="torch",
@@ -52,22 +59,24 @@ def _time_ms(args: dict, repeats: int) -> float:
 
 
 def _cpu_rows(opts) -> None:
-    shapes = [
-        ("decode", 1, 1, 800),
-        ("decode", 16, 1, 800),
-        ("decode", 16, 1, 1500),
-        ("prefill", 1, 760, 760),
-        ("append", 1, 40, 770),
-        ("prefill", 1, 1000, 1000),
+    shapes = [  # kind, batch, query positions, keys per row, keys every row shares
+        ("decode", 1, 1, 800, 0),
+        ("decode", 16, 1, 800, 0),
+        ("decode", 16, 1, 800, 750),  # 16 questions about one image
+        ("decode", 16, 1, 1500, 0),
+        ("prefill", 1, 760, 760, 0),
+        ("append", 1, 40, 770, 0),
+        ("prefill", 1, 1000, 1000, 0),
     ]
     print(f"torch backend, CPU, {torch.get_num_threads()} threads, ")
     print(f"Hq = Hkv = {opts.heads}, D = {opts.head_dim}, float32, region (0, {opts.region})")
-    print(f"{'kind':8} {'B':>3} {'Lq':>5} {'K':>5} {'ms/call':>9} {'KV GB/s':>8}")
-    for kind, batch, q_len, k_len in shapes:
-        args = _case(batch, q_len, k_len, opts.heads, opts.head_dim, opts.region)
+    print(f"{'kind':8} {'B':>3} {'Lq':>5} {'K':>5} {'shared':>6} {'ms/call':>9} {'KV GB/s':>8}")
+    for kind, batch, q_len, k_len, shared in shapes:
+        args = _case(batch, q_len, k_len, opts.heads, opts.head_dim, opts.region, shared)
         ms = _time_ms(args, opts.repeats)
         kv_bytes = 2 * batch * k_len * opts.heads * opts.head_dim * 4
-        print(f"{kind:8} {batch:3d} {q_len:5d} {k_len:5d} {ms:9.2f} {kv_bytes / ms / 1e6:8.2f}")
+        print(f"{kind:8} {batch:3d} {q_len:5d} {k_len:5d} {shared:6d} {ms:9.2f} "
+              f"{kv_bytes / ms / 1e6:8.2f}")  # fmt: skip
 
 
 def _decode_case(batch: int, width: int, heads: int, head_dim: int, seed: int) -> dict:
