@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One-shot GPU check, about 7 minutes on an H200 (docs/benchmarks.md):
+# One-shot GPU check, about 8 minutes on an H200 (docs/benchmarks.md; the first engine start
+# also compiles the Triton decode kernel's launch configurations it measures):
 #   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend, pyvips);
-#   2. pytest -m gpu tests/gpu;
-#   3. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
-#      16 threads submitting while the engine starts;
-#      (decode attention per bucket: whichever kernel the start-up measurement chose);
+#   2. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
+#      16 threads submitting while the engine starts (decode attention per bucket: whichever
+#      kernel the start-up measurement chose), and where a lone request's time goes;
+#   3. pytest -m gpu tests/gpu;
 #   4. scripts/bench_gpu_runtime.py twice, FlashAttention's decode and the Triton decode kernel
 #      forced (KESTREL_DECODE_KERNEL=fa / triton): decode step ms by batch, kernels, TTFT;
 #      scripts/bench_attention.py --only gpu: the decode attention calls alone, fa vs Triton;
@@ -14,7 +15,8 @@
 #      each decode kernel, crop ms by parts (the last line of stdout).
 # On the GPU machine here, run it through the staged FlashAttention 4 (see the GPU tools' README):
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
-# Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter.
+# Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter. Every step
+# is cut short to fit BUDGET seconds (default 560), so the summary line comes within 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kestrel-gpu-check}
@@ -22,9 +24,16 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 t0=$(date +%s)
+BUDGET=${BUDGET:-560}  # seconds for all steps: the summary line is printed within it
+cap() {  # a step's timeout: at most $1 s, and no more than what the budget has left
+  local left=$(( BUDGET - ($(date +%s) - t0) ))
+  (( left < $1 )) && set -- "$left"
+  (( $1 < 5 )) && set -- 5
+  echo "$1"
+}
 
 echo "== 1/4 probe" >&2
-timeout 60 "$PY" - > "$OUT/probe.json" 2> "$OUT/probe.log" <<'PYEOF'
+timeout "$(cap 60)" "$PY" - > "$OUT/probe.json" 2> "$OUT/probe.log" <<'PYEOF'
 import json
 
 import torch
@@ -46,28 +55,28 @@ PYEOF
 probe_rc=$?
 cat "$OUT/probe.json" >&2
 
-echo "== 2/4 pytest -m gpu tests/gpu" >&2
-timeout 200 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
-pytest_rc=$?
-tail -3 "$OUT/pytest.log" >&2
-
-echo "== 3/4 bench" >&2
-timeout 200 "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
+echo "== 2/4 bench" >&2
+timeout "$(cap 200)" "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
   --modes direct,cot --sampling greedy,default --startup-threads 16 --allow-busy --summary \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 grep '^| ' "$OUT/bench.log" >&2
 
+echo "== 3/4 pytest -m gpu tests/gpu" >&2
+timeout "$(cap 260)" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+pytest_rc=$?
+tail -3 "$OUT/pytest.log" >&2
+
 echo "== 4/4 decode: FlashAttention vs the Triton decode kernel" >&2
 for kernel in fa triton; do
-  KESTREL_DECODE_KERNEL=$kernel timeout 75 "$PY" scripts/bench_gpu_runtime.py --qa-requests 32 \
+  KESTREL_DECODE_KERNEL=$kernel timeout "$(cap 75)" "$PY" scripts/bench_gpu_runtime.py --qa-requests 32 \
     > "$OUT/runtime_$kernel.log" 2>&1
   grep '^| [0-9]' "$OUT/runtime_$kernel.log" | sed "s/^/$kernel /" >&2
 done
-timeout 60 "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
+timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
   > "$OUT/attention.log" 2>&1
 echo "== host: one image's crops in 1-8 parts, on this machine's cores" >&2
-timeout 60 "$PY" scripts/bench_crop_parts.py --parts 1,2,4,8 --rounds 3 --repeats 10 \
+timeout "$(cap 60)" "$PY" scripts/bench_crop_parts.py --parts 1,2,4,8 --rounds 3 --repeats 10 \
   --allow-busy > "$OUT/crops.log" 2>&1
 grep -E '\| [0-9]+ parts \|' "$OUT/crops.log" >&2
 
