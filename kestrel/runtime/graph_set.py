@@ -35,6 +35,7 @@ from kestrel_kernels.fused import triton_available
 __all__ = ["GraphSet", "choose_decode_kernels"]
 
 log = logging.getLogger("kestrel.runtime")
+_MEASURED: dict[tuple, list[DecodeTrial]] = {}  # choose_decode_kernels' timings, by shapes
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +93,8 @@ def choose_decode_kernels(
     compile: bool,
 ) -> list[DecodeTrial]:
     """Before the graphs are built: which decode kernel each bucket captures (module doc),
-    measured over the idle pool's first layer and set in ``dispatch``; over FP8 pages, whether
+    measured over the idle pool's first layer (once per process for the same device and
+    shapes) and set in ``dispatch``; over FP8 pages, whether
     the Triton kernel agrees with the scaled reference. Nothing when no graph is captured,
     Triton is missing or the kernel is forced; a failed measurement leaves FlashAttention (and
     the reference over FP8 pages) everywhere."""
@@ -110,7 +112,12 @@ def choose_decode_kernels(
                                cfg.n_heads, softmax_scale=scale, q_dtype=model.dtype)  # fmt: skip
             set_decode_table({}, fp8=all(t.choice == "triton" for t in trials))
             return trials
-        trials = tune_pool(kv.k[0], kv.v[0], sizes, width, cfg.n_heads, softmax_scale=scale)
+        # the same shapes on the same device time the same: measured once per process
+        key = (str(kv.k[0].device), kv.k[0].dtype, kv.k[0].shape[1:], cfg.n_heads, width, sizes)
+        trials = _MEASURED.get(key)
+        if trials is None:
+            trials = tune_pool(kv.k[0], kv.v[0], sizes, width, cfg.n_heads, softmax_scale=scale)
+            _MEASURED[key] = trials
     except Exception as exc:  # a kernel that cannot run here is not chosen
         log.warning("decode kernel measurement failed, FlashAttention serves decode: %s", exc)
         set_decode_table({})

@@ -200,6 +200,7 @@ def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> Non
                             "", B if b == 1 else A) for b in batches]  # fmt: skip
 
     monkeypatch.setattr(graph_set, "tune_pool", fake)
+    monkeypatch.setattr(graph_set, "_MEASURED", {})
     dispatch.set_decode_kernel("auto")
     trials = _choose(monkeypatch, model, rt)
     cfg = model.config.text
@@ -207,16 +208,23 @@ def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> Non
                         heads=cfg.n_heads, scale=cfg.head_dim**-0.5, layer0=True)  # fmt: skip
     assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"} and len(trials) == 3
     assert dispatch.decode_configs() == {1: B, 2: A, 4: A} and not dispatch.fp8_checked()
+    seen.clear()
+    dispatch.set_decode_table({})
+    assert _choose(monkeypatch, model, rt) == trials and seen == {}  # same shapes: not again
+    assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"}
+    assert len(_choose(monkeypatch, model, rt, max_batch_size=2)) == 2  # other buckets: timed
+    assert seen["batches"] == (1, 2)
     for forced in ({"compile": True}, {"capture": False}):  # nothing captured: nothing measured
         assert _choose(monkeypatch, model, rt, **forced) == []
     dispatch.set_decode_kernel("fa")  # forced: nothing measured, the table left alone
     assert _choose(monkeypatch, model, rt) == []
-    assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"}
+    assert dispatch.decode_table() == {1: "triton", 2: "fa"}
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image for this device")
 
     monkeypatch.setattr(graph_set, "tune_pool", broken)
+    monkeypatch.setattr(graph_set, "_MEASURED", {})
     dispatch.set_decode_kernel("auto")
     assert _choose(monkeypatch, model, rt) == [] and dispatch.decode_table() == {}
 
