@@ -93,11 +93,12 @@ class DecodeCase:
 
 def decode_case(
     k_cache: Tensor, v_cache: Tensor, batch: int, width: int, heads: int, seed: int = 0,
-    q_dtype: torch.dtype | None = None,
+    q_dtype: torch.dtype | None = None, fill: bool = True,
 ) -> DecodeCase:  # fmt: skip
     """Rows of about ``POSITIONS`` keys (fewer when the pages run short) over scattered pages
     of ``k_cache`` / ``v_cache``, whose values (page 0, the scratch page, aside) are
-    overwritten with random ones; random queries in ``q_dtype`` (default: the pages')."""
+    overwritten with random ones (``fill``; a later case over the same pages may skip it);
+    random queries in ``q_dtype`` (default: the pages')."""
     dev, n_pages = k_cache.device, k_cache.shape[0]
     per_row = max(1, min(POSITIONS, width, (n_pages - 1) // batch))
     lens = [per_row - (37 * b) % max(1, per_row // 12) for b in range(batch)]
@@ -106,8 +107,9 @@ def decode_case(
     table = torch.zeros(batch, width, dtype=torch.int32)
     for b, row in enumerate(pages.split(lens)):
         table[b, : len(row)] = row
-    for pages_ in (k_cache, v_cache):
-        _randomize(pages_[1:])
+    if fill:
+        for pages_ in (k_cache, v_cache):
+            _randomize(pages_[1:])
     q = torch.randn(batch, 1, heads, k_cache.shape[-1], generator=g)
     q = q.to(dev, q_dtype or k_cache.dtype)
     seqused_k = torch.tensor(lens, dtype=torch.int32, device=dev)
@@ -191,8 +193,8 @@ def tune_pool(
     from kestrel_kernels.triton_decode import paged_decode
 
     trials = []
-    for batch in batches:
-        c = decode_case(k_cache, v_cache, batch, width, heads, seed=batch)
+    for i, batch in enumerate(batches):  # the pool is filled once, for the first case
+        c = decode_case(k_cache, v_cache, batch, width, heads, seed=batch, fill=i == 0)
         plan = kk.plan_attention(1, c.page_table, c.seqused_k, backend=baseline, dtype=c.q.dtype)
 
         def fa(c: DecodeCase = c, plan=plan) -> Tensor:
@@ -232,8 +234,9 @@ def check_fp8(
     from kestrel_kernels.triton_decode import paged_decode
 
     trials = []
-    for batch in batches:
-        c = decode_case(k_cache, v_cache, batch, width, heads, seed=batch, q_dtype=q_dtype)
+    for i, batch in enumerate(batches):
+        c = decode_case(k_cache, v_cache, batch, width, heads, seed=batch, q_dtype=q_dtype,
+                        fill=i == 0)  # fmt: skip
         with decode_kernel_forced("fa"):
             want = kk.paged_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.seqused_k,
                                       softmax_scale=softmax_scale, backend="torch",

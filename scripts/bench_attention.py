@@ -22,7 +22,7 @@ import time
 import torch
 
 import kestrel_kernels as kk
-from kestrel_kernels import dispatch
+from kestrel_kernels import decode_tune, dispatch
 from kestrel_kernels.contract import KvScales, quantize_kv
 from kestrel_kernels.decode_tune import graph_ms
 
@@ -80,26 +80,14 @@ def _cpu_rows(opts) -> None:
 
 
 def _decode_case(batch: int, width: int, heads: int, head_dim: int, seed: int) -> dict:
-    """bf16 decode inputs on CUDA: rows of ~800 positions (768..831), pages scattered."""
-    g = torch.Generator().manual_seed(seed)
-    lens = [768 + (37 * b) % 64 for b in range(batch)]
-    n_pages = sum(lens) + 1
-    perm = (torch.randperm(n_pages - 1, generator=g) + 1).to(torch.int32)
-    table = torch.zeros(batch, width, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(lens):
-        table[b, :n] = perm[used : used + n]
-        used += n
-    case = dict(
-        q=torch.randn(batch, 1, heads, head_dim, generator=g),
-        k_cache=torch.randn(n_pages, heads, head_dim, generator=g),
-        v_cache=torch.randn(n_pages, heads, head_dim, generator=g),
-        page_table=table,
-        seqused_k=torch.tensor(lens, dtype=torch.int32),
-    )
-    case = {k: (v.bfloat16() if v.is_floating_point() else v).cuda() for k, v in case.items()}
-    case["positions"] = sum(lens)
-    return case
+    """bf16 decode inputs on CUDA: ``decode_tune.decode_case`` (rows of about 800 positions,
+    pages scattered) over a pool of its own."""
+    torch.manual_seed(seed)
+    pool = torch.empty(batch * decode_tune.POSITIONS + 1, heads, head_dim, dtype=torch.bfloat16,
+                       device="cuda")  # fmt: skip
+    c = decode_tune.decode_case(pool, torch.empty_like(pool), batch, width, heads, seed=seed)
+    return dict(q=c.q, k_cache=c.k_cache, v_cache=c.v_cache, page_table=c.page_table,
+                seqused_k=c.seqused_k, positions=int(c.seqused_k.sum()))  # fmt: skip
 
 
 def _decode_fns(case: dict, config) -> dict:
