@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,7 @@ import numpy as np
 from PIL import Image
 
 from kestrel.errors import InvalidInputError
+from kestrel.images.orientation import read_orientation, upright
 from kestrel.images.vips import decode_pixels, tagged
 
 __all__ = [
@@ -60,7 +61,6 @@ __all__ = [
 DEFAULT_MAX_PIXELS = 50_000_000
 WHITE = (255, 255, 255)
 _READ_CHUNK = 1 << 20
-_ORIENTATION_TAG = 0x0112  # EXIF "Orientation"
 _WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")  # 16/32-bit gray, float gray
 _ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
 
@@ -94,19 +94,6 @@ def _options(exif_orientation: bool, background: Sequence[int] | None) -> _Optio
     return _Options(bool(exif_orientation), (int(colour[0]), int(colour[1]), int(colour[2])))
 
 
-# EXIF orientation -> the array operation that shows the picture upright (H x W x C arrays).
-_ORIENT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
-    1: lambda a: a,
-    2: lambda a: a[:, ::-1],  # mirrored left-right
-    3: lambda a: a[::-1, ::-1],  # upside down
-    4: lambda a: a[::-1],  # mirrored top-bottom
-    5: lambda a: a.transpose(1, 0, 2),  # transposed
-    6: lambda a: np.rot90(a, -1),  # stored 90 degrees counter-clockwise: turn it clockwise
-    7: lambda a: a[::-1, ::-1].transpose(1, 0, 2),  # transversed
-    8: lambda a: np.rot90(a, 1),  # stored 90 degrees clockwise: turn it counter-clockwise
-}
-
-
 def _check_size(width: int, height: int, max_pixels: int, what: str) -> None:
     if width <= 0 or height <= 0:
         raise ImageError(f"{what} has zero size ({width} x {height})")
@@ -115,14 +102,6 @@ def _check_size(width: int, height: int, max_pixels: int, what: str) -> None:
             f"{what} is {width} x {height} = {width * height:,} pixels, above the limit of "
             f"{max_pixels:,}; downscale it first or raise max_pixels"
         )
-
-
-def _exif_orientation(image: Image.Image) -> int:
-    try:
-        value = image.getexif().get(_ORIENTATION_TAG, 1)
-    except Exception:  # a broken EXIF block (any parser error) says nothing: upright
-        return 1
-    return value if isinstance(value, int) and value in _ORIENT else 1
 
 
 @contextmanager
@@ -159,12 +138,12 @@ def _from_pil(
     try:
         with _first_frame(image):
             out = _pil_array(image, opts, what)
-            orientation = _exif_orientation(image) if opts.exif_orientation else 1
+            orientation = read_orientation(image) if opts.exif_orientation else 1
     except ImageError:
         raise
     except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt pixel data
         raise ImageError(f"cannot decode {what}: {exc}") from exc
-    return np.array(_ORIENT[orientation](out), dtype=np.uint8, order="C", copy=True)
+    return upright(out, orientation, copy=True)
 
 
 def _from_header(
@@ -177,10 +156,8 @@ def _from_header(
     if pixels is None:
         return _from_pil(image, max_pixels, opts, what)
     rgb = _array_rgb(pixels, opts, what)
-    orientation = _exif_orientation(image) if opts.exif_orientation and tagged(image) else 1
-    if orientation == 1:  # libvips' fresh buffer: no copy when it is already H x W x 3
-        return np.ascontiguousarray(rgb, dtype=np.uint8)
-    return np.array(_ORIENT[orientation](rgb), dtype=np.uint8, order="C", copy=True)
+    orientation = read_orientation(image) if opts.exif_orientation and tagged(image) else 1
+    return upright(rgb, orientation, copy=False)  # libvips' buffer is fresh: no copy needed
 
 
 def _open_encoded(source: bytes | Path, max_pixels: int, opts: _Options, what: str) -> np.ndarray:
@@ -247,7 +224,7 @@ def _from_array(array: np.ndarray, max_pixels: int, opts: _Options) -> np.ndarra
     if array.ndim >= 2 and array.size:
         _check_size(array.shape[1], array.shape[0], max_pixels, "image array")
     rgb = _array_rgb(array, opts)
-    return np.array(rgb, dtype=np.uint8, order="C", copy=True)
+    return upright(rgb, 1, copy=True)
 
 
 def _from_vips(image: Any, max_pixels: int, opts: _Options) -> np.ndarray:
