@@ -94,10 +94,10 @@ def choose_decode_kernels(
 ) -> list[DecodeTrial]:
     """Before the graphs are built: which decode kernel each bucket captures (module doc),
     measured over the idle pool's first layer (once per process for the same device and
-    shapes) and set in ``dispatch``; over FP8 pages, whether
-    the Triton kernel agrees with the scaled reference. Nothing when no graph is captured,
-    Triton is missing or the kernel is forced; a failed measurement leaves FlashAttention (and
-    the reference over FP8 pages) everywhere."""
+    shapes) and set in ``dispatch``; over FP8 pages, whether the Triton kernel agrees with the
+    scaled reference. Nothing when no graph is captured, Triton is missing or the kernel is
+    forced; a failed measurement leaves FlashAttention (and the reference over FP8 pages)
+    everywhere."""
     if not (capture and graphs_supported(model, backend)) or compile:
         return []
     if get_decode_kernel() != "auto" or not triton_available():
