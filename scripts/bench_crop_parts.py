@@ -3,13 +3,16 @@
     python scripts/bench_crop_parts.py [--parts 1,2,4] [--size 960x1280] [--repeats 15] [--json]
 
 At batch 1 nothing else runs beside a request's crops, so ``CropPool`` splits one image into
-``parallel`` parts (``crops.crop_parts``: the global crop and bands of the upscaled copy,
-balanced by work), each made by a worker process at once. Each variant is a pool of ``n``
-workers making ``n`` parts (``n`` = 1 is serial), timed through ``CropPool.pixels`` as the
-runtime calls it, with the pinned staging a CUDA model uses when CUDA is there. uint8 crops
-(a CUDA model's). Variants run interleaved through the harness; each figure is the median over
-``--repeats`` images, and the table gives each against serial. The crops of every variant are
-checked equal first. ``scripts/gpu_check.sh`` runs it on the GPU machine's cores.
+``parallel`` parts (``crops.crop_parts``: the global crop and bands of the resized copy,
+balanced by work), each made by a worker process at once with the cores over ``parallel``
+libvips threads. The variants: ``serial`` (one worker, one libvips thread), ``1 part, libvips
+threads`` (one worker, libvips threading the image across every core: the other way to use
+the cores) and ``n parts`` (``n`` workers at once, the pool's default threads), each timed
+through ``CropPool.pixels`` as the runtime calls it, with the pinned staging a CUDA model uses
+when CUDA is there. uint8 crops (a CUDA model's). Variants run interleaved through the harness;
+each figure is the median over ``--repeats`` images, and the table gives each against serial.
+The crops of every variant are checked equal first. ``scripts/gpu_check.sh`` runs it on the
+GPU machine's cores.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def variant(pool: CropPool, shots: list[PreparedImage]) -> Callable[[], dict[str
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="1,2,4", help="parts per image to compare (1 = serial)")
+    p.add_argument("--parts", default="2,4", help="parts per image to compare with serial")
     p.add_argument("--size", default="960x1280", help="image height x width")
     p.add_argument("--repeats", type=int, default=15, help="images per figure (median)")
     harness.add_arguments(p, rounds=5)
@@ -60,23 +63,30 @@ def main(argv: list[str] | None = None) -> None:
     parts = [n for n in (int(v) for v in args.parts.split(",")) if n <= max(1, cores or 1)]
     config = MoondreamConfig().vision
     pin = torch.cuda.is_available()
-    pools = {n: CropPool(config, normalize=False, pin_memory=pin, workers=n, parallel=n)
-             for n in parts}  # fmt: skip
+
+    def pool(n: int, threads: int | None = None) -> CropPool:
+        return CropPool(config, normalize=False, pin_memory=pin, workers=n, parallel=n,
+                        threads=threads)  # fmt: skip
+
+    pools = {"serial": pool(1, threads=1)}
+    if (cores or 1) > 1:
+        pools["1 part, libvips threads"] = pool(1)
+    pools |= {f"{n} parts": pool(n) for n in parts if n > 1}
     shots = images(height, width, args.repeats)
     want = None
-    for n, pool in pools.items():  # start the workers; every variant makes the same crops
-        got = [pool.pixels(image).pixels.clone() for image in shots[:2]]
+    for name, made in pools.items():  # start the workers; every variant makes the same crops
+        got = [made.pixels(image).pixels.clone() for image in shots[:2]]
         want = want or got
         if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
-            raise SystemExit(f"{n} parts: the crops differ from serial")
+            raise SystemExit(f"{name}: the crops differ from serial")
     bench = harness.start(args, "One image's crops in parts (bench_crop_parts.py)")
     g = crop_geometry(height, width, config)
     bench.emit(f"{width} x {height}: {g.n_crops} crops uint8, {cores} cores, staging: {pin}; "
                f"worker processes: {next(iter(pools.values())).uses_processes}")  # fmt: skip
-    runs = bench.run({f"{n} parts": variant(pool, shots) for n, pool in pools.items()})
-    bench.table(runs, {"ms": "ms per image"}, baseline=next(iter(runs)), fmt=".2f")
-    for pool in pools.values():
-        pool.close()
+    runs = bench.run({name: variant(made, shots) for name, made in pools.items()})
+    bench.table(runs, {"ms": "ms per image"}, baseline="serial", fmt=".2f")
+    for made in pools.values():
+        made.close()
     bench.finish()
 
 

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = CropPool(config, recent=0, processes=False)
     expected = legacy()
     for name, got in (("pool", pool.pixels(image)), ("pool, threads", threads.pixels(image))):
-        if not torch.equal(got.pixels, expected):
+        if not torch.equal(got.encoder_input(torch.float32, "cpu"), expected):
             raise SystemExit(f"{name}: the crops differ from the code as it was")
     bench = harness.start(args, "Image crops beside a busy Python thread (bench_crops.py)")
     n_crops = crop_geometry(height, width, config).n_crops

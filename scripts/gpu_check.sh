@@ -9,7 +9,7 @@
 #   4. scripts/bench_gpu_runtime.py twice, FlashAttention's decode and the Triton decode kernel
 #      forced (KESTREL_DECODE_KERNEL=fa / triton): decode step ms by batch, kernels, TTFT;
 #      scripts/bench_attention.py --only gpu: the decode attention calls alone, fa vs Triton;
-#      scripts/bench_crop_parts.py: one image's crops in 1, 2, 4, 8 parts on the host's cores;
+#      scripts/bench_crop_parts.py: one image's crops serially and in 2, 4, 8 parts on the host's cores;
 #   5. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
 #      captures, the start-up decode kernel choice per bucket, decode step ms by batch for
 #      each decode kernel, crop ms by parts (the last line of stdout).
@@ -76,7 +76,7 @@ done
 timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
   > "$OUT/attention.log" 2>&1
 echo "== host: one image's crops in 1-8 parts, on this machine's cores" >&2
-timeout "$(cap 60)" "$PY" scripts/bench_crop_parts.py --parts 1,2,4,8 --rounds 3 --repeats 10 \
+timeout "$(cap 60)" "$PY" scripts/bench_crop_parts.py --parts 2,4,8 --rounds 3 --repeats 10 \
   --allow-busy > "$OUT/crops.log" 2>&1
 grep -E '\| [0-9]+ parts \|' "$OUT/crops.log" >&2
 
@@ -108,10 +108,11 @@ def decode_ms(kernel: str) -> dict | None:
 
 
 def crops_ms() -> dict | None:
-    """One image's crops, ms by parts (bench_crop_parts' table; None if it did not run)."""
+    """One image's crops, ms by variant (bench_crop_parts' table; None if it did not run)."""
     path = out / "crops.log"
     text = path.read_text(errors="replace") if path.exists() else ""
-    return {int(n): float(ms) for n, ms in re.findall(r"\| (\d+) parts \| ([\d.]+)", text)} or None
+    rows = re.findall(r"^\| (serial|1 part, libvips threads|\d+ parts) \| ([\d.]+)", text, re.M)
+    return {name: float(ms) for name, ms in rows} or None
 
 
 print(json.dumps({

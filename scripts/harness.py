@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness_load import Load, busy_reasons, cpu_ticks, cpu_used, measure_load
+from harness_load import Load, busy_reasons, cpu_ticks, cpu_used, descendants, measure_load
 
 __all__ = ["Bench", "Spread", "add_arguments", "interleave", "ratio", "spread", "start"]
 
@@ -206,9 +206,10 @@ class Bench:
         return q
 
     def others_during_run(self) -> list[str]:
-        """The other processes that were busy over the whole run (alive at its end)."""
+        """The other processes that were busy over the whole run (alive at its end; this
+        process's own children, such as crop workers, are not others)."""
         seconds = max(time.monotonic() - self._t0, 1e-3)
-        procs = cpu_used(self._ticks, cpu_ticks(), seconds, frozenset({os.getpid()}))
+        procs = cpu_used(self._ticks, cpu_ticks(), seconds, descendants(os.getpid()))
         return busy_reasons(Load(0.0, self.load.cores, procs), math.inf, self.args.max_proc_cpu)
 
     def finish(self, extra: Mapping[str, object] | None = None) -> None:

@@ -14,7 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Load", "ProcUse", "busy_reasons", "cpu_ticks", "cpu_used", "measure_load", "read_load1"]
+__all__ = [
+    "Load",
+    "ProcUse",
+    "busy_reasons",
+    "cpu_ticks",
+    "cpu_used",
+    "descendants",
+    "measure_load",
+    "read_load1",
+]
 
 PROC = Path("/proc")
 
@@ -51,6 +60,26 @@ def _name(pid_dir: Path) -> str:
         return " ".join(cmd.split())[:80] or (pid_dir / "comm").read_text().strip()
     except OSError:
         return "?"
+
+
+def descendants(root: int, proc: Path = PROC) -> frozenset[int]:
+    """``root`` and every process below it (a benchmark's own worker processes are not
+    "other" processes beside it)."""
+    parents: dict[int, int] = {}
+    for d in proc.iterdir():
+        if d.name.isdigit():
+            try:
+                text = (d / "stat").read_text()
+                parents[int(d.name)] = int(text[text.rindex(")") + 2 :].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found = {root}
+    grew = True
+    while grew:
+        below = {pid for pid, parent in parents.items() if parent in found} - found
+        found |= below
+        grew = bool(below)
+    return frozenset(found)
 
 
 def cpu_ticks(proc: Path = PROC) -> dict[int, int]:

@@ -37,7 +37,7 @@ __all__ = [
     "overlap_crops",
     "select_tiling",
     "vips_image",
-    "write_planes",
+    "write_crops",
 ]
 
 
@@ -108,25 +108,31 @@ class CropPart:
     bottom: int
 
 
-# The global crop's cost in upscaled-copy pixels (one unit: resampling a pixel of a band and
-# copying it into its crops): shrinking the source costs ~0.25 of a unit per source pixel, and
-# the crop's own copy ~0.3 per crop pixel (measured with libvips 8.18 on an AMD EPYC: 1280 x 960
-# source, 1.6 ms for the global crop against 5.1 ms for the 910 x 910 bands and their copies).
-GLOBAL_PER_SOURCE_PIXEL = 0.25
-GLOBAL_PER_CROP_PIXEL = 0.3
+# What a part costs, in units of one band pixel made by shrinking (resampling a pixel of the
+# resized copy and copying it into its crops). Measured with libvips 8.18 on an AMD EPYC, one
+# thread (``scripts/bench_crop_parts.py``): a band pixel costs ~4.6 ns when the copy shrinks the
+# source, ~20 ns when it enlarges it in either direction (libvips then resamples through an
+# affine transform: a 700 x 700 image's 910 x 910 copy takes 17 ms, a 1280 x 960 one's 3.8 ms).
+# The global crop (always a shrink but for tiny images) costs ~0.16 of a unit per source pixel
+# and ~1.3 per crop pixel: 1.7 ms for a 1280 x 960 source.
+ENLARGED_BAND_PIXEL = 4.4
+GLOBAL_PER_SOURCE_PIXEL = 0.16
+GLOBAL_PER_CROP_PIXEL = 1.3
 
 
-def crop_parts(g: CropGeometry, n: int, source_pixels: int = 0) -> list[CropPart]:
+def crop_parts(g: CropGeometry, n: int, source: tuple[int, int] = (0, 0)) -> list[CropPart]:
     """Up to ``n`` parts that together make every crop of ``g``, about equal in work: bands
-    of the upscaled copy's rows, the first one shortened by the global crop's work (it makes
-    that crop too, from a source of ``source_pixels`` pixels)."""
+    of the resized copy's rows, the first one shortened by the global crop's work (it makes
+    that crop too). ``source``: the image's height and width, which set that work."""
     height, width = g.resized
     k = max(1, min(n, height))
-    whole = GLOBAL_PER_SOURCE_PIXEL * source_pixels + GLOBAL_PER_CROP_PIXEL * g.crop**2
-    total = whole + height * width
+    enlarged = height > source[0] or width > source[1]
+    per_row = width * (ENLARGED_BAND_PIXEL if enlarged else 1.0)
+    whole = GLOBAL_PER_SOURCE_PIXEL * source[0] * source[1] + GLOBAL_PER_CROP_PIXEL * g.crop**2
+    total = whole + height * per_row
     edges = [0]
     for i in range(1, k):  # band i ends where i / k of the work is done
-        edges.append(min(height, max(edges[-1], round((total * i / k - whole) / width))))
+        edges.append(min(height, max(edges[-1], round((total * i / k - whole) / per_row))))
     edges.append(height)
     parts = [CropPart(i == 0, edges[i], edges[i + 1]) for i in range(k)]
     return [p for p in parts if p.whole or p.bottom > p.top]
@@ -218,15 +224,11 @@ def _fit(
     return np.frombuffer(out.write_to_memory(), dtype).reshape(height, width, 3)
 
 
-def _windows(resized: np.ndarray, g: CropGeometry, planar: bool) -> np.ndarray:
-    """A read-only view of the local crops in ``resized``: [rows, cols, crop, crop, 3], or
-    [rows, cols, 3, crop, crop] when ``planar``."""
+def _windows(resized: np.ndarray, g: CropGeometry) -> np.ndarray:
+    """A read-only view of the local crops in ``resized``: [rows, cols, crop, crop, 3]."""
     s0, s1, s2 = resized.strides
     shape = (g.rows, g.cols, g.crop, g.crop, 3)
     strides = (g.window * s0, g.window * s1, s0, s1, s2)
-    if planar:
-        shape = (g.rows, g.cols, 3, g.crop, g.crop)
-        strides = (g.window * s0, g.window * s1, s2, s0, s1)
     return np.lib.stride_tricks.as_strided(resized, shape, strides, writeable=False)
 
 
@@ -242,42 +244,42 @@ def overlap_crops(
     crops = np.empty((g.n_crops, g.crop, g.crop, 3), dtype=np.uint8)
     crops[0] = _fit(vips, g.crop, g.crop, None)
     local = crops[1:].reshape(g.rows, g.cols, g.crop, g.crop, 3)
-    np.copyto(local, _windows(_fit(vips, *g.resized, None), g, planar=False))
+    np.copyto(local, _windows(_fit(vips, *g.resized, None), g))
     crops.flags.writeable = False
     return OverlapCrops(crops=crops, tiling=(g.rows, g.cols))
 
 
-def write_planes(
+def write_crops(
     image: pyvips.Image,
     g: CropGeometry,
     out: np.ndarray,
     lut: pyvips.Image | None = None,
     part: CropPart | None = None,
 ) -> None:
-    """Write the crops of ``image`` channel-major into ``out`` [N, 3, crop, crop]: uint8, or
+    """Write the crops of ``image`` into ``out`` [N, crop, crop, 3], channels last as libvips
+    makes them (the device, or the encoder's patch cut, reorders them for free): uint8, or
     float32 mapped through ``lut`` (256 entries, one per pixel value). ``part``: only those
-    crops (``crop_parts``); the others are left as they are."""
-    want = (g.n_crops, 3, g.crop, g.crop)
+    crops (``crop_parts``); the others are left as they are. Every copy here moves whole
+    crop rows (``crop * 3`` contiguous values), not single channels."""
+    want = (g.n_crops, g.crop, g.crop, 3)
     dtype = np.dtype(np.float32 if lut is not None else np.uint8)
     if out.shape != want or out.dtype != dtype or not out.flags.c_contiguous:
         raise CropError(
-            f"crop planes need a C-contiguous {dtype} {want} array, got {out.dtype} {out.shape}"
+            f"crops need a C-contiguous {dtype} {want} array, got {out.dtype} {out.shape}"
         )
     height, width = g.resized
     part = part or CropPart(True, 0, height)
     if part.whole:
-        np.copyto(out[0], _fit(image, g.crop, g.crop, lut).transpose(2, 0, 1))
+        np.copyto(out[0], _fit(image, g.crop, g.crop, lut))
     if part.bottom <= part.top:
         return
     band = _fit(image, height, width, lut, (part.top, 0, part.bottom - part.top, width))
-    local = out[1:].reshape(g.rows, g.cols, 3, g.crop, g.crop)
-    s0, s1, s2 = band.strides
+    local = out[1:].reshape(g.rows, g.cols, g.crop, g.crop, 3)
     for r in range(g.rows):  # the rows of tile row r inside the band
         a, b = max(part.top, r * g.window), min(part.bottom, r * g.window + g.crop)
         if a >= b:
             continue
         rows = band[a - part.top : b - part.top]
-        tiles = np.lib.stride_tricks.as_strided(
-            rows, (g.cols, 3, b - a, g.crop), (g.window * s1, s2, s0, s1), writeable=False
-        )
-        np.copyto(local[r, :, :, a - r * g.window : b - r * g.window], tiles)
+        for c in range(g.cols):
+            x = c * g.window
+            local[r, c, a - r * g.window : b - r * g.window] = rows[:, x : x + g.crop]

@@ -9,9 +9,10 @@ process (``crop_worker.py``, started by ``crop_procs.py``) through shared memory
 only copy the pixels in, send one message and wait for the reply; the result is a tensor over
 that shared memory, or, for a CUDA model, copied once into pinned staging taken at start-up
 (whose upload then needs no host sync: ``crop_staging.py``) out of one of the process's
-reused shared-memory arenas (``crop_arenas.py``: no fresh pages to allocate per image). One
-image's crops are split into parts (bands of the upscaled image) made at once by as many worker
-processes, so a lone request waits for a fraction of the serial time.
+reused shared-memory arenas (``crop_arenas.py``: no fresh pages to allocate per image). The
+crops are channels last, as libvips makes them (the device reorders them for free). A lone
+image's crops spread over the host's cores: split into parts (bands of the resized copy) sent
+together to as many worker processes, each part made on its share of libvips threads.
 
 - ``hold(images)``: the Engine calls it on the caller's thread when it submits a request; the
   crops start at once (up to ``prefetch`` images not yet taken; more wait their turn, first
@@ -49,7 +50,7 @@ from kestrel.moondream.crops import (
     crop_parts,
     lut_image,
     vips_image,
-    write_planes,
+    write_crops,
 )
 from kestrel.moondream.vision import pixel_table
 from kestrel.runtime.crop_arenas import ARENAS, one_off
@@ -63,13 +64,20 @@ _MAX_FAILURES = 3  # worker processes that die in a row before a pool stops star
 _WORKERS = WORKERS  # the process's crop workers (tests stop them)
 
 
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _aligned(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
 class _Cropper:
     """Makes one image's crops in ``parallel`` parts at once (``crops.crop_parts``), each in a
-    worker process or, failing that, on a thread here; stages them when ``staging`` is set."""
+    worker process (all sent before any reply is awaited) or, failing that, on a part thread
+    here; stages them when ``staging`` is set."""
 
     def __init__(
         self,
@@ -78,9 +86,11 @@ class _Cropper:
         processes: bool,
         parallel: int,
         staging: CropStaging | None,
+        threads: int,
     ) -> None:
         self.config = config
         self.normalize, self.staging, self.parallel = normalize, staging, parallel
+        self.threads = threads
         self.processes = processes and processes_supported()
         self.failures = 0
         self.table = pixel_table() if normalize else None
@@ -93,14 +103,14 @@ class _Cropper:
     def crop(self, image: PreparedImage) -> CropPixels:
         pixels = check_pixels(image.pixels)
         g = crop_geometry(pixels.shape[0], pixels.shape[1], self.config)
-        parts = crop_parts(g, self.parallel, pixels.shape[0] * pixels.shape[1])
+        parts = crop_parts(g, self.parallel, pixels.shape[:2])
         made = self._in_worker(pixels, g, parts) if self.processes else None
         if made is not None:
             return made
-        planes = self._here(pixels, g, parts)
+        crops_hwc = self._here(pixels, g, parts)
         if self.staging is not None:
-            return self.staging.stage(planes, (g.rows, g.cols))
-        return CropPixels(planes, (g.rows, g.cols))
+            return self.staging.stage(crops_hwc, (g.rows, g.cols))
+        return CropPixels(crops_hwc, (g.rows, g.cols))
 
     def close(self) -> None:
         if self._parts is not None:
@@ -140,7 +150,7 @@ class _Cropper:
     ) -> CropPixels | None:
         """The crops made by worker processes; None if they could not (then made here)."""
         try:
-            planes = self._shipped(pixels, g, parts)
+            crops_hwc = self._shipped(pixels, g, parts)
         except (WorkerGone, OSError) as exc:  # no worker, or no shared memory to give it
             self.failures += 1
             if self.failures >= _MAX_FAILURES:
@@ -148,56 +158,57 @@ class _Cropper:
             log.warning("crops made in-process: %s", exc)
             return None
         self.failures = 0
-        return planes
+        return crops_hwc
 
     def _shipped(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> CropPixels:
-        """The worker processes make the crops in shared memory: uint8 crops (a CUDA model's)
-        in a reused arena (``crop_arenas.py``) they are copied out of, into pinned staging
-        where there is some; float32 crops (4x the bytes: a copy costs what the arena saves),
-        or any when no arena is free, in a file of this image's own, which they stay in."""
+        """The worker processes make the crops in shared memory: in a reused arena
+        (``crop_arenas.py``) they are copied out of (into pinned staging where there is some),
+        or, when no arena is free, in a file of this image's own, which they stay in. A fresh
+        file's pages cost more than the copy, float32 crops' too: a 1280 x 960 image's took
+        17 ms through a file of their own, 8 ms through an arena and a copy (2 cores)."""
         n_in, (np_dtype, dtype) = pixels.size, self._dtypes()
         count = g.n_crops * 3 * g.crop * g.crop
         out_at = _aligned(n_in)
         size = out_at + count * np_dtype.itemsize
-        arena = None if self.normalize else ARENAS.take(size)
+        arena = ARENAS.take(size)
         shared = arena if arena is not None else one_off(size)
         try:
             np.frombuffer(shared.memory, np.uint8, count=n_in)[:] = pixels.reshape(-1)
             head = {"size": shared.size, "height": pixels.shape[0], "width": pixels.shape[1],
-                    "out": out_at, "geometry": _fields(g)}  # fmt: skip
+                    "out": out_at, "geometry": _fields(g), "threads": self.threads}  # fmt: skip
             if arena is not None:
                 head["arena"] = list(arena.key)
             table = self.table.tobytes() if self.table is not None else b""
+            key = None if arena is None else arena.key
 
-            def run(part: CropPart) -> None:
+            def job(part: CropPart) -> tuple[bytes, int, tuple[int, int] | None]:
                 spec = {**head, "part": [part.whole, part.top, part.bottom]}
-                message = json.dumps(spec).encode() + b"\n" + table
-                WORKERS.run(message, shared.fd, None if arena is None else arena.key)
+                return json.dumps(spec).encode() + b"\n" + table, shared.fd, key
 
-            self._each(run, parts)
-            planes = torch.frombuffer(shared.memory, dtype=dtype, count=count, offset=out_at)
-            return self._kept(planes.view(g.n_crops, 3, g.crop, g.crop), g, arena is not None)
+            WORKERS.run_all([job(part) for part in parts])  # all at once, none on a thread
+            crops_hwc = torch.frombuffer(shared.memory, dtype=dtype, count=count, offset=out_at)
+            return self._kept(crops_hwc.view(g.n_crops, g.crop, g.crop, 3), g, arena is not None)
         finally:
             if arena is not None:
                 ARENAS.give(arena)
             else:
                 os.close(shared.fd)  # the mapping lives on in the crops' tensor
 
-    def _kept(self, planes: torch.Tensor, g: CropGeometry, borrowed: bool) -> CropPixels:
-        """``planes`` as the crops handed out: staged, or as they are, or (``borrowed``: in
+    def _kept(self, crops_hwc: torch.Tensor, g: CropGeometry, borrowed: bool) -> CropPixels:
+        """``crops_hwc`` as the crops handed out: staged, or as they are, or (``borrowed``: in
         memory that is reused) copied when no staging slot is free."""
         tiling = (g.rows, g.cols)
-        crops = self.staging.stage(planes, tiling) if self.staging is not None else None
+        crops = self.staging.stage(crops_hwc, tiling) if self.staging is not None else None
         if crops is not None and (crops.staging is not None or not borrowed):
             return crops
-        return CropPixels(planes.clone() if borrowed else planes, tiling)
+        return CropPixels(crops_hwc.clone() if borrowed else crops_hwc, tiling)
 
     def _here(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> torch.Tensor:
         np_dtype, _ = self._dtypes()
-        out = np.empty((g.n_crops, 3, g.crop, g.crop), np_dtype)
+        out = np.empty((g.n_crops, g.crop, g.crop, 3), np_dtype)
         lut = lut_image(self.table) if self.table is not None else None
         image = vips_image(pixels)  # libvips images are immutable: the parts share it
-        self._each(lambda part: write_planes(image, g, out, lut, part), parts)
+        self._each(lambda part: write_crops(image, g, out, lut, part), parts)
         return torch.from_numpy(out)
 
 
@@ -234,13 +245,18 @@ class CropHold:
 class CropPool:
     """Crops for one model's vision config, made by ``workers`` threads (module doc).
 
-    ``normalize``: float32 crops ready for the encoder (on a CPU model), else uint8 planes that
+    ``normalize``: float32 crops ready for the encoder (on a CPU model), else uint8 crops that
     ``CropPixels.encoder_input`` normalizes on the device (4x less to upload); ``pin_memory``:
     uint8 crops staged in pinned memory taken now, once (``crop_staging.py``; a CUDA model's:
-    uploaded without a host sync). ``parallel`` (default ``workers``): the parts one image's
-    crops are split into and made at once, so a lone request's crops take a fraction of the
-    time. ``prefetch`` bounds the images started but not yet taken (their memory); ``recent``
-    is how many lately encoded images ``hold(skip_recent=True)`` leaves alone (0: none).
+    uploaded without a host sync). ``parallel``: the parts one image's crops are split into and
+    made at once by as many worker processes; ``threads``: the libvips threads each part is
+    made with (worker processes only; the in-process fallback keeps the process's setting).
+    Either way a lone image's crops spread over the cores: by default one part per 4 cores (at
+    most ``workers``), each on the cores over ``parallel`` threads (measured on 2 cores, one
+    render on both beats two one-thread parts, ``scripts/bench_crop_parts.py``; a GPU host's
+    many cores are measured by ``scripts/gpu_check.sh``). ``prefetch`` bounds the images
+    started but not yet taken (their memory); ``recent`` is how many lately encoded images
+    ``hold(skip_recent=True)`` leaves alone (0: none).
     ``processes=False`` makes the crops on the pool's threads.
     """
 
@@ -255,15 +271,17 @@ class CropPool:
         recent: int = 0,
         processes: bool = True,
         parallel: int | None = None,
+        threads: int | None = None,
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if pin_memory and normalize:
             raise ValueError("pinned crop staging holds uint8 crops: pass normalize=False")
-        workers = workers or max(2, min(4, (os.cpu_count() or 2) // 4))
-        parallel = parallel or workers
+        workers = workers or max(2, min(4, _cores() // 4))
+        parallel = parallel or max(1, min(workers, _cores() // 4))
+        threads = threads or max(1, _cores() // parallel)
         staging = CropStaging(config, prefetch + workers + 2) if pin_memory else None
-        self._cropper = _Cropper(config, normalize, processes, parallel, staging)
+        self._cropper = _Cropper(config, normalize, processes, parallel, staging, threads)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-crops")
         self._lock = threading.Lock()
         self._entries: dict[bytes, _Entry] = {}  # by image digest, in arrival order

@@ -46,26 +46,41 @@ class _Worker:
             theirs.close()
         self.sock = ours
         self.mapped: dict[int, int] = {}  # arena slot -> the generation this worker mapped
+        self._pending: tuple[bytes, int, tuple[int, int] | None, bool] | None = None
 
-    def run(self, message: bytes, fd: int, arena: tuple[int, int] | None = None) -> None:
-        """One request; ``arena`` = (slot, generation) when ``fd`` is a reused arena's, whose
-        descriptor goes only to a worker that has not mapped that generation yet (and again,
-        once, if the worker says it has not)."""
+    def send(self, message: bytes, fd: int, arena: tuple[int, int] | None = None) -> None:
+        """Send one request (``finish`` waits for its reply); ``arena`` = (slot, generation)
+        when ``fd`` is a reused arena's, whose descriptor goes only to a worker that has not
+        mapped that generation yet (and again, once, if the worker says it has not)."""
         send_fd = arena is None or self.mapped.pop(arena[0], None) != arena[1]
-        reply = self._ask(message, fd if send_fd else None)
+        self._pending = (message, fd, arena, send_fd)
+        self._send(message, fd if send_fd else None)
+
+    def finish(self) -> None:
+        """Wait for the reply to the request ``send`` sent; CropError if it failed."""
+        if self._pending is None:
+            raise RuntimeError("finish() without a request sent")
+        (message, fd, arena, send_fd), self._pending = self._pending, None
+        reply = self._recv()
         if reply == NOT_MAPPED and not send_fd:
-            reply = self._ask(message, fd)
+            self._send(message, fd)
+            reply = self._recv()
         if arena is not None and reply == b"ok":
             self.mapped[arena[0]] = arena[1]
         if reply != b"ok":
             raise CropError(reply.decode(errors="replace").removeprefix("error: "))
 
-    def _ask(self, message: bytes, fd: int | None) -> bytes:
+    def _send(self, message: bytes, fd: int | None) -> None:
         try:
             if fd is not None:
                 socket.send_fds(self.sock, [message], [fd])
             else:
                 self.sock.sendall(message)
+        except OSError as exc:
+            raise WorkerGone(f"the crop worker process is gone: {exc}") from exc
+
+    def _recv(self) -> bytes:
+        try:
             reply = self.sock.recv(1 << 16)
         except OSError as exc:
             raise WorkerGone(f"the crop worker process is gone: {exc}") from exc
@@ -97,11 +112,49 @@ class _Workers:
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()
 
-    def run(self, message: bytes, fd: int, arena: tuple[int, int] | None = None) -> None:
-        """``message`` and the memory ``fd`` to an idle worker (started if none is): see
-        ``_Worker.run`` for ``arena``."""
-        with self._lock:
-            worker = self._idle.pop() if self._idle else None
+    def run_all(self, jobs: list[tuple[bytes, int, tuple[int, int] | None]]) -> None:
+        """Each (message, fd, arena) of ``jobs`` to an idle worker of its own (started if none
+        is; ``_Worker.send`` for ``arena``), all sent before any reply is awaited, so they run
+        at once with no thread of ours per job. Returns when every worker that got one has
+        answered; raises the first error."""
+        sent: list[_Worker] = []
+        errors: list[BaseException] = []
+        for message, fd, arena in jobs:
+            try:
+                worker = self._take()
+            except WorkerGone as exc:
+                errors.append(exc)
+                break
+            try:
+                worker.send(message, fd, arena)
+                sent.append(worker)
+            except BaseException as exc:  # gone: never reuse it
+                self._discard(worker)
+                errors.append(exc)
+                break
+        for worker in sent:  # every sent job ends before the caller lets its memory go
+            try:
+                worker.finish()
+            except CropError as exc:  # a bad request; the worker is fine
+                self._give_back(worker)
+                errors.append(exc)
+            except BaseException as exc:  # gone, or interrupted mid-request
+                self._discard(worker)
+                errors.append(exc)
+            else:
+                self._give_back(worker)
+        if errors:
+            raise errors[0]
+
+    def _take(self) -> _Worker:
+        """An idle worker whose process is still running (those that exited are let go), or
+        a new one."""
+        while True:
+            with self._lock:
+                worker = self._idle.pop() if self._idle else None
+            if worker is None or worker.proc.poll() is None:
+                break
+            self._discard(worker)
         if worker is None:
             try:
                 worker = _Worker()
@@ -109,15 +162,7 @@ class _Workers:
                 raise WorkerGone(f"cannot start a crop worker process: {exc}") from exc
             with self._lock:
                 self._all.add(worker)
-        try:
-            worker.run(message, fd, arena)
-        except CropError:
-            self._give_back(worker)  # a bad request; the worker is fine
-            raise
-        except BaseException:  # gone, or interrupted mid-request: never reuse it
-            self._discard(worker)
-            raise
-        self._give_back(worker)
+        return worker
 
     def _give_back(self, worker: _Worker) -> None:
         with self._lock:

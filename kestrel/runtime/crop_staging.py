@@ -27,9 +27,9 @@ __all__ = ["CropPixels", "CropStaging"]
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class CropPixels:
-    """An image's crops on the host, channel-major [N, 3, crop, crop]: normalized float32, or
-    uint8 to be normalized on the device; ``tiling`` = (rows, cols). ``staging``: the slot of
-    pinned memory ``pixels`` lies in (None: plain memory)."""
+    """An image's crops on the host, channels last [N, crop, crop, 3] as libvips makes them:
+    normalized float32, or uint8 to be normalized on the device; ``tiling`` = (rows, cols).
+    ``staging``: the slot of pinned memory ``pixels`` lies in (None: plain memory)."""
 
     pixels: torch.Tensor
     tiling: tuple[int, int]
@@ -45,8 +45,9 @@ class CropPixels:
             staging, slot = self.staging
             staging.uploaded(slot)
         if pixels.dtype == torch.uint8:  # the same arithmetic, on the device
-            return normalize_pixels(pixels.permute(0, 2, 3, 1), dtype, device)
-        return pixels.to(dtype=dtype)
+            return normalize_pixels(pixels, dtype, device)
+        # a view: the encoder's patch cut (``vision.patchify``) copies it into patches anyway
+        return pixels.permute(0, 3, 1, 2).to(dtype=dtype)
 
 
 class CropStaging:
@@ -66,19 +67,19 @@ class CropStaging:
         self.takes = 0
         self.misses = 0
 
-    def stage(self, planes: torch.Tensor, tiling: tuple[int, int]) -> CropPixels:
-        """``planes`` (uint8 [N, 3, crop, crop]) copied into a free slot; in plain memory as
+    def stage(self, crops_hwc: torch.Tensor, tiling: tuple[int, int]) -> CropPixels:
+        """``crops_hwc`` (uint8 [N, crop, crop, 3]) copied into a free slot; in plain memory as
         they are when no slot is free."""
-        slot = self._take() if planes.dtype == torch.uint8 else None
-        if slot is None or planes.shape[0] > self.max_crops:
+        slot = self._take() if crops_hwc.dtype == torch.uint8 else None
+        if slot is None or crops_hwc.shape[0] > self.max_crops:
             if slot is not None:
                 self._give_back(slot)
             with self._lock:
                 self.misses += 1
-            return CropPixels(planes, tiling)
+            return CropPixels(crops_hwc, tiling)
         start = slot * self.slot_bytes
-        view = self._memory[start : start + planes.numel()].view(planes.shape)
-        view.copy_(planes)
+        view = self._memory[start : start + crops_hwc.numel()].view(crops_hwc.shape)
+        view.copy_(crops_hwc)
         crops = CropPixels(view, tiling, (self, slot))
         weakref.finalize(crops, self._give_back, slot)
         return crops

@@ -8,14 +8,15 @@ serves one request at a time:
 
 - request: one JSON line (``size`` of the shared memory, the image's ``height`` and
   ``width``, whose H x W x 3 uint8 pixels start at offset 0, the ``geometry`` fields, the
-  ``out`` offset, and optionally ``part`` = [whole, top, bottom]: only those crops,
-  ``crops.CropPart``), then, when the crops are to be normalized, the 256-entry float32 pixel
-  table. The memory is a shared-memory file (``memfd``) passed with the message: for this
-  request alone, or, with ``arena`` = [slot, generation], one of the pool's reused arenas,
-  kept mapped here under that slot until a later generation of it replaces it (its
-  descriptor comes only with the slot's first request to this worker; later ones reuse the
-  mapping, so neither side maps or faults in fresh pages per image);
-- work: ``write_planes`` writes the crops [N, 3, crop, crop] (or the part's) at ``out``
+  ``out`` offset, optionally ``part`` = [whole, top, bottom]: only those crops,
+  ``crops.CropPart``, and ``threads``: the libvips threads to make them with), then, when the
+  crops are to be normalized, the 256-entry float32 pixel table. The memory is a
+  shared-memory file (``memfd``) passed with the message: for this request alone, or, with
+  ``arena`` = [slot, generation], one of the pool's reused arenas, kept mapped here under that
+  slot until a later generation of it replaces it (its descriptor comes only with the slot's
+  first request to this worker; later ones reuse the mapping, so neither side maps or faults
+  in fresh pages per image);
+- work: ``write_crops`` writes the crops [N, crop, crop, 3] (or the part's) at ``out``
   (float32 through the table, else uint8); several workers may write parts of one image's
   crops into the same memory at once;
 - reply: ``ok``, ``not mapped`` (an arena request without the descriptor for a generation this
@@ -95,7 +96,10 @@ def _handle(
         count = g.n_crops * 3 * g.crop * g.crop
         out = np.frombuffer(memory, dtype, count=count, offset=req["out"])
         part = crops.CropPart(*req["part"]) if "part" in req else None
-        crops.write_planes(src, g, out.reshape(g.n_crops, 3, g.crop, g.crop), lut, part)
+        threads = req.get("threads")
+        if threads and threads != crops.pyvips.concurrency_get():
+            crops.pyvips.concurrency_set(threads)
+        crops.write_crops(src, g, out.reshape(g.n_crops, g.crop, g.crop, 3), lut, part)
         del src, out
     finally:
         if "arena" not in req:

@@ -23,8 +23,8 @@ def test_crops_never_run_on_the_scheduler_thread(images, monkeypatch) -> None:
         return wrapper
 
     monkeypatch.setattr(crop_pool._Cropper, "crop", recording("crop", crop_pool._Cropper.crop))
-    for module, name in [(crops, "overlap_crops"), (crops, "write_planes"),
-                         (vision, "normalize_pixels"), (crop_pool, "write_planes"),
+    for module, name in [(crops, "overlap_crops"), (crops, "write_crops"),
+                         (vision, "normalize_pixels"), (crop_pool, "write_crops"),
                          (crop_staging, "normalize_pixels")]:  # fmt: skip
         monkeypatch.setattr(module, name, recording("host", getattr(module, name)))
     with Engine(FIXTURE_MODEL, device="cpu", dtype="float32") as engine:

@@ -63,8 +63,8 @@ def test_worker_maps_an_arena_once_and_asks_for_a_missing_one() -> None:
         assert ours.recv(4096) == b"ok"
         count = g.n_crops * 3 * g.crop * g.crop
         made = np.frombuffer(arena.memory, np.uint8, count=count, offset=out).copy()
-        want = np.empty((g.n_crops, 3, g.crop, g.crop), np.uint8)
-        crops_mod.write_planes(crops_mod.vips_image(pixels), g, want)
+        want = np.empty((g.n_crops, g.crop, g.crop, 3), np.uint8)
+        crops_mod.write_crops(crops_mod.vips_image(pixels), g, want)
         assert np.array_equal(made.reshape(want.shape), want)
         np.frombuffer(arena.memory, np.uint8, count=count, offset=out)[:] = 0
         ours.sendall(message)  # no descriptor: the worker's mapping of generation 1
@@ -98,15 +98,15 @@ def test_staged_pool_crops_through_arenas(monkeypatch) -> None:
         return real_send_fds(sock, buffers, fds, *args)
 
     monkeypatch.setattr(crop_procs.socket, "send_fds", counted)
-    pool = CropPool(VISION, normalize=False, pin_memory=True, workers=2)
+    pool = CropPool(VISION, normalize=False, pin_memory=True, workers=2, parallel=2)
     rng = np.random.default_rng(1)
     sizes = [(600, 800), (960, 1280), (600, 800), (960, 1280), (2000, 1500), (600, 800)]
     try:
         for h, w in sizes:
             image = prepare_image(rng.integers(0, 256, (h, w, 3), np.uint8))
             g = crops_mod.crop_geometry(h, w, VISION)
-            want = np.empty((g.n_crops, 3, g.crop, g.crop), np.uint8)
-            crops_mod.write_planes(crops_mod.vips_image(image.pixels), g, want)
+            want = np.empty((g.n_crops, g.crop, g.crop, 3), np.uint8)
+            crops_mod.write_crops(crops_mod.vips_image(image.pixels), g, want)
             got = pool.pixels(image)
             assert got.staging is not None and torch.equal(got.pixels, torch.from_numpy(want))
             del got
@@ -117,3 +117,33 @@ def test_staged_pool_crops_through_arenas(monkeypatch) -> None:
     assert arenas.made <= 3  # one file, grown at most twice (the larger images)
     assert 0 < len(sends) <= workers * arenas.made  # a descriptor per worker and file, once
     assert len(sends) < requests
+
+
+@needs_memfd
+def test_float_crops_go_through_an_arena_and_are_copied_out(monkeypatch) -> None:
+    """A CPU model's float32 crops use the arenas too (a file per image costs more in fresh
+    pages than the copy): no file of their own, and crops handed out never change when the
+    arena is reused for the next image."""
+    arenas = crop_arenas.Arenas(slots=2)
+    monkeypatch.setattr(crop_pool, "ARENAS", arenas)
+    files: list[int] = []
+    real_one_off = crop_pool.one_off
+    monkeypatch.setattr(crop_pool, "one_off", lambda size: files.append(size) or real_one_off(size))
+    pool = CropPool(VISION, normalize=True, workers=1)
+    rng = np.random.default_rng(2)
+    try:
+        made = []
+        for h, w in [(960, 1280), (600, 800), (960, 1280)]:
+            image = prepare_image(rng.integers(0, 256, (h, w, 3), np.uint8))
+            got = pool.pixels(image)
+            made.append((got, got.pixels.clone(), image))
+        for got, copy, image in made:
+            assert torch.equal(got.pixels, copy)  # not overwritten by a later image
+            g = crops_mod.crop_geometry(*image.pixels.shape[:2], VISION)
+            want = np.empty((g.n_crops, g.crop, g.crop, 3), np.float32)
+            table = crops_mod.lut_image(crop_pool.pixel_table())
+            crops_mod.write_crops(crops_mod.vips_image(image.pixels), g, want, table)
+            assert torch.equal(got.pixels, torch.from_numpy(want))
+    finally:
+        pool.close()
+    assert files == [] and arenas.made == 1

@@ -1,12 +1,17 @@
-"""One image's crops made in parts at once (bands of the upscaled copy, one worker each) equal
-the crops made in one piece; the pinned staging the crops of a CUDA model go through is taken
-once and reused."""
+"""One image's crops made in parts at once (bands of the resized copy, one worker each) equal
+the crops made in one piece; a lone image spreads over the cores (parts, libvips threads per
+part, both sent to the workers); the pinned staging the crops of a CUDA model go through is
+taken once and reused."""
 
 from __future__ import annotations
 
 import gc
 import itertools
+import json
+import os
+import socket
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -16,8 +21,9 @@ import torch
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.moondream import crops as crops_mod
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.runtime import crop_staging
+from kestrel.runtime import crop_arenas, crop_pool, crop_procs, crop_staging
 from kestrel.runtime.crop_pool import CropPool
+from kestrel.runtime.crop_worker import serve
 
 VISION = MoondreamConfig().vision  # Moondream 2's geometry: 378-pixel crops, up to 12
 SIZES = [(960, 1280), (378, 378), (1, 1), (1, 700), (2000, 500), (733, 1111), (379, 1000)]
@@ -33,17 +39,17 @@ def test_parts_make_exactly_the_whole(n: int) -> None:
     for i, (h, w) in enumerate(SIZES):
         pixels = _image(h, w, i).pixels
         g = crops_mod.crop_geometry(h, w, VISION)
-        parts = crops_mod.crop_parts(g, n, h * w)
+        parts = crops_mod.crop_parts(g, n, (h, w))
         assert 1 <= len(parts) <= n and sum(p.whole for p in parts) == 1
         edges = [(p.top, p.bottom) for p in parts if p.bottom > p.top]
         assert edges[0][0] == 0 and edges[-1][1] == g.resized[0]  # the rows, each once
         assert all(a[1] == b[0] for a, b in itertools.pairwise(edges))
         for lut, dtype in ((None, np.uint8), (table, np.float32)):
-            whole = np.empty((g.n_crops, 3, g.crop, g.crop), dtype)
-            crops_mod.write_planes(crops_mod.vips_image(pixels), g, whole, lut)
+            whole = np.empty((g.n_crops, g.crop, g.crop, 3), dtype)
+            crops_mod.write_crops(crops_mod.vips_image(pixels), g, whole, lut)
             pieced = np.full_like(whole, 7)
             for part in parts:
-                crops_mod.write_planes(crops_mod.vips_image(pixels), g, pieced, lut, part)
+                crops_mod.write_crops(crops_mod.vips_image(pixels), g, pieced, lut, part)
             assert np.array_equal(pieced, whole), (h, w, n, dtype)
 
 
@@ -56,33 +62,41 @@ def _timed(pool: CropPool, image: PreparedImage) -> tuple[float, torch.Tensor]:
 
 @pytest.mark.parametrize("processes", [True, False], ids=["worker-process", "pool-thread"])
 def test_one_image_in_parallel_equals_serial(processes: bool) -> None:
-    """A 1280 x 960 image (a global crop and 3 x 3 local ones) made serially and in two parts
-    at once: the same crops. Both wall times are printed, measured alternately image by image
-    after both pools are warm (a pool measured first, cold, looks slower than it is); the
-    target is parallel <= 0.6 x serial on an idle machine; the ratio is not asserted
+    """A 1280 x 960 image (a global crop and 3 x 3 local ones) made serially (one worker, one
+    libvips thread), by one worker with a libvips thread per core, and in two parts at once:
+    the same crops. The wall times are printed, measured alternately image by image after
+    every pool is warm (a pool measured first, cold, looks slower than it is); the target is
+    two parts <= 0.6 x serial on an idle machine; the ratio is not asserted
     (``scripts/bench_crop_parts.py`` measures it through the harness)."""
     images = [_image(960, 1280, seed) for seed in range(5)]
-    serial = CropPool(VISION, workers=1, parallel=1, normalize=False, processes=processes)
-    parallel = CropPool(VISION, workers=2, parallel=2, normalize=False, processes=processes)
-    times: dict[str, list[float]] = {"serial": [], "parallel": []}
+    pools = {
+        "serial": CropPool(VISION, workers=1, parallel=1, threads=1, normalize=False,
+                           processes=processes),
+        "libvips threads": CropPool(VISION, workers=1, parallel=1, threads=2, normalize=False,
+                                    processes=processes),
+        "2 parts": CropPool(VISION, workers=2, parallel=2, normalize=False, processes=processes),
+    }  # fmt: skip
+    assert pools["2 parts"]._cropper.threads == max(1, len(os.sched_getaffinity(0)) // 2)
+    times: dict[str, list[float]] = {name: [] for name in pools}
     try:
-        for pool in (serial, parallel):  # start the worker processes outside the timing
+        for pool in pools.values():  # start the worker processes outside the timing
             for seed in (98, 99):
                 pool.pixels(_image(960, 1280, seed))
         for _ in range(3):
             for image in images:
-                t_serial, want = _timed(serial, image)
-                t_parallel, got = _timed(parallel, image)
-                assert want.shape == (10, 3, 378, 378) and torch.equal(want, got)
-                times["serial"].append(t_serial)
-                times["parallel"].append(t_parallel)
+                made = {name: _timed(pool, image) for name, pool in pools.items()}
+                want = made["serial"][1]
+                assert want.shape == (10, 378, 378, 3)
+                assert all(torch.equal(want, got) for _, got in made.values())
+                for name, (took, _) in made.items():
+                    times[name].append(took)
     finally:
-        serial.close()
-        parallel.close()
-    t_serial, t_parallel = (statistics.median(times[k]) for k in ("serial", "parallel"))
-    print(f"\n1280x960 crops ({'processes' if processes else 'threads'}): serial "
-          f"{t_serial * 1e3:.1f} ms, 2 parts {t_parallel * 1e3:.1f} ms, "
-          f"ratio {t_parallel / t_serial:.2f}")  # fmt: skip
+        for pool in pools.values():
+            pool.close()
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    print(f"\n1280x960 crops ({'processes' if processes else 'threads'}): "
+          + ", ".join(f"{name} {v:.1f} ms" for name, v in ms.items())
+          + f"; 2 parts / serial {ms['2 parts'] / ms['serial']:.2f}")  # fmt: skip
 
 
 def test_staging_is_taken_once_and_reused(monkeypatch) -> None:
@@ -110,7 +124,7 @@ def test_staging_is_taken_once_and_reused(monkeypatch) -> None:
             assert torch.equal(h.pixels, w)
             assert torch.equal(
                 h.encoder_input(torch.float32, "cpu"),
-                crop_staging.normalize_pixels(w.permute(0, 2, 3, 1), torch.float32, "cpu"),
+                crop_staging.normalize_pixels(w, torch.float32, "cpu"),
             )
         del held, h
         gc.collect()
@@ -131,9 +145,67 @@ def test_staging_made_in_inference_mode_is_written_outside_it(monkeypatch) -> No
     with torch.inference_mode():
         staging = crop_staging.CropStaging(VISION, 2)
     assert not staging._memory.is_inference()
-    planes = torch.randint(0, 256, (3, 3, 378, 378), dtype=torch.uint8)
+    planes = torch.randint(0, 256, (3, 378, 378, 3), dtype=torch.uint8)
     staged = staging.stage(planes, (1, 2))  # outside inference mode, as a crop thread runs
     assert staged.staging is not None and torch.equal(staged.pixels, planes)
     with torch.inference_mode():  # and inside it, as the scheduler thread runs
         again = staging.stage(planes.flip(0), (1, 2))
     assert again.staging is not None and torch.equal(again.pixels, planes.flip(0))
+
+
+@pytest.mark.parametrize(
+    ("cores", "want"), [(2, (2, 1, 2)), (8, (2, 2, 4)), (16, (4, 4, 4)), (64, (4, 4, 16))]
+)
+def test_parts_and_threads_spread_a_lone_image_over_the_cores(monkeypatch, cores, want) -> None:
+    """(workers, parts per image, libvips threads per part) by default: one part per 4 cores
+    (at most the workers), each part on its share of the cores."""
+    monkeypatch.setattr(crop_pool, "_cores", lambda: cores)
+    pool = CropPool(VISION, processes=False)
+    try:
+        cropper = pool._cropper
+        assert (pool._executor._max_workers, cropper.parallel, cropper.threads) == want
+    finally:
+        pool.close()
+
+
+@pytest.mark.skipif(not crop_pool.processes_supported(), reason="needs memfd_create")
+def test_the_worker_makes_a_part_on_the_threads_it_is_told(monkeypatch) -> None:
+    """The request's ``threads`` sets the worker's libvips threads (run here on a thread of
+    this process, whose setting is put back after)."""
+    before = crops_mod.pyvips.concurrency_get()
+    sent: list[bytes] = []
+    monkeypatch.setattr(crop_procs._Worker, "_send", _recording_send(sent))
+    pool = CropPool(VISION, normalize=False, parallel=2, threads=3)
+    try:
+        image = _image(300, 400)
+        pool.pixels(image)
+        specs = [json.loads(m.partition(b"\n")[0]) for m in sent]
+        assert len(specs) == 2 and {s["threads"] for s in specs} == {3}
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        thread = threading.Thread(target=serve, args=(theirs, crops_mod))
+        thread.start()
+        try:
+            memory = crop_arenas.one_off(specs[0]["size"])
+            np.frombuffer(memory.memory, np.uint8, count=image.pixels.size)[:] = (
+                image.pixels.reshape(-1)
+            )
+            spec = {k: v for k, v in specs[0].items() if k != "arena"}
+            socket.send_fds(ours, [json.dumps(spec).encode() + b"\n"], [memory.fd])
+            assert ours.recv(4096) == b"ok"
+            assert crops_mod.pyvips.concurrency_get() == 3
+        finally:
+            ours.close()
+            thread.join(timeout=10)
+    finally:
+        pool.close()
+        crops_mod.pyvips.concurrency_set(before)
+
+
+def _recording_send(sent: list[bytes]):
+    send = crop_procs._Worker._send
+
+    def recording(worker, message: bytes, fd: int | None) -> None:
+        sent.append(message)
+        send(worker, message, fd)
+
+    return recording

@@ -20,7 +20,7 @@ from kestrel.moondream import crops as crops_mod
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.crops import CropError, overlap_crops
 from kestrel.moondream.vision import normalize_pixels, pixel_table
-from kestrel.runtime import crop_pool
+from kestrel.runtime import crop_pool, crop_procs
 from kestrel.runtime.crop_pool import CropPixels, CropPool, processes_supported
 from kestrel.runtime.crop_worker import serve
 
@@ -67,13 +67,14 @@ def test_pool_pixels_equal_normalized_crops(legacy, processes) -> None:
         for i, (h, w) in enumerate([(960, 1280), (1, 1), (2000, 500)]):
             image = _image(h, w, i)
             old = legacy.legacy_overlap_crops(image.pixels, VISION)
-            floats, planes = (pool.pixels(image) for pool in pools)
-            assert floats.tiling == planes.tiling == old.tiling
-            assert floats.pixels.dtype == torch.float32 and planes.pixels.dtype == torch.uint8
+            floats, uint8 = (pool.pixels(image) for pool in pools)
+            assert floats.tiling == uint8.tiling == old.tiling
+            assert floats.pixels.dtype == torch.float32 and uint8.pixels.dtype == torch.uint8
+            assert np.array_equal(uint8.pixels.numpy(), old.crops)  # channels last, as made
             for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 want = normalize_pixels(old.crops, dtype)
                 assert torch.equal(floats.encoder_input(dtype, "cpu"), want), (h, w, dtype)
-                assert torch.equal(planes.encoder_input(dtype, "cpu"), want), (h, w, dtype)
+                assert torch.equal(uint8.encoder_input(dtype, "cpu"), want), (h, w, dtype)
     finally:
         for pool in pools:
             pool.close()
@@ -85,7 +86,7 @@ def test_bad_pixels_raise_crop_error() -> None:
     with pytest.raises(CropError, match="uint8"):
         pool.pixels(bad)
     black = prepare_image(np.zeros((50, 50, 3), np.uint8))
-    assert torch.equal(pool.pixels(black).pixels, -torch.ones(2, 3, 378, 378))  # still serving
+    assert torch.equal(pool.pixels(black).pixels, -torch.ones(2, 378, 378, 3))  # still serving
     pool.close()
 
 
@@ -105,17 +106,44 @@ def test_worker_reports_errors_and_keeps_serving() -> None:
 
 
 @pytest.mark.skipif(not processes_supported(), reason="needs memfd_create")
-def test_a_dead_worker_is_replaced(legacy) -> None:
-    pool = CropPool(VISION)
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_a_dead_worker_is_replaced(legacy, parallel: int) -> None:
+    """Killed worker processes are let go when next taken: the image after is made by new
+    ones, whatever the parts per image (each part needs a worker of its own)."""
+    pool = CropPool(VISION, parallel=parallel)
     image = _image(400, 500)
     want = normalize_pixels(legacy.legacy_overlap_crops(image.pixels, VISION).crops, torch.float32)
-    assert torch.equal(pool.pixels(image).pixels, want)
+    assert torch.equal(pool.pixels(image).encoder_input(torch.float32, "cpu"), want)
     for worker in list(crop_pool._WORKERS._all):
         worker.proc.kill()
         worker.proc.wait()
-    assert torch.equal(pool.pixels(image).pixels, want)  # made here this once
-    assert torch.equal(pool.pixels(image).pixels, want)  # a new worker process
-    assert pool.uses_processes
+    dead = set(crop_pool._WORKERS._all)
+    assert torch.equal(pool.pixels(image).encoder_input(torch.float32, "cpu"), want)
+    assert pool.uses_processes and pool._cropper.failures == 0  # no part was made here
+    assert not dead & crop_pool._WORKERS._all  # every killed worker let go
+    pool.close()
+
+
+@pytest.mark.skipif(not processes_supported(), reason="needs memfd_create")
+def test_a_worker_lost_mid_request_is_let_go_and_the_crops_made_here(legacy, monkeypatch) -> None:
+    pool = CropPool(VISION, parallel=2)
+    image = _image(400, 500)
+    want = normalize_pixels(legacy.legacy_overlap_crops(image.pixels, VISION).crops, torch.float32)
+    assert torch.equal(pool.pixels(image).encoder_input(torch.float32, "cpu"), want)
+    finish, lost = crop_procs._Worker.finish, []
+
+    def lose_one(worker: crop_procs._Worker) -> None:
+        finish(worker)  # the part is made, then the reply "lost"
+        if not lost:
+            lost.append(worker)
+            raise crop_procs.WorkerGone("the crop worker process exited")
+
+    monkeypatch.setattr(crop_procs._Worker, "finish", lose_one)
+    assert torch.equal(pool.pixels(image).encoder_input(torch.float32, "cpu"), want)  # made here
+    assert pool._cropper.failures == 1 and lost[0] not in crop_pool._WORKERS._all
+    assert lost[0].proc.poll() is not None  # stopped
+    assert torch.equal(pool.pixels(image).encoder_input(torch.float32, "cpu"), want)
+    assert pool._cropper.failures == 0 and pool.uses_processes
     pool.close()
 
 

@@ -128,3 +128,16 @@ def test_finish_reports_other_processes_busy_during_the_run(h, capsys, monkeypat
     out = capsys.readouterr().out.splitlines()
     assert out[-1].startswith("BUSY machine during the run: BUSY") and "pid 77 (stress)" in out[-1]
     assert bench.info["busy_during_run"] == ["pid 77 (stress) uses 90% of a core"]
+
+
+def test_a_benchmarks_own_children_are_not_other_processes(h, tmp_path):
+    def proc(pid: int, parent: int) -> None:
+        (tmp_path / str(pid)).mkdir()
+        fields = ["S", str(parent)] + ["0"] * 40
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a (b)) " + " ".join(fields))
+
+    for pid, parent in [(10, 1), (11, 10), (12, 11), (13, 10), (20, 1), (21, 20)]:
+        proc(pid, parent)
+    (tmp_path / "loadavg").write_text("0.1 0.1 0.1 1/100 999\n")  # not a process
+    assert h[1].descendants(10, tmp_path) == {10, 11, 12, 13}
+    assert h[1].descendants(21, tmp_path) == {21}
