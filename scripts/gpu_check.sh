@@ -2,6 +2,8 @@
 # One-shot GPU check, about 8 minutes on an H200 (docs/benchmarks.md; the first engine start
 # also compiles the Triton decode kernel's launch configurations it measures):
 #   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend, pyvips);
+#      then scripts/bench_crop_parts.py: one image's crops serially, on libvips threads, and in
+#      2, 4, 8 parts on the host's cores (host only, ~20 s);
 #   2. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
 #      16 threads submitting while the engine starts (decode attention per bucket: whichever
 #      kernel the start-up measurement chose), and where a lone request's time goes;
@@ -9,10 +11,9 @@
 #   4. scripts/bench_gpu_runtime.py twice, FlashAttention's decode and the Triton decode kernel
 #      forced (KESTREL_DECODE_KERNEL=fa / triton): decode step ms by batch, kernels, TTFT;
 #      scripts/bench_attention.py --only gpu: the decode attention calls alone, fa vs Triton;
-#      scripts/bench_crop_parts.py: one image's crops serially and in 2, 4, 8 parts on the host's cores;
 #   5. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
 #      captures, the start-up decode kernel choice per bucket, decode step ms by batch for
-#      each decode kernel, crop ms by parts (the last line of stdout).
+#      each decode kernel, crop ms by variant (the last line of stdout).
 # On the GPU machine here, run it through the staged FlashAttention 4 (see the GPU tools' README):
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
 # Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter. Every step
@@ -55,12 +56,17 @@ PYEOF
 probe_rc=$?
 cat "$OUT/probe.json" >&2
 
+echo "== host: one image's crops serially, on libvips threads, in 2-8 parts" >&2
+timeout "$(cap 45)" "$PY" scripts/bench_crop_parts.py --parts 2,4,8 --rounds 3 --repeats 10 \
+  --allow-busy > "$OUT/crops.log" 2>&1
+grep -E '^(BUSY )?\| (serial|1 part,|[0-9]+ parts) ' "$OUT/crops.log" >&2
+
 echo "== 2/4 bench" >&2
 timeout "$(cap 200)" "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
   --modes direct,cot --sampling greedy,default --startup-threads 16 --allow-busy --summary \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
-grep '^| ' "$OUT/bench.log" >&2
+grep -E '^(BUSY )?\| ' "$OUT/bench.log" >&2
 
 echo "== 3/4 pytest -m gpu tests/gpu" >&2
 timeout "$(cap 260)" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
@@ -71,14 +77,10 @@ echo "== 4/4 decode: FlashAttention vs the Triton decode kernel" >&2
 for kernel in fa triton; do
   KESTREL_DECODE_KERNEL=$kernel timeout "$(cap 75)" "$PY" scripts/bench_gpu_runtime.py --qa-requests 32 \
     > "$OUT/runtime_$kernel.log" 2>&1
-  grep '^| [0-9]' "$OUT/runtime_$kernel.log" | sed "s/^/$kernel /" >&2
+  grep -E '^(BUSY )?\| [0-9]' "$OUT/runtime_$kernel.log" | sed "s/^/$kernel /" >&2
 done
 timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
   > "$OUT/attention.log" 2>&1
-echo "== host: one image's crops in 1-8 parts, on this machine's cores" >&2
-timeout "$(cap 60)" "$PY" scripts/bench_crop_parts.py --parts 2,4,8 --rounds 3 --repeats 10 \
-  --allow-busy > "$OUT/crops.log" 2>&1
-grep -E '\| [0-9]+ parts \|' "$OUT/crops.log" >&2
 
 "$PY" - "$OUT" "$probe_rc" "$pytest_rc" "$bench_rc" "$(( $(date +%s) - t0 ))" <<'PYEOF'
 import json
@@ -103,7 +105,7 @@ def decode_ms(kernel: str) -> dict | None:
     """Decode step ms by batch, from bench_gpu_runtime's table (None if it did not run)."""
     path = out / f"runtime_{kernel}.log"
     text = path.read_text(errors="replace") if path.exists() else ""
-    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \|", text, re.M)
+    rows = re.findall(r"^(?:BUSY )?\| (\d+) \| ([\d.]+) \|", text, re.M)  # BUSY: --allow-busy
     return {int(b): float(ms) for b, ms in rows} or None
 
 
@@ -111,7 +113,8 @@ def crops_ms() -> dict | None:
     """One image's crops, ms by variant (bench_crop_parts' table; None if it did not run)."""
     path = out / "crops.log"
     text = path.read_text(errors="replace") if path.exists() else ""
-    rows = re.findall(r"^\| (serial|1 part, libvips threads|\d+ parts) \| ([\d.]+)", text, re.M)
+    variant = r"serial|1 part, libvips threads|\d+ parts"
+    rows = re.findall(rf"^(?:BUSY )?\| ({variant}) \| ([\d.]+)", text, re.M)
     return {name: float(ms) for name, ms in rows} or None
 
 
