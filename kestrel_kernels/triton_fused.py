@@ -34,9 +34,14 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
-@functools.cache
 def _build(interpret: bool):
     """The jitted kernels (one set per interpreter mode)."""
+    return _build_rope_kv(interpret), _build_add_ln(interpret)
+
+
+@functools.cache
+def _build_rope_kv(interpret: bool):
+    """The jitted rope + KV write kernel (one per interpreter mode)."""
     del interpret  # part of the cache key: triton.jit reads the knob when it decorates
     import triton
     import triton.language as tl
@@ -78,6 +83,16 @@ def _build(interpret: bool):
             v = v * tl.load(tau_v + n * HKV + g + d * 0, mask=keep, other=1.0).to(tl.float32)
         tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=keep)
 
+    return rope_kv_kernel
+
+
+@functools.cache
+def _build_add_ln(interpret: bool):
+    """The jitted residual add + LayerNorm kernel (one per interpreter mode)."""
+    del interpret  # part of the cache key
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def add_ln_kernel(
         x, a, m, w, b, x_out, h_out, N, C: tl.constexpr, eps, BLOCK_C: tl.constexpr,
@@ -105,7 +120,7 @@ def _build(interpret: bool):
         bv = tl.load(b + c, mask=c < C, other=0.0).to(tl.float32)
         tl.store(h_out + at, (diff * inv * wv + bv).to(h_out.dtype.element_ty), mask=ok)
 
-    return rope_kv_kernel, add_ln_kernel
+    return add_ln_kernel
 
 
 def kernels():

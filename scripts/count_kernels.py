@@ -316,61 +316,40 @@ def host_us(batch: int, settings: dict, steps: int = 30) -> float:
     return statistics.median(times[5:])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sites", action="store_true", help="name the source line of each sync/upload")
-    p.add_argument("--json", action="store_true", help="end with one JSON object")
-    p.add_argument("--no-host", action="store_true", help="skip the host-time rows (timing)")
-    args = p.parse_args()
-    torch.manual_seed(0)
+def measure(sites: bool) -> tuple[list, dict, dict]:
+    """The decode rows (batch 1 and 64, greedy and sampled), the prefill and vision counts,
+    and every row's sync/upload sites."""
     rows, all_sites = [], {}
     with gpu_branches():
         for batch in (1, 64):
             for name, settings in (("greedy", GREEDY), ("sampled", SAMPLED)):
-                r = decode_rows(batch, settings, args.sites)
+                r = decode_rows(batch, settings, sites)
                 rows.append((f"decode b{batch} {name}", r))
                 all_sites[f"decode b{batch} {name}"] = r.pop("sites")
-        pre = prefill_rows(args.sites)
+        pre = prefill_rows(sites)
+    all_sites.update((k, pre[k].sites) for k in ("prefill_hit", "prefill_miss", "vision_9"))
+    return rows, pre, all_sites
+
+
+def print_table(rows: list, pre: dict) -> None:
     table = [("row", "graph body", "outside", "syncs", "deferred reads", "blocking up", "async up")]
-    for name, r in rows:
-        table.append(
-            (
-                name,
-                r["graph_body"],
-                r["outside"],
-                r["syncs"],
-                r["deferred"],
-                r["uploads_blocking"],
-                r["uploads_nonblocking"],
-            )
-        )
+    keys = ("graph_body", "outside", "syncs", "deferred", "uploads_blocking", "uploads_nonblocking")
+    table += [(name, *(r[k] for k in keys)) for name, r in rows]
     for key in ("prefill_hit", "prefill_miss", "vision_9"):
         c = pre[key]
         up = (c.uploads_blocking, c.uploads_nonblocking)
         table.append((key, c.graph_body, eager(c), c.syncs, c.deferred_reads, *up))
-        all_sites[key] = c.sites
     widths = [max(len(str(r[i])) for r in table) for i in range(len(table[0]))]
     for r in table:
-        print(
-            "  ".join(
-                str(v).rjust(w) if i else str(v).ljust(w)
-                for i, (v, w) in enumerate(zip(r, widths, strict=True))
-            )
-        )
+        cells = enumerate(zip(r, widths, strict=True))
+        print("  ".join(str(v).rjust(w) if i else str(v).ljust(w) for i, (v, w) in cells))
     print(f"(hit prefill: {pre['hit_positions']} new positions)")
-    if args.sites:
-        for name, sites in all_sites.items():
-            for (kind, site), n in sorted(sites.items()):
-                print(f"  {name}: {kind} x{n} at {site}")
-    host = {}
-    if not args.no_host:
-        with gpu_branches():
-            host["host_us_step_b64"] = host_us(64, GREEDY)
-            host["host_us_step_b64_sampled"] = host_us(64, SAMPLED)
-        for k, v in host.items():
-            print(f"{k}: {v:.0f} us")
+
+
+def summary(rows: list, pre: dict, host: dict) -> dict:
+    """The figures as one JSON-ready dict (``--json``)."""
     by = dict(rows)
-    out = {
+    return {
         "decode_b1": by["decode b1 greedy"]["graph_body"],
         "decode_b64": by["decode b64 greedy"]["graph_body"],
         "decode_b1_outside": by["decode b1 greedy"]["outside"],
@@ -388,8 +367,30 @@ def main() -> None:
         ),
         **{k: round(v) for k, v in host.items()},
     }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sites", action="store_true", help="name the source line of each sync/upload")
+    p.add_argument("--json", action="store_true", help="end with one JSON object")
+    p.add_argument("--no-host", action="store_true", help="skip the host-time rows (timing)")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    rows, pre, all_sites = measure(args.sites)
+    print_table(rows, pre)
+    if args.sites:
+        for name, sites in all_sites.items():
+            for (kind, site), n in sorted(sites.items()):
+                print(f"  {name}: {kind} x{n} at {site}")
+    host = {}
+    if not args.no_host:
+        with gpu_branches():
+            host["host_us_step_b64"] = host_us(64, GREEDY)
+            host["host_us_step_b64_sampled"] = host_us(64, SAMPLED)
+        for k, v in host.items():
+            print(f"{k}: {v:.0f} us")
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(summary(rows, pre, host)))
 
 
 if __name__ == "__main__":

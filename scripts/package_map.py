@@ -6,8 +6,11 @@ The reading and the rules live in :mod:`kestrel.testing.layers` (``tests/unit/te
 fails on any broken rule). Prints each unit with its files, lines and layer, then the figures
 the house rules are about: imports that run back up (to a unit on the same or a higher layer),
 import circles between files, the modules at the package root, files over 400 lines, what the
-model package imports, and who imports the testing room. With ``--png``, draws the units by
-layer with their imports (matplotlib).
+model package imports, and who imports the testing room; then, from
+:mod:`kestrel.testing.style_rules` (``tests/unit/test_style_rules.py``), the longest functions,
+modules off the typing dialect, dataclasses without slots, functions over 60 lines, and the
+optional modules a fresh ``import kestrel`` loads. With ``--png``, draws the units by layer
+with their imports (matplotlib).
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kestrel.testing.layers import House, breaches, read_house, root_modules  # noqa: E402
+from kestrel.testing.style_rules import (  # noqa: E402
+    LONG_FUNCTIONS,
+    MAX_FUNCTION_LINES,
+    function_lengths,
+    style_breaches,
+)
 
 
 def report(house: House) -> dict[str, int]:
@@ -38,7 +47,11 @@ def report(house: House) -> dict[str, int]:
     print(f"units: {len(layer)}; layers: {max(layer.values())}")
     roots = sorted(root_modules(house))
     print(f"modules at the package root: {len(roots)} ({', '.join(roots)})")
-    for rule, found in breaches(house).items():
+    longest = sorted(function_lengths(house.root).items(), key=lambda kv: -kv[1])
+    print(f"longest functions (limit {MAX_FUNCTION_LINES} lines, exempted: *):")
+    for name, n in longest[:5]:
+        print(f"    {n:>4}  {name}{' *' if name in LONG_FUNCTIONS else ''}")
+    for rule, found in {**breaches(house), **style_breaches(house.root)}.items():
         print(f"{rule}: {len(found)}")
         for line in found:
             print(f"    {line}")

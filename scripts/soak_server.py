@@ -71,7 +71,7 @@ def images(n: int, seed: int = 0) -> list[str]:
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class Tally:
     ok: int = 0
     failed: int = 0

@@ -29,6 +29,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "GET /v1/health, /v1/models, /v1/stats, /metrics. Stop with SIGTERM or Ctrl-C "
         "(in-flight requests finish first).",
     )
+    _add_server_options(parser)
+    _add_limit_options(parser)
+    _add_ray_options(parser)
+    _add_log_options(parser)
+    common.add_engine_options(parser)
+    parser.set_defaults(run=run, adapter=None)  # adapter: the one-file option of other commands
+
+
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    """Where to listen, who may call, and the adapters to load."""
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=_port, default=2020, help="0 picks a free port")
@@ -57,6 +67,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="let web pages from ORIGIN (https://app.example, or *) call the API, with CORS "
         "headers (repeatable); pages from other sites are refused",
     )
+
+
+def _add_limit_options(parser: argparse.ArgumentParser) -> None:
+    """The queue, body and image limits, and how long a graceful shutdown may take."""
     limits = parser.add_argument_group("limits")
     for flag, help_text in (
         (
@@ -77,14 +91,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="on SIGTERM, how long in-flight requests may take to finish",
     )
-    _add_ray_options(parser)
+
+
+def _add_log_options(parser: argparse.ArgumentParser) -> None:
     logs = parser.add_argument_group("logging")
     logs.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     logs.add_argument("--access-log", action="store_true", help="log every request")
-    common.add_engine_options(parser)
-    parser.set_defaults(run=run, adapter=None)  # adapter: the one-file option of other commands
 
 
 def run(args: argparse.Namespace) -> int:

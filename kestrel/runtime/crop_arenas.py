@@ -33,7 +33,7 @@ _SLOT_NUMBERS = itertools.count()
 _SLOT_LOCK = threading.Lock()
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class Arena:
     """One shared-memory file and this process's mapping of it."""
 

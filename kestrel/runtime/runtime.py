@@ -174,27 +174,28 @@ class MoondreamRuntime(DecodeSteps):
         self.page_table.set_prefix_cache(self.prefix_cache)
         self.counters = RuntimeCounters()
         self._active: dict[int, SequenceState] = {}
-        compile = compile and kv_scales is None  # FP8 pages: eager (not compiled yet)
+        fp8_kv = kv_scales is not None
+        compile = compile and not fp8_kv  # FP8 pages: eager (not compiled yet)
+        self._start_up(kv_cache_pages, max_batch_size, cuda_graphs, compile, fp8_kv)
+
+    def _start_up(
+        self, kv_cache_pages: int, max_batch_size: int, capture: bool, compile: bool, fp8_kv: bool
+    ) -> None:
+        """Before anything is served: the compiled forms, each decode bucket's attention kernel
+        chosen and the graphs built (``graph_set.py``), the pinned ring for uploads and
+        read-backs, every graph captured (decode, prefill, vision; never under traffic), then
+        the crop pool (idle until the first request) with its pinned staging."""
         if compile:
             check_compile(self.device)
         self.compiled_prefill = CompiledPrefill() if compile else None
-        options = dict(max_batch_size=max_batch_size, backend=attention_backend,
-                       capture=cuda_graphs, compile=compile)  # fmt: skip
-        self.decode_trials = choose_decode_kernels(
-            model, self.kv, self.page_table.page_table, **options
-        )
-        graphs = GraphSet.build(
-            model, self.kv, self.page_table.page_table, fp8_kv=kv_scales is not None, **options
-        )
+        options = dict(max_batch_size=max_batch_size, backend=self.attention_backend,
+                       capture=capture, compile=compile)  # fmt: skip
+        table = self.page_table.page_table
+        self.decode_trials = choose_decode_kernels(self.model, self.kv, table, **options)
+        graphs = GraphSet.build(self.model, self.kv, table, fp8_kv=fp8_kv, **options)
         self.decode_graphs: DecodeGraphs | None = graphs.decode
         self.prefill_graphs: PrefillGraphs | None = graphs.prefill
         self.vision_graphs: VisionGraphs | None = graphs.vision
-        self._start_up(kv_cache_pages, graphs)
-
-    def _start_up(self, kv_cache_pages: int, graphs: GraphSet) -> None:
-        """Before anything is served: the pinned ring for uploads and read-backs, every graph
-        captured (decode, prefill, vision: ``graph_set.py``; never under traffic), then the
-        crop pool (idle until the first request) with its pinned staging."""
         pins = _pins_host(self.device)
         if pins:
             pinned.reserve(self.device)
