@@ -14,6 +14,7 @@ every broken rule as one readable line each: ``scripts/package_map.py`` prints t
 from __future__ import annotations
 
 import ast
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ __all__ = [
     "TESTING",
     "House",
     "breaches",
+    "copy_sources",
     "file_circles",
     "imported_modules",
     "layers",
@@ -249,3 +251,20 @@ def breaches(house: House) -> dict[str, list[str]]:
         "model package imports beyond itself, tokens and kernels": model_uses(house),
         "imports of the testing room from the packages": testing_users(house),
     }
+
+
+SOURCES = ("kestrel", "kestrel_kernels", "scripts")
+
+
+def copy_sources(root: Path, dest: Path, folders: tuple[str, ...] = SOURCES) -> Path:
+    """The Python files of ``folders`` under ``root`` copied under ``dest`` (returned): a tree
+    the rule tests plant breaches in."""
+    for folder in folders:
+        shutil.copytree(
+            root / folder,
+            dest / folder,
+            ignore=lambda d, names: [
+                n for n in names if not n.endswith(".py") and not (Path(d) / n).is_dir()
+            ],
+        )
+    return dest

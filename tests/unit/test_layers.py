@@ -6,7 +6,6 @@ or file; a planted breach in a copy of the tree shows that it can."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,14 +13,15 @@ import pytest
 from kestrel.testing.layers import (
     MAX_LINES,
     ROOT_MODULES,
+    SOURCES,
     breaches,
+    copy_sources,
     file_circles,
     read_house,
     root_modules,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("kestrel", "kestrel_kernels", "scripts")
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +58,7 @@ def test_the_layers_read_from_the_tree(house) -> None:
 
 
 def _copy(tmp_path: Path) -> Path:
-    """The packages' and scripts' Python files, copied under ``tmp_path``."""
-    for folder in SOURCES:
-        shutil.copytree(
-            ROOT / folder,
-            tmp_path / folder,
-            ignore=lambda d, names: [
-                n for n in names if not n.endswith(".py") and not (Path(d) / n).is_dir()
-            ],
-        )
-    return tmp_path
+    return copy_sources(ROOT, tmp_path, SOURCES)
 
 
 def _plant(root: Path, rel: str, line: str) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from kestrel.testing.layers import SOURCES, copy_sources
 from kestrel.testing.style_rules import (
     EXTRA_MODULES,
     LONG_FUNCTIONS,
@@ -34,7 +35,6 @@ from kestrel.testing.style_rules import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("kestrel", "kestrel_kernels", "scripts")
 
 
 @pytest.fixture(scope="module")
@@ -101,16 +101,7 @@ def test_the_listed_modules_are_what_the_extras_install() -> None:
 
 
 def _copy(tmp_path: Path) -> Path:
-    """The packages' and scripts' Python files, copied under ``tmp_path``."""
-    for folder in SOURCES:
-        shutil.copytree(
-            ROOT / folder,
-            tmp_path / folder,
-            ignore=lambda d, names: [
-                n for n in names if not n.endswith(".py") and not (Path(d) / n).is_dir()
-            ],
-        )
-    return tmp_path
+    return copy_sources(ROOT, tmp_path, SOURCES)
 
 
 def _write(root: Path, rel: str, source: str) -> None:
