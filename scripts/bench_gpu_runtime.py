@@ -8,6 +8,8 @@ speed is that of the real model without needing its checkpoint. Reports:
   step / step time, against the device's measured copy bandwidth and its datasheet figure;
 - TTFT of a cache miss (new image: vision encoder + the whole prompt) and of a hit (same image,
   new question: only the question is prefilled), medians;
+- with ``--overlap``: whether the vision encoder runs beside batch-64 decode steps on a second
+  stream (``bench_overlap.py``'s variants, one JSON line);
 - requests/s on short-answer image QA (ChartQA-like: a new 800 x 600 image per request, a short
   question, 6 generated tokens) at batch 1 and 64. The loop admits requests (one prefill each)
   while the batch has room, then advances every running sequence by one batched decode step.
@@ -28,6 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import bench_overlap
 import numpy as np
 import torch
 
@@ -214,6 +217,8 @@ def main() -> None:
     ap.add_argument("--kv-memory-fraction", type=float, default=0.9)
     ap.add_argument("--qa-requests", type=int, default=256)
     ap.add_argument("--profile", action="store_true", help="only break down one request's time")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also time the encoder beside decode (bench_overlap.py)")  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
@@ -257,6 +262,9 @@ def main() -> None:
         rate = results["qa_req_s"][b] = qa_rate(rt, b, n)
         print(f"| batch {b} ({n} requests) | {rate:.1f} | {PUBLISHED_REQ_S[b]:.0f} |")
     print(f"\ncopy bandwidth {copy_tb_s:.2f} TB/s (read + write); datasheet {datasheet} TB/s")
+    if args.overlap:  # the vision encoder beside batch-64 decode steps (bench_overlap.py)
+        results["overlap"] = bench_overlap.measure(rt)
+        print("overlap: " + json.dumps(results["overlap"]))
     rt.check_integrity()
     if args.json:
         with open(args.json, "w") as f:

@@ -9,11 +9,12 @@
 #      kernel the start-up measurement chose), and where a lone request's time goes;
 #   3. pytest -m gpu tests/gpu;
 #   4. scripts/bench_gpu_runtime.py twice, FlashAttention's decode and the Triton decode kernel
-#      forced (KESTREL_DECODE_KERNEL=fa / triton): decode step ms by batch, kernels, TTFT;
+#      forced (KESTREL_DECODE_KERNEL=fa / triton): decode step ms by batch, kernels, TTFT; the
+#      fa run also times the vision encoder beside batch-64 decode steps on a second stream;
 #      scripts/bench_attention.py --only gpu: the decode attention calls alone, fa vs Triton;
 #   5. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
 #      captures, the start-up decode kernel choice per bucket, decode step ms by batch for
-#      each decode kernel, crop ms by variant (the last line of stdout).
+#      each decode kernel, crop ms by variant, the encoder / decode overlap (the last line).
 # On the GPU machine here, run it through the staged FlashAttention 4 (see the GPU tools' README):
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
 # Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter. Every step
@@ -75,8 +76,9 @@ tail -3 "$OUT/pytest.log" >&2
 
 echo "== 4/4 decode: FlashAttention vs the Triton decode kernel" >&2
 for kernel in fa triton; do
+  extra=(); [[ $kernel == fa ]] && extra=(--overlap)  # the encoder beside decode, measured once
   KESTREL_DECODE_KERNEL=$kernel timeout "$(cap 75)" "$PY" scripts/bench_gpu_runtime.py --qa-requests 32 \
-    > "$OUT/runtime_$kernel.log" 2>&1
+    "${extra[@]}" > "$OUT/runtime_$kernel.log" 2>&1
   grep -E '^(BUSY )?\| [0-9]' "$OUT/runtime_$kernel.log" | sed "s/^/$kernel /" >&2
 done
 timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
@@ -109,6 +111,14 @@ def decode_ms(kernel: str) -> dict | None:
     return {int(b): float(ms) for b, ms in rows} or None
 
 
+def overlap() -> dict | None:
+    """bench_overlap's medians and ``hidden`` from the fa runtime run (None if it did not run)."""
+    path = out / "runtime_fa.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    found = re.findall(r"^overlap: (\{.*\})$", text, re.M)
+    return json.loads(found[-1]) if found else None
+
+
 def crops_ms() -> dict | None:
     """One image's crops, ms by variant (bench_crop_parts' table; None if it did not run)."""
     path = out / "crops.log"
@@ -129,6 +139,7 @@ print(json.dumps({
     "decode_kernels": bench.get("decode_kernels") if bench else None,
     "decode_step_ms": {k: decode_ms(k) for k in ("fa", "triton")},
     "crops_ms": crops_ms(),
+    "overlap": overlap(),
     "bench_rc": bench_rc, "seconds": seconds,
 }))
 PYEOF

@@ -1,6 +1,6 @@
-"""The crop pool's uint8 planes in pinned memory (what a CUDA runtime takes) upload and
-normalize on the GPU to exactly what ``normalize_pixels`` gives there; skips without CUDA
-(tests/conftest.py)."""
+"""The crop pool's uint8 crops (channels last) in pinned memory, what a CUDA runtime takes,
+upload and normalize on the GPU to exactly what ``normalize_pixels`` gives there; skips
+without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kestrel.runtime.crop_pool import CropPool
 pytestmark = pytest.mark.gpu
 
 
-def test_uint8_planes_normalize_on_the_device() -> None:
+def test_uint8_crops_normalize_on_the_device() -> None:
     vision = MoondreamConfig().vision
     pool = CropPool(vision, normalize=False, pin_memory=True)
     image = prepare_image(np.random.default_rng(0).integers(0, 256, (960, 1280, 3), np.uint8))
