@@ -2,8 +2,8 @@
 # One-shot GPU check, about 8 minutes on an H200 (docs/benchmarks.md; the first engine start
 # also compiles the Triton decode kernel's launch configurations it measures):
 #   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend, pyvips);
-#      then scripts/bench_crop_parts.py: one image's crops serially, on libvips threads, and in
-#      2, 4, 8 parts on the host's cores (host only, ~20 s);
+#      then scripts/bench_crop_parts.py: a chart-sized (800 x 600) image's crops serially, on
+#      libvips threads, and in 2, 4, 8 parts on the host's cores (host only, ~20 s);
 #   2. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
 #      16 threads submitting while the engine starts (decode attention per bucket: whichever
 #      kernel the start-up measurement chose), and where a lone request's time goes;
@@ -58,8 +58,9 @@ probe_rc=$?
 cat "$OUT/probe.json" >&2
 
 echo "== host: one image's crops serially, on libvips threads, in 2-8 parts" >&2
+# the bench's charts are 640-900 x 480-640: their crops are enlarged, libvips's costliest path
 timeout "$(cap 45)" "$PY" scripts/bench_crop_parts.py --parts 2,4,8 --rounds 3 --repeats 10 \
-  --allow-busy > "$OUT/crops.log" 2>&1
+  --size 600x800 --allow-busy > "$OUT/crops.log" 2>&1
 grep -E '^(BUSY )?\| (serial|1 part,|[0-9]+ parts) ' "$OUT/crops.log" >&2
 
 echo "== 2/4 bench" >&2
@@ -125,7 +126,10 @@ def crops_ms() -> dict | None:
     text = path.read_text(errors="replace") if path.exists() else ""
     variant = r"serial|1 part, libvips threads|\d+ parts"
     rows = re.findall(rf"^(?:BUSY )?\| ({variant}) \| ([\d.]+)", text, re.M)
-    return {name: float(ms) for name, ms in rows} or None
+    size = re.findall(r"^(?:BUSY )?(\d+ x \d+): \d+ crops", text, re.M)
+    if not rows:
+        return None
+    return {"image": size[-1] if size else None, **{n: float(ms) for n, ms in rows}}
 
 
 print(json.dumps({

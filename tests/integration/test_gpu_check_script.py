@@ -31,6 +31,7 @@ def test_the_summary_line_comes_with_the_host_figures(tmp_path: Path) -> None:
     assert summary["bench_rc"] != 0 and summary["req_s"] is None
     crops = summary["crops_ms"]
     assert crops is not None and crops["serial"] > 0 and crops["2 parts"] > 0
+    assert crops["image"] == "800 x 600"  # the bench's chart size
     log = (tmp_path / "crops.log").read_text()
     assert crops["serial"] == float(log.split("| serial | ")[1].split()[0])
     assert summary["seconds"] <= 40 + 30  # every step is cut to the budget
