@@ -16,6 +16,7 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.weights import MOE_WEIGHT_MODES, load_kv_scales, resolve_checkpoint
 from kestrel.runtime.compiled import compile_unavailable_reason
+from kestrel.runtime.crop_pool import start_workers
 from kestrel.runtime.host_kv import host_kv_unavailable_reason
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tiny import MODEL_DIR
@@ -198,6 +199,7 @@ def load_runtime(
         raise InvalidInputError(f"kv_cache_pages must be an int, got {kv_cache_pages!r}")
     check_moe_weights(moe_weights)
     check_kv_dtype(kv_dtype)
+    start_workers()  # the crop worker processes import while the model loads
     try:
         model, tokenizer, kv_scales = _load(source, dev, dt, moe_weights, kv_dtype)
         rt = MoondreamRuntime(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -57,7 +58,7 @@ from kestrel.runtime.crop_arenas import ARENAS, one_off
 from kestrel.runtime.crop_procs import WORKERS, WorkerGone, processes_supported
 from kestrel.runtime.crop_staging import CropPixels, CropStaging
 
-__all__ = ["CropHold", "CropPixels", "CropPool", "processes_supported"]
+__all__ = ["CropHold", "CropPixels", "CropPool", "processes_supported", "start_workers"]
 
 log = logging.getLogger("kestrel.runtime")
 _MAX_FAILURES = 3  # worker processes that die in a row before a pool stops starting them
@@ -68,6 +69,22 @@ def _cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def _sizes(workers: int | None, parallel: int | None) -> tuple[int, int]:
+    """A pool's threads and parts per image: as given, else by the cores (``CropPool``)."""
+    workers = workers or max(2, min(4, _cores() // 4))
+    return workers, parallel or max(1, min(workers, _cores() // 4))
+
+
+def start_workers(workers: int | None = None, parallel: int | None = None) -> int:
+    """Start the worker processes a pool of these sizes keeps busy (``workers`` x
+    ``parallel``) ahead of it; returns how many were started. The Engine calls it before it
+    loads a model, so the workers' imports (~80 ms each) run beside the loading and no
+    request waits for them."""
+    if not processes_supported():
+        return 0
+    return WORKERS.ensure(math.prod(_sizes(workers, parallel)))
 
 
 def _aligned(n: int) -> int:
@@ -256,7 +273,8 @@ class CropPool:
     render on both beats two one-thread parts, ``scripts/bench_crop_parts.py``; a GPU host's
     many cores are measured by ``scripts/gpu_check.sh``). ``prefetch`` bounds the images
     started but not yet taken (their memory); ``recent`` is how many lately encoded images
-    ``hold(skip_recent=True)`` leaves alone (0: none).
+    ``hold(skip_recent=True)`` leaves alone (0: none). The worker processes the pool can keep
+    busy at once (``workers`` x ``parallel``) are started with it.
     ``processes=False`` makes the crops on the pool's threads.
     """
 
@@ -277,11 +295,12 @@ class CropPool:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if pin_memory and normalize:
             raise ValueError("pinned crop staging holds uint8 crops: pass normalize=False")
-        workers = workers or max(2, min(4, _cores() // 4))
-        parallel = parallel or max(1, min(workers, _cores() // 4))
+        workers, parallel = _sizes(workers, parallel)
         threads = threads or max(1, _cores() // parallel)
         staging = CropStaging(config, prefetch + workers + 2) if pin_memory else None
         self._cropper = _Cropper(config, normalize, processes, parallel, staging, threads)
+        if self._cropper.processes:  # started now: no request waits for a worker's imports
+            WORKERS.ensure(workers * parallel)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-crops")
         self._lock = threading.Lock()
         self._entries: dict[bytes, _Entry] = {}  # by image digest, in arrival order

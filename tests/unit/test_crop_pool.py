@@ -209,3 +209,47 @@ def test_recently_encoded_images_are_skipped_and_close_crops_in_place() -> None:
     assert rec.calls.count(a.digest) >= 2
     with pytest.raises(ValueError, match="prefetch"):
         CropPool(VISION, prefetch=0)
+
+
+@pytest.mark.skipif(not processes_supported(), reason="needs memfd_create")
+def test_workers_are_started_with_the_pool_not_by_the_first_request(monkeypatch) -> None:
+    """The processes a pool keeps busy (threads x parts) start when it is made (their imports
+    take ~80 ms: no request should wait for them); ``ensure`` tops up, never past its count."""
+    crop_pool._WORKERS.stop_all()
+    assert crop_procs.WORKERS.ensure(2) == 2 and crop_procs.WORKERS.ensure(2) == 0
+    crop_pool._WORKERS.stop_all()
+    pool = CropPool(VISION, workers=2, parallel=2)
+    assert len(crop_pool._WORKERS._all) == 4 and len(crop_pool._WORKERS._idle) == 4
+    started: list[crop_procs._Worker] = []
+    real_init = crop_procs._Worker.__init__
+
+    def counted(worker: crop_procs._Worker) -> None:
+        started.append(worker)
+        real_init(worker)
+
+    monkeypatch.setattr(crop_procs._Worker, "__init__", counted)
+    try:
+        for seed in range(3):
+            pool.pixels(_image(300, 400, seed))
+        assert started == []  # every part went to a worker started with the pool
+        assert crop_pool.start_workers(2, 2) == 0  # already there
+    finally:
+        pool.close()
+
+
+def test_the_engine_starts_the_crop_workers_before_it_loads_the_model(monkeypatch) -> None:
+    from kestrel.engine import setup
+
+    order: list[str] = []
+    monkeypatch.setattr(setup, "start_workers", lambda: order.append("workers") or 0)
+
+    def load(*args, **kwargs):
+        order.append("load")
+        raise OSError("stop here")
+
+    monkeypatch.setattr(setup, "_load", load)
+    with pytest.raises(setup.ModelLoadError, match="stop here"):
+        setup.load_runtime(None, device="cpu", dtype=None, kv_cache_pages=None,
+                           max_batch_size=1, enable_prefix_cache=True,
+                           attention_backend="auto")  # fmt: skip
+    assert order == ["workers", "load"]
