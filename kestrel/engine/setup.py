@@ -199,7 +199,8 @@ def load_runtime(
         raise InvalidInputError(f"kv_cache_pages must be an int, got {kv_cache_pages!r}")
     check_moe_weights(moe_weights)
     check_kv_dtype(kv_dtype)
-    start_workers()  # the crop worker processes import while the model loads
+    if dev.type == "cuda":  # the crop worker processes import while the model loads
+        start_workers()
     try:
         model, tokenizer, kv_scales = _load(source, dev, dt, moe_weights, kv_dtype)
         rt = MoondreamRuntime(

@@ -77,14 +77,23 @@ def _sizes(workers: int | None, parallel: int | None) -> tuple[int, int]:
     return workers, parallel or max(1, min(workers, _cores() // 4))
 
 
-def start_workers(workers: int | None = None, parallel: int | None = None) -> int:
-    """Start the worker processes a pool of these sizes keeps busy (``workers`` x
-    ``parallel``) ahead of it; returns how many were started. The Engine calls it before it
-    loads a model, so the workers' imports (~80 ms each) run beside the loading and no
-    request waits for them."""
+def start_workers(
+    workers: int | None = None, parallel: int | None = None
+) -> threading.Thread | None:
+    """Start, on a thread of its own (returned; None without worker processes), the worker
+    processes a pool of these sizes keeps busy (``workers`` x ``parallel``), so no request
+    waits for one to start (~80 ms of imports each: a first image's crops took ~100 ms
+    instead of ~20 here). The Engine calls it before it loads a model for CUDA, whose start-up
+    (weights, measured kernels, captured graphs) takes seconds. Not for a CPU model: there the
+    imports would compete for the cores with the loading itself (kestrel-tiny's start took
+    ~220 ms instead of ~30 on 2 cores), and the workers start with the first image instead."""
     if not processes_supported():
-        return 0
-    return WORKERS.ensure(math.prod(_sizes(workers, parallel)))
+        return None
+    count = math.prod(_sizes(workers, parallel))
+    thread = threading.Thread(target=WORKERS.ensure, args=(count,), daemon=True,
+                              name="kestrel-crops-start")  # fmt: skip
+    thread.start()
+    return thread
 
 
 def _aligned(n: int) -> int:
@@ -273,9 +282,8 @@ class CropPool:
     render on both beats two one-thread parts, ``scripts/bench_crop_parts.py``; a GPU host's
     many cores are measured by ``scripts/gpu_check.sh``). ``prefetch`` bounds the images
     started but not yet taken (their memory); ``recent`` is how many lately encoded images
-    ``hold(skip_recent=True)`` leaves alone (0: none). The worker processes the pool can keep
-    busy at once (``workers`` x ``parallel``) are started with it.
-    ``processes=False`` makes the crops on the pool's threads.
+    ``hold(skip_recent=True)`` leaves alone (0: none). Worker processes start on demand, or
+    ahead with ``start_workers``. ``processes=False`` makes the crops on the pool's threads.
     """
 
     def __init__(
@@ -299,8 +307,6 @@ class CropPool:
         threads = threads or max(1, _cores() // parallel)
         staging = CropStaging(config, prefetch + workers + 2) if pin_memory else None
         self._cropper = _Cropper(config, normalize, processes, parallel, staging, threads)
-        if self._cropper.processes:  # started now: no request waits for a worker's imports
-            WORKERS.ensure(workers * parallel)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-crops")
         self._lock = threading.Lock()
         self._entries: dict[bytes, _Entry] = {}  # by image digest, in arrival order

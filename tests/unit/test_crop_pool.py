@@ -212,13 +212,16 @@ def test_recently_encoded_images_are_skipped_and_close_crops_in_place() -> None:
 
 
 @pytest.mark.skipif(not processes_supported(), reason="needs memfd_create")
-def test_workers_are_started_with_the_pool_not_by_the_first_request(monkeypatch) -> None:
-    """The processes a pool keeps busy (threads x parts) start when it is made (their imports
-    take ~80 ms: no request should wait for them); ``ensure`` tops up, never past its count."""
+def test_workers_started_ahead_serve_the_first_requests(monkeypatch) -> None:
+    """``start_workers`` starts the processes a pool keeps busy (threads x parts) on a thread
+    of its own (their imports take ~80 ms: no request should wait for them); ``ensure`` tops
+    up, never past its count."""
     crop_pool._WORKERS.stop_all()
     assert crop_procs.WORKERS.ensure(2) == 2 and crop_procs.WORKERS.ensure(2) == 0
     crop_pool._WORKERS.stop_all()
-    pool = CropPool(VISION, workers=2, parallel=2)
+    thread = crop_pool.start_workers(2, 2)
+    assert thread is not None and thread.name == "kestrel-crops-start"
+    thread.join(timeout=30)
     assert len(crop_pool._WORKERS._all) == 4 and len(crop_pool._WORKERS._idle) == 4
     started: list[crop_procs._Worker] = []
     real_init = crop_procs._Worker.__init__
@@ -228,20 +231,24 @@ def test_workers_are_started_with_the_pool_not_by_the_first_request(monkeypatch)
         real_init(worker)
 
     monkeypatch.setattr(crop_procs._Worker, "__init__", counted)
+    pool = CropPool(VISION, workers=2, parallel=2)
     try:
         for seed in range(3):
             pool.pixels(_image(300, 400, seed))
-        assert started == []  # every part went to a worker started with the pool
-        assert crop_pool.start_workers(2, 2) == 0  # already there
+        assert started == []  # every part went to a worker started ahead
     finally:
         pool.close()
 
 
-def test_the_engine_starts_the_crop_workers_before_it_loads_the_model(monkeypatch) -> None:
+@pytest.mark.parametrize(("device", "want"), [("cuda", ["workers", "load"]), ("cpu", ["load"])])
+def test_the_engine_starts_the_crop_workers_before_it_loads_a_cuda_model(
+    monkeypatch, device: str, want: list[str]
+) -> None:
     from kestrel.engine import setup
 
     order: list[str] = []
-    monkeypatch.setattr(setup, "start_workers", lambda: order.append("workers") or 0)
+    monkeypatch.setattr(setup, "resolve_device", lambda _: torch.device(device))
+    monkeypatch.setattr(setup, "start_workers", lambda: order.append("workers"))
 
     def load(*args, **kwargs):
         order.append("load")
@@ -249,7 +256,7 @@ def test_the_engine_starts_the_crop_workers_before_it_loads_the_model(monkeypatc
 
     monkeypatch.setattr(setup, "_load", load)
     with pytest.raises(setup.ModelLoadError, match="stop here"):
-        setup.load_runtime(None, device="cpu", dtype=None, kv_cache_pages=None,
+        setup.load_runtime(None, device=device, dtype=None, kv_cache_pages=None,
                            max_batch_size=1, enable_prefix_cache=True,
                            attention_backend="auto")  # fmt: skip
-    assert order == ["workers", "load"]
+    assert order == want
