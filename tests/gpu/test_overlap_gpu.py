@@ -5,8 +5,6 @@ rows decode as they would alone; skips without CUDA (tests/conftest.py)."""
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +12,15 @@ import torch
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.testing.random_weights import random_model
+from tests.scripts import on_path
 
 pytestmark = pytest.mark.gpu
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 @pytest.fixture(scope="module")
 def overlap():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
+    with on_path():
         yield importlib.import_module("bench_overlap")
-    finally:
-        sys.path.remove(str(SCRIPTS))
 
 
 def _runtime(overlap) -> MoondreamRuntime:

@@ -4,21 +4,16 @@ what the run did (every turn answered, later turns hit through the answers)."""
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.scripts import on_path
 
 
 @pytest.fixture(scope="module")
 def bench_chat():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
+    with on_path():
         yield importlib.import_module("bench_chat")
-    finally:
-        sys.path.remove(str(SCRIPTS))
 
 
 def test_w4_in_small_counts_each_turn_and_hits_through_answers(bench_chat) -> None:

@@ -5,14 +5,12 @@ than the fixture tokenizer's, as Moondream 2's is) loads in the Engine and decod
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
 from kestrel import Engine
+from tests.scripts import on_path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 SMALL = {  # a narrow model of Moondream 2's structure, vocabulary past the fixture's 1024 ids
     "text": {"dim": 64, "ff_dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 2,
              "vocab_size": 2048},
@@ -25,11 +23,8 @@ SMALL = {  # a narrow model of Moondream 2's structure, vocabulary past the fixt
 
 @pytest.fixture(scope="module")
 def bench_gpu():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
+    with on_path():
         yield importlib.import_module("bench_gpu")
-    finally:
-        sys.path.remove(str(SCRIPTS))
 
 
 def test_chartqa_workload_through_the_engine(bench_gpu, tmp_path) -> None:

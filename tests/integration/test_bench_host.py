@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.scripts import on_path
 
 
 @pytest.fixture(scope="module")
 def scripts():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
+    with on_path():
         yield {n: importlib.import_module(n) for n in ("bench_images", "bench_crop_parts")}
-    finally:
-        sys.path.remove(str(SCRIPTS))
 
 
 def test_image_decode_bench_compares_pil_with_prepare_image(scripts, capsys) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,8 @@ import torch
 
 from kestrel.moondream import MoondreamModel
 from kestrel.runtime.runtime import MoondreamRuntime
+from tests.scripts import on_path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 TINY = argparse.Namespace(dim=64, heads=2, layers=3, moe_start=1, experts=8, top_k=2,
                           expert_inner=32, vocab=768, vision_dim=32, vision_layers=2,
                           steps=3)  # fmt: skip
@@ -24,11 +23,8 @@ TINY = argparse.Namespace(dim=64, heads=2, layers=3, moe_start=1, experts=8, top
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
+    with on_path():
         yield importlib.import_module("bench_moe")
-    finally:
-        sys.path.remove(str(SCRIPTS))
 
 
 def test_configs_and_flops(bench) -> None:

@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.scripts import on_path
 
 
 @pytest.fixture(scope="module")
 def overlap():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
+    with on_path():
         yield importlib.import_module("bench_overlap")
-    finally:
-        sys.path.remove(str(SCRIPTS))
 
 
 def test_each_variant_issues_what_it_names(overlap) -> None:

@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.scripts import on_path
 
 
 @pytest.fixture(scope="module")
 def bench_tiers():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
+    with on_path():
         yield importlib.import_module("bench_tiers")
-    finally:
-        sys.path.remove(str(SCRIPTS))
 
 
 def test_smoke_json_reports_the_tier(bench_tiers, capsys) -> None:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,19 +21,16 @@ from kestrel.moondream.vision import normalize_pixels, pixel_table
 from kestrel.runtime import crop_pool, crop_procs
 from kestrel.runtime.crop_pool import CropPixels, CropPool, processes_supported
 from kestrel.runtime.crop_worker import serve
+from tests.scripts import on_path
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 VISION = MoondreamConfig().vision  # Moondream 2's geometry: 378-pixel crops, up to 12
 SIZES = [(960, 1280), (378, 378), (1, 1), (1, 700), (2000, 500), (733, 1111), (379, 1000)]
 
 
 @pytest.fixture(scope="module")
 def legacy():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
+    with on_path():
         yield importlib.import_module("bench_crops")
-    finally:
-        sys.path.remove(str(SCRIPTS))
 
 
 def _image(h: int, w: int, seed: int = 0) -> PreparedImage:

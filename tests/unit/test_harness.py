@@ -6,21 +6,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.scripts import on_path
 
 
 @pytest.fixture(scope="module")
 def h():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
+    with on_path():
         yield importlib.import_module("harness"), importlib.import_module("harness_load")
-    finally:
-        sys.path.remove(str(SCRIPTS))
 
 
 def args(h, *argv: str) -> argparse.Namespace:
