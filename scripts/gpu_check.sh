@@ -78,8 +78,8 @@ tail -3 "$OUT/pytest.log" >&2
 echo "== 4/4 decode: FlashAttention vs the Triton decode kernel" >&2
 for kernel in fa triton; do
   extra=(); [[ $kernel == fa ]] && extra=(--overlap)  # the encoder beside decode, measured once
-  KESTREL_DECODE_KERNEL=$kernel timeout "$(cap 75)" "$PY" scripts/bench_gpu_runtime.py --qa-requests 32 \
-    "${extra[@]}" > "$OUT/runtime_$kernel.log" 2>&1
+  KESTREL_DECODE_KERNEL=$kernel timeout "$(cap 90)" "$PY" scripts/bench_gpu_runtime.py --qa-requests 32 \
+    ${extra[@]+"${extra[@]}"} > "$OUT/runtime_$kernel.log" 2>&1
   grep -E '^(BUSY )?\| [0-9]' "$OUT/runtime_$kernel.log" | sed "s/^/$kernel /" >&2
 done
 timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
