@@ -37,6 +37,7 @@ import torch
 
 from kestrel.images import prepare_image
 from kestrel.moondream.config import MoondreamConfig
+from kestrel.moondream.vision import encode_image
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.testing.random_weights import random_model
 from kestrel.tokens import TextToken
@@ -79,8 +80,6 @@ class Overlap:
     def encode(self) -> torch.Tensor:
         if self.rt.vision_graphs is not None:
             return self.rt.vision_graphs.encode(self.pixels, self.tiling)
-        from kestrel.moondream.vision import encode_image
-
         return encode_image(self.pixels, self.tiling, self.rt.model.vision, self.rt.config.vision)
 
     def decode(self) -> None:

@@ -113,21 +113,20 @@ class _Workers:
         self._all: set[_Worker] = set()
 
     def ensure(self, count: int) -> int:
-        """Start idle workers until the process has ``count`` (a pool does so when it is made,
-        so no request waits for a worker's start-up, ~80 ms of imports); returns how many it
-        started. One that cannot start ends the attempt: requests then start their own."""
+        """Start idle workers until the process has ``count`` (``crop_pool.start_workers``:
+        ahead of the first request, so none waits for a worker's ~80 ms of imports); returns
+        how many it started. One that cannot start ends the attempt: requests then start
+        their own."""
         started = 0
         while True:
             with self._lock:
                 if len(self._all) >= count:
                     return started
             try:
-                worker = _Worker()
-            except OSError:
+                worker = self._start()
+            except WorkerGone:
                 return started
-            with self._lock:
-                self._all.add(worker)
-                self._idle.append(worker)
+            self._give_back(worker)
             started += 1
 
     def run_all(self, jobs: list[tuple[bytes, int, tuple[int, int] | None]]) -> None:
@@ -173,13 +172,16 @@ class _Workers:
             if worker is None or worker.proc.poll() is None:
                 break
             self._discard(worker)
-        if worker is None:
-            try:
-                worker = _Worker()
-            except OSError as exc:
-                raise WorkerGone(f"cannot start a crop worker process: {exc}") from exc
-            with self._lock:
-                self._all.add(worker)
+        return worker if worker is not None else self._start()
+
+    def _start(self) -> _Worker:
+        """A new worker, counted among the process's (not yet idle)."""
+        try:
+            worker = _Worker()
+        except OSError as exc:
+            raise WorkerGone(f"cannot start a crop worker process: {exc}") from exc
+        with self._lock:
+            self._all.add(worker)
         return worker
 
     def _give_back(self, worker: _Worker) -> None:
