@@ -7,6 +7,8 @@
 #   2. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
 #      16 threads submitting while the engine starts (decode attention per bucket: whichever
 #      kernel the start-up measurement chose), and where a lone request's time goes;
+#      then scripts/bench_vision.py: the vision encoder on 10 crops with each attention kernel,
+#      replayed from a CUDA graph, its matrix products alone, and its kernels by device time;
 #   3. pytest -m gpu tests/gpu;
 #   4. scripts/bench_gpu_runtime.py twice, FlashAttention's decode and the Triton decode kernel
 #      forced (KESTREL_DECODE_KERNEL=fa / triton): decode step ms by batch, kernels, TTFT; the
@@ -14,7 +16,8 @@
 #      scripts/bench_attention.py --only gpu: the decode attention calls alone, fa vs Triton;
 #   5. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
 #      captures, the start-up decode kernel choice per bucket, decode step ms by batch for
-#      each decode kernel, crop ms by variant, the encoder / decode overlap (the last line).
+#      each decode kernel, crop ms by variant, the vision encoder's ms by attention kernel,
+#      the encoder / decode overlap (the last line).
 # On the GPU machine here, run it through the staged FlashAttention 4 (see the GPU tools' README):
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
 # Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter. Every step
@@ -70,6 +73,11 @@ timeout "$(cap 200)" "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 -
 bench_rc=$?
 grep -E '^(BUSY )?\| ' "$OUT/bench.log" >&2
 
+echo "== vision encoder: attention kernels, the CUDA graph, the matrix products alone" >&2
+timeout "$(cap 60)" "$PY" scripts/bench_vision.py --crops 10 --rounds 5 --allow-busy \
+  > "$OUT/vision.log" 2>&1
+grep -E '^(BUSY )?(\| |not timed|TFLOP|default encoder)' "$OUT/vision.log" >&2
+
 echo "== 3/4 pytest -m gpu tests/gpu" >&2
 timeout "$(cap 260)" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
 pytest_rc=$?
@@ -120,6 +128,14 @@ def overlap() -> dict | None:
     return json.loads(found[-1]) if found else None
 
 
+def vision() -> dict | None:
+    """bench_vision's encoder ms and TFLOP/s by variant, and what it could not time."""
+    path = out / "vision.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    found = re.findall(r"^(?:BUSY )?vision: (\{.*\})$", text, re.M)
+    return json.loads(found[-1]) if found else None
+
+
 def crops_ms() -> dict | None:
     """One image's crops, ms by variant (bench_crop_parts' table; None if it did not run)."""
     path = out / "crops.log"
@@ -143,6 +159,7 @@ print(json.dumps({
     "decode_kernels": bench.get("decode_kernels") if bench else None,
     "decode_step_ms": {k: decode_ms(k) for k in ("fa", "triton")},
     "crops_ms": crops_ms(),
+    "vision": vision(),
     "overlap": overlap(),
     "bench_rc": bench_rc, "seconds": seconds,
 }))
