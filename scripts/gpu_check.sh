@@ -22,6 +22,8 @@
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
 # Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter. Every step
 # is cut short to fit BUDGET seconds (default 560), so the summary line comes within 10 minutes.
+# A shorter check for a lease's last minutes: SAMPLING=greedy (the bench's rows; default both)
+# and SKIP="vision triton attention" (any of those steps left out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kestrel-gpu-check}
@@ -30,6 +32,9 @@ mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 t0=$(date +%s)
 BUDGET=${BUDGET:-560}  # seconds for all steps: the summary line is printed within it
+SAMPLING=${SAMPLING:-greedy,default}
+SKIP=" ${SKIP:-} "
+runs() { [[ $SKIP != *" $1 "* ]]; }  # whether step $1 runs (SKIP does not name it)
 cap() {  # a step's timeout: at most $1 s, and no more than what the budget has left
   local left=$(( BUDGET - ($(date +%s) - t0) ))
   (( left < $1 )) && set -- "$left"
@@ -68,15 +73,15 @@ grep -E '^(BUSY )?\| (serial|1 part,|[0-9]+ parts) ' "$OUT/crops.log" >&2
 
 echo "== 2/4 bench" >&2
 timeout "$(cap 200)" "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
-  --modes direct,cot --sampling greedy,default --startup-threads 16 --allow-busy --summary \
+  --modes direct,cot --sampling "$SAMPLING" --startup-threads 16 --allow-busy --summary \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 grep -E '^(BUSY )?\| ' "$OUT/bench.log" >&2
 
 echo "== vision encoder: attention kernels, the CUDA graph, the matrix products alone" >&2
-timeout "$(cap 60)" "$PY" scripts/bench_vision.py --crops 10 --rounds 5 --allow-busy \
-  > "$OUT/vision.log" 2>&1
-grep -E '^(BUSY )?(\| |not timed|TFLOP|default encoder)' "$OUT/vision.log" >&2
+runs vision && timeout "$(cap 60)" "$PY" scripts/bench_vision.py --crops 10 --rounds 5 \
+  --allow-busy > "$OUT/vision.log" 2>&1
+runs vision && grep -E '^(BUSY )?(\| |not timed|TFLOP|default encoder)' "$OUT/vision.log" >&2
 
 echo "== 3/4 pytest -m gpu tests/gpu" >&2
 timeout "$(cap 260)" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
@@ -85,12 +90,13 @@ tail -3 "$OUT/pytest.log" >&2
 
 echo "== 4/4 decode: FlashAttention vs the Triton decode kernel" >&2
 for kernel in fa triton; do
+  runs "$kernel" || continue
   extra=(); [[ $kernel == fa ]] && extra=(--overlap)  # the encoder beside decode, measured once
   KESTREL_DECODE_KERNEL=$kernel timeout "$(cap 90)" "$PY" scripts/bench_gpu_runtime.py --qa-requests 32 \
     ${extra[@]+"${extra[@]}"} > "$OUT/runtime_$kernel.log" 2>&1
   grep -E '^(BUSY )?\| [0-9]' "$OUT/runtime_$kernel.log" | sed "s/^/$kernel /" >&2
 done
-timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
+runs attention && timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
   > "$OUT/attention.log" 2>&1
 
 "$PY" - "$OUT" "$probe_rc" "$pytest_rc" "$bench_rc" "$(( $(date +%s) - t0 ))" <<'PYEOF'

@@ -96,15 +96,22 @@ def _handle(
         count = g.n_crops * 3 * g.crop * g.crop
         out = np.frombuffer(memory, dtype, count=count, offset=req["out"])
         part = crops.CropPart(*req["part"]) if "part" in req else None
-        threads = req.get("threads")
-        if threads and threads != crops.pyvips.concurrency_get():
-            crops.pyvips.concurrency_set(threads)
+        _use_threads(crops.pyvips, req.get("threads"))
         crops.write_crops(src, g, out.reshape(g.n_crops, g.crop, g.crop, 3), lut, part)
         del src, out
     finally:
         if "arena" not in req:
             with contextlib.suppress(BufferError):  # a view outlived the request: freed later
                 memory.close()
+
+
+def _use_threads(pyvips: ModuleType, threads: int | None) -> None:
+    """libvips' threads for this request, where the installed pyvips can set them (3.0 and
+    later; 2.x binds no call for it, and libvips keeps its default there: one per core). A
+    tuning knob: it never fails a request."""
+    get, set_ = (getattr(pyvips, n, None) for n in ("concurrency_get", "concurrency_set"))
+    if threads and get is not None and set_ is not None and threads != get():
+        set_(threads)
 
 
 def serve(sock: socket.socket, crops: ModuleType) -> None:

@@ -208,6 +208,43 @@ def test_the_worker_makes_a_part_on_the_threads_it_is_told(monkeypatch) -> None:
         crops_mod.pyvips.concurrency_set(before)
 
 
+@pytest.mark.skipif(not crop_pool.processes_supported(), reason="needs memfd_create")
+def test_a_pyvips_without_concurrency_calls_still_makes_the_crops(monkeypatch) -> None:
+    """pyvips 2.x (which the project allows) binds no concurrency call: the worker makes the
+    crops on libvips' default threads instead of failing the request (the staged GPU machine
+    has pyvips 2.2.3; every request failed there once)."""
+    want = CropPool(VISION, normalize=False, processes=False)
+    image = _image(300, 400)
+    try:
+        expected = want.pixels(image).pixels.clone()
+    finally:
+        want.close()
+    monkeypatch.delattr(crops_mod.pyvips, "concurrency_get")
+    monkeypatch.delattr(crops_mod.pyvips, "concurrency_set")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sent: list[bytes] = []
+    monkeypatch.setattr(crop_procs._Worker, "_send", _recording_send(sent))
+    pool = CropPool(VISION, normalize=False, parallel=1, threads=2)
+    thread = threading.Thread(target=serve, args=(theirs, crops_mod))
+    thread.start()
+    try:
+        pool.pixels(image)  # records the request a worker process is sent
+        spec = {k: v for k, v in json.loads(sent[0].partition(b"\n")[0]).items() if k != "arena"}
+        assert spec["threads"] == 2
+        memory = crop_arenas.one_off(spec["size"])
+        np.frombuffer(memory.memory, np.uint8, count=image.pixels.size)[:] = image.pixels.reshape(
+            -1
+        )
+        socket.send_fds(ours, [json.dumps(spec).encode() + b"\n"], [memory.fd])
+        assert ours.recv(4096) == b"ok"
+        got = np.frombuffer(memory.memory, np.uint8, count=expected.numel(), offset=spec["out"])
+        assert np.array_equal(got, expected.numpy().reshape(-1))
+    finally:
+        ours.close()
+        thread.join(timeout=10)
+        pool.close()
+
+
 def _recording_send(sent: list[bytes]):
     send = crop_procs._Worker._send
 
