@@ -56,10 +56,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_budget(steps: int, rounds: int) -> int:
+    """Decode steps each row takes over a measurement: three variants of ``steps`` steps each
+    round, a step for each of the two warm-up runs, and a little room."""
+    return 3 * steps * rounds + 2 + 8
+
+
 class Overlap:
     """The runtime, a batch of running rows and one image's encoder input, ready to time."""
 
-    def __init__(self, rt: MoondreamRuntime, batch: int, steps: int) -> None:
+    def __init__(self, rt: MoondreamRuntime, batch: int, steps: int, rounds: int = 3) -> None:
         self.rt, self.steps = rt, steps
         rng = np.random.default_rng(0)
         image = prepare_image(rng.integers(0, 256, (960, 1280, 3), np.uint8))
@@ -67,7 +73,13 @@ class Overlap:
         self.pixels, self.tiling = crops.encoder_input(rt.dtype, rt.device), crops.tiling
         bos = TextToken(rt.config.tokenizer.bos_id)
         shared = prepare_image(rng.integers(0, 256, (600, 800, 3), np.uint8))
-        budget = 4 * steps * 8 + 16  # every round's steps, with room to spare
+        budget = step_budget(steps, rounds)
+        room = rt.config.text.max_context - 3 - rt.config.vision.n_patches
+        if budget > room:
+            raise SystemExit(
+                f"{steps} decode steps x {rounds} rounds take {budget} positions a row, more "
+                f"than the {room} the context leaves: use fewer"
+            )
         self.states = [
             rt.start_sequence([bos, TextToken(100 + i), TextToken(17)], shared,
                               max_new_tokens=budget)[0]
@@ -141,7 +153,7 @@ def measure(rt: MoondreamRuntime, batch: int = 64, encodes: int = 8, steps: int 
             rounds: int = 3) -> dict[str, float]:  # fmt: skip
     """The variants on a runtime already built (``bench_gpu_runtime.py --overlap``), run
     interleaved ``rounds`` times: ``medians``."""
-    o = Overlap(rt, batch, steps)
+    o = Overlap(rt, batch, steps, rounds)
     try:
         with torch.inference_mode():
             o.run(1, 1, 2)  # warm both paths
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     encodes = args.encodes or (2 if args.smoke else 8)
     steps = args.steps or (4 if args.smoke else 64)
     rt = build(args.smoke, batch)
-    o = Overlap(rt, batch, steps)
+    o = Overlap(rt, batch, steps, args.rounds)
     with torch.inference_mode():
         _, want = o.run(1, 0, 1)
         _, got = o.run(1, 1, 2)  # warm both paths; the side stream's encode equals the main's

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One-shot GPU check, about 8 minutes on an H200 (docs/benchmarks.md; the first engine start
 # also compiles the Triton decode kernel's launch configurations it measures):
-#   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend, pyvips);
-#      then scripts/bench_crop_parts.py: a chart-sized (800 x 600) image's crops serially, on
-#      libvips threads, and in 2, 4, 8 parts on the host's cores (host only, ~20 s);
+#   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend,
+#      pyvips and its version);
 #   2. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
 #      16 threads submitting while the engine starts (decode attention per bucket: whichever
 #      kernel the start-up measurement chose), and where a lone request's time goes;
+#      then scripts/bench_crop_parts.py: a chart-sized (800 x 600) image's crops serially, on
+#      libvips threads, and in 2, 4, 8 parts on the host's cores (host only, ~20 s; after the
+#      bench, so that its load does not mark the bench's figures BUSY);
 #      then scripts/bench_vision.py: the vision encoder on 10 crops with each attention kernel,
 #      replayed from a CUDA graph, its matrix products alone, and its kernels by device time;
 #   3. pytest -m gpu tests/gpu;
@@ -55,9 +57,11 @@ out = {"torch": torch.__version__, "cuda": torch.version.cuda,
 probe = fa_backend.probe("cuda")
 out["fa"] = "ok" if probe.ok else probe.reason
 try:
-    import pyvips  # noqa: F401
+    import pyvips
 
     out["pyvips"] = "ok"
+    out["pyvips_version"] = (f"{pyvips.__version__}, libvips "
+                             + ".".join(str(pyvips.version(i)) for i in range(3)))
 except Exception as exc:  # reported, not fatal: the crops then fail, and say so
     out["pyvips"] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))
@@ -65,18 +69,18 @@ PYEOF
 probe_rc=$?
 cat "$OUT/probe.json" >&2
 
-echo "== host: one image's crops serially, on libvips threads, in 2-8 parts" >&2
-# the bench's charts are 640-900 x 480-640: their crops are enlarged, libvips's costliest path
-timeout "$(cap 45)" "$PY" scripts/bench_crop_parts.py --parts 2,4,8 --rounds 3 --repeats 10 \
-  --size 600x800 --allow-busy > "$OUT/crops.log" 2>&1
-grep -E '^(BUSY )?\| (serial|1 part,|[0-9]+ parts) ' "$OUT/crops.log" >&2
-
 echo "== 2/4 bench" >&2
 timeout "$(cap 200)" "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
   --modes direct,cot --sampling "$SAMPLING" --startup-threads 16 --allow-busy --summary \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 grep -E '^(BUSY )?\| ' "$OUT/bench.log" >&2
+
+echo "== host: one image's crops serially, on libvips threads, in 2-8 parts" >&2
+# the bench's charts are 640-900 x 480-640: their crops are enlarged, libvips's costliest path
+timeout "$(cap 45)" "$PY" scripts/bench_crop_parts.py --parts 2,4,8 --rounds 3 --repeats 10 \
+  --size 600x800 --allow-busy > "$OUT/crops.log" 2>&1
+grep -E '^(BUSY )?\| (serial|1 part,|[0-9]+ parts) ' "$OUT/crops.log" >&2
 
 echo "== vision encoder: attention kernels, the CUDA graph, the matrix products alone" >&2
 runs vision && timeout "$(cap 60)" "$PY" scripts/bench_vision.py --crops 10 --rounds 5 \

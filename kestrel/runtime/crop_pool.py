@@ -55,7 +55,7 @@ from kestrel.moondream.crops import (
 )
 from kestrel.moondream.vision import pixel_table
 from kestrel.runtime.crop_arenas import ARENAS, one_off
-from kestrel.runtime.crop_procs import WORKERS, WorkerGone, processes_supported
+from kestrel.runtime.crop_procs import WORKERS, CropWorkerError, WorkerGone, processes_supported
 from kestrel.runtime.crop_staging import CropPixels, CropStaging
 
 __all__ = ["CropHold", "CropPixels", "CropPool", "processes_supported", "start_workers"]
@@ -177,8 +177,8 @@ class _Cropper:
         """The crops made by worker processes; None if they could not (then made here)."""
         try:
             crops_hwc = self._shipped(pixels, g, parts)
-        except (WorkerGone, OSError) as exc:  # no worker, or no shared memory to give it
-            self.failures += 1
+        except (WorkerGone, CropWorkerError, OSError) as exc:  # no worker, a worker failed
+            self.failures += 1  # (its libvips, its pyvips), or no shared memory to give it
             if self.failures >= _MAX_FAILURES:
                 self.processes = False
             log.warning("crops made in-process: %s", exc)

@@ -11,10 +11,9 @@ import subprocess
 import sys
 import threading
 
-from kestrel.moondream.crops import CropError
 from kestrel.runtime.crop_worker import CROPS_SOURCE, NOT_MAPPED
 
-__all__ = ["WORKERS", "WorkerGone", "processes_supported"]
+__all__ = ["WORKERS", "CropWorkerError", "WorkerGone", "processes_supported"]
 
 WORKER_SCRIPT = CROPS_SOURCE.parents[1] / "runtime" / "crop_worker.py"
 # Run the worker script by its path, without the current directory on sys.path.
@@ -24,6 +23,11 @@ _BOOT = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_nam
 def processes_supported() -> bool:
     """Crop worker processes need Linux's memfd_create and descriptor passing."""
     return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+
+class CropWorkerError(RuntimeError):
+    """A worker process answered a request with an error. The pixels were checked before they
+    were sent, so the fault is the worker's (its libvips, its pyvips), never the image's."""
 
 
 class WorkerGone(RuntimeError):
@@ -57,7 +61,7 @@ class _Worker:
         self._send(message, fd if send_fd else None)
 
     def finish(self) -> None:
-        """Wait for the reply to the request ``send`` sent; CropError if it failed."""
+        """Wait for the reply to the request ``send`` sent; CropWorkerError if it failed."""
         if self._pending is None:
             raise RuntimeError("finish() without a request sent")
         (message, fd, arena, send_fd), self._pending = self._pending, None
@@ -68,7 +72,7 @@ class _Worker:
         if arena is not None and reply == b"ok":
             self.mapped[arena[0]] = arena[1]
         if reply != b"ok":
-            raise CropError(reply.decode(errors="replace").removeprefix("error: "))
+            raise CropWorkerError(reply.decode(errors="replace").removeprefix("error: "))
 
     def _send(self, message: bytes, fd: int | None) -> None:
         try:
@@ -152,7 +156,7 @@ class _Workers:
         for worker in sent:  # every sent job ends before the caller lets its memory go
             try:
                 worker.finish()
-            except CropError as exc:  # a bad request; the worker is fine
+            except CropWorkerError as exc:  # it failed this request; the process is fine
                 self._give_back(worker)
                 errors.append(exc)
             except BaseException as exc:  # gone, or interrupted mid-request

@@ -16,6 +16,7 @@ from kestrel_kernels import dispatch, fa_backend
 from kestrel_kernels.decode_tune import TOLERANCE, tune_pool
 from tests.conftest import FIXTURES, fixture_dir
 from tests.integration.conftest import FIXTURE_MODEL, assert_idle
+from tests.integration.test_fp8_kv_engine import write_kv_scaled
 
 pytestmark = pytest.mark.gpu
 
@@ -76,12 +77,15 @@ def test_an_engine_measures_each_bucket_and_answers_as_with_fa() -> None:
     assert same >= 4, answers
 
 
-def test_fp8_pages_are_checked_then_captured() -> None:
-    """The md3-tiny-a-fp8 fixture (its KV scales) with FP8 pages: the Triton kernel is checked
-    against the scaled reference at start-up, agrees, serves FP8 decode, and the decode
-    buckets are captured through it."""
+def test_fp8_pages_are_checked_then_captured(tmp_path) -> None:
+    """The md3-tiny-a-fp8 fixture with KV scales calibrated on the CPU (the fixture itself has
+    none, and is refused) and FP8 pages: the Triton kernel is checked against the scaled
+    reference at start-up, agrees, serves FP8 decode, and the decode buckets are captured
+    through it."""
+    image = np.asarray(Image.open(FIXTURES / "md3-tiny-a/images/shapes_378.png").convert("RGB"))
+    scaled = write_kv_scaled(tmp_path, image)
     dispatch.set_decode_kernel("auto")
-    with Engine(str(FIXTURES / "md3-tiny-a-fp8"), device="cuda", kv_dtype="fp8",
+    with Engine(str(scaled), device="cuda", kv_dtype="fp8",
                 kv_cache_pages=6000, max_batch_size=4) as engine:  # fmt: skip
         rt = engine.runtime
         assert [(t.batch, t.choice) for t in rt.decode_trials] == [(1, "triton"), (4, "triton")]

@@ -56,3 +56,25 @@ def test_main_prints_the_table(overlap, capsys) -> None:
                   "--encodes", "1"])  # fmt: skip
     out = capsys.readouterr().out
     assert "| two streams |" in out and "| one stream |" in out and "hidden:" in out
+
+
+def test_the_default_measurement_fits_moondream_2s_context(overlap) -> None:
+    """``bench_gpu_runtime.py --overlap`` (64 steps, 3 rounds) once asked each row for 2064
+    new tokens, past the 2048-position context, and crashed on the H200: the budget is what the
+    rounds take, and a run that cannot fit says so before it starts."""
+    from kestrel.moondream.config import MoondreamConfig
+
+    cfg = MoondreamConfig()
+    room = cfg.text.max_context - 3 - cfg.vision.n_patches
+    assert overlap.step_budget(64, 3) <= room < overlap.step_budget(64, 8)
+    rt = overlap.build(smoke=True, batch=1)
+    with pytest.raises(SystemExit, match="use fewer"):
+        overlap.Overlap(rt, batch=1, steps=64, rounds=8)
+    assert not rt.active_sequences
+
+
+def test_the_rows_hold_every_step_the_rounds_take(overlap) -> None:
+    """The rows' token budget covers every round (here two rounds of 3 steps, warm-ups too)."""
+    rt = overlap.build(smoke=True, batch=2)
+    got = overlap.measure(rt, batch=2, encodes=1, steps=3, rounds=2)
+    assert got["decode"] > 0 and not rt.active_sequences

@@ -51,11 +51,15 @@ def image() -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory, image) -> Path:
-    """md3-tiny-a-fp8 plus kv_quantizer scales calibrated on one image query."""
+    return write_kv_scaled(tmp_path_factory.mktemp("kv-scaled"), image)
+
+
+def write_kv_scaled(out: Path, image: np.ndarray) -> Path:
+    """md3-tiny-a-fp8 plus kv_quantizer scales calibrated on one image query (on the CPU),
+    written to ``out`` (also used by tests/gpu/test_decode_tune_gpu.py)."""
     model = MoondreamModel.from_pretrained(FP8)
     rt = MoondreamRuntime(model, kv_cache_pages=1000, max_batch_size=1, enable_prefix_cache=False)
     _decode(rt, image)
-    out = tmp_path_factory.mktemp("kv-scaled")
     sd = load_file(str(FP8 / "model.safetensors"))
     for i in range(model.config.text.n_layers):
         for w, cache in (("k", rt.kv.k[i]), ("v", rt.kv.v[i])):

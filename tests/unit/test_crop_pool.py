@@ -255,3 +255,24 @@ def test_the_engine_starts_the_crop_workers_before_it_loads_a_cuda_model(
                            max_batch_size=1, enable_prefix_cache=True,
                            attention_backend="auto")  # fmt: skip
     assert order == want
+
+
+@pytest.mark.skipif(not processes_supported(), reason="needs memfd_create")
+def test_a_worker_that_answers_with_an_error_fails_no_request(legacy, monkeypatch) -> None:
+    """A worker that answers with an error (on an H200 once, every request: its pyvips lacked a
+    call the worker made) fails no request: the crops are made here and the worker is kept;
+    after three such answers in a row the pool makes its crops here from then on."""
+    pool = CropPool(VISION, parallel=1)
+    image = _image(400, 500)
+    want = normalize_pixels(legacy.legacy_overlap_crops(image.pixels, VISION).crops, torch.float32)
+    recv = crop_procs._Worker._recv
+    reply = b"error: AttributeError: module 'pyvips' has no attribute 'concurrency_get'"
+    monkeypatch.setattr(crop_procs._Worker, "_recv", lambda w: recv(w) and reply)
+    for failures in (1, 2):
+        assert torch.equal(pool.pixels(image).encoder_input(torch.float32, "cpu"), want)
+        assert pool._cropper.failures == failures and pool.uses_processes
+    kept = set(crop_pool._WORKERS._all)
+    assert kept and all(w.proc.poll() is None for w in kept)
+    assert torch.equal(pool.pixels(image).encoder_input(torch.float32, "cpu"), want)
+    assert not pool.uses_processes and kept <= crop_pool._WORKERS._all
+    pool.close()
