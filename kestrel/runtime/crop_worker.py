@@ -34,6 +34,7 @@ import mmap
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -106,12 +107,25 @@ def _handle(
 
 
 def _use_threads(pyvips: ModuleType, threads: int | None) -> None:
-    """libvips' threads for this request, where the installed pyvips can set them (3.0 and
-    later; 2.x binds no call for it, and libvips keeps its default there: one per core). A
-    tuning knob: it never fails a request."""
-    get, set_ = (getattr(pyvips, n, None) for n in ("concurrency_get", "concurrency_set"))
-    if threads and get is not None and set_ is not None and threads != get():
-        set_(threads)
+    """libvips' threads for this request where the installed pyvips can set them. A tuning
+    knob: it never fails a request (without a way to set them libvips keeps its default, one
+    thread per core)."""
+    calls = _concurrency_calls(pyvips)
+    if threads and calls is not None and threads != calls[0]():
+        calls[1](threads)
+
+
+def _concurrency_calls(
+    pyvips: ModuleType,
+) -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """(get, set) of libvips' thread count: pyvips' own calls (3.0 and later), else libvips'
+    functions through pyvips' binding (pyvips 2.x names no call for them, but a compiled
+    binding built with their declarations, as pyvips-binary's is, has them), else None."""
+    found = [getattr(pyvips, n, None) for n in ("concurrency_get", "concurrency_set")]
+    if None in found:
+        lib = getattr(pyvips, "vips_lib", None)
+        found = [getattr(lib, f"vips_{n}", None) for n in ("concurrency_get", "concurrency_set")]
+    return None if None in found else (found[0], found[1])
 
 
 def serve(sock: socket.socket, crops: ModuleType) -> None:

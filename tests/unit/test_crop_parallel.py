@@ -13,6 +13,7 @@ import socket
 import statistics
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ import torch
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.moondream import crops as crops_mod
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.runtime import crop_arenas, crop_pool, crop_procs, crop_staging
+from kestrel.runtime import crop_arenas, crop_pool, crop_procs, crop_staging, crop_worker
 from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.crop_worker import serve
 
@@ -210,15 +211,17 @@ def test_the_worker_makes_a_part_on_the_threads_it_is_told(monkeypatch) -> None:
 
 @pytest.mark.skipif(not crop_pool.processes_supported(), reason="needs memfd_create")
 def test_a_pyvips_without_concurrency_calls_still_makes_the_crops(monkeypatch) -> None:
-    """pyvips 2.x (which the project allows) binds no concurrency call: the worker makes the
-    crops on libvips' default threads instead of failing the request (the staged GPU machine
-    has pyvips 2.2.3; every request failed there once)."""
+    """pyvips 2.x (which the project allows) names no concurrency call: the worker sets the
+    threads through libvips' own functions in pyvips' binding, and makes the crops (the staged
+    GPU machine has pyvips 2.2.3; every request failed there once)."""
     want = CropPool(VISION, normalize=False, processes=False)
     image = _image(300, 400)
     try:
         expected = want.pixels(image).pixels.clone()
     finally:
         want.close()
+    lib = crops_mod.pyvips.vips_lib
+    before = lib.vips_concurrency_get()
     monkeypatch.delattr(crops_mod.pyvips, "concurrency_get")
     monkeypatch.delattr(crops_mod.pyvips, "concurrency_set")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -239,10 +242,25 @@ def test_a_pyvips_without_concurrency_calls_still_makes_the_crops(monkeypatch) -
         assert ours.recv(4096) == b"ok"
         got = np.frombuffer(memory.memory, np.uint8, count=expected.numel(), offset=spec["out"])
         assert np.array_equal(got, expected.numpy().reshape(-1))
+        assert lib.vips_concurrency_get() == 2  # set through the binding
     finally:
         ours.close()
         thread.join(timeout=10)
         pool.close()
+        lib.vips_concurrency_set(before)
+
+
+def test_without_any_concurrency_call_the_threads_are_left_alone() -> None:
+    """A pyvips whose binding lacks libvips' concurrency functions too: no call is made and
+    nothing fails (libvips keeps its default threads)."""
+    bare = types.SimpleNamespace(vips_lib=types.SimpleNamespace())
+    assert crop_worker._concurrency_calls(bare) is None
+    crop_worker._use_threads(bare, 3)  # no AttributeError
+    calls: list[int] = []
+    own = types.SimpleNamespace(concurrency_get=lambda: 1, concurrency_set=calls.append)
+    crop_worker._use_threads(own, 3)
+    crop_worker._use_threads(own, 1)  # already 1: not set again
+    assert calls == [3]
 
 
 def _recording_send(sent: list[bytes]):
