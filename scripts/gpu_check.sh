@@ -88,7 +88,10 @@ runs vision && timeout "$(cap 60)" "$PY" scripts/bench_vision.py --crops 10 --ro
 runs vision && grep -E '^(BUSY )?(\| |not timed|TFLOP|default encoder)' "$OUT/vision.log" >&2
 
 echo "== 3/4 pytest -m gpu tests/gpu" >&2
-timeout "$(cap 260)" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider > "$OUT/pytest.log" 2>&1
+per_test=()  # a test that hangs fails alone instead of taking the step's whole budget
+"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120)
+timeout "$(cap 260)" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
+  ${per_test[@]+"${per_test[@]}"} > "$OUT/pytest.log" 2>&1
 pytest_rc=$?
 tail -3 "$OUT/pytest.log" >&2
 
