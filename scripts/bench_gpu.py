@@ -63,16 +63,20 @@ PUBLISHED_REQ_S = {1: 41.9, 64: 57.0}  # Kestrel, Moondream 2, ChartQA, one H100
 OURS_BEFORE_REQ_S = {1: 11.7, 64: 17.2}  # bench_gpu_runtime.py, one H100 (docs/kernels.md)
 SAMPLING = {"greedy": {"temperature": 0.0}, "default": {"temperature": 0.5, "top_p": 0.3}}
 DIRECT_TOKENS = 4
+# where a lone request's time goes (p50 ms): the caller's submit (decode and hash), time to
+# first token of a miss and of a hit, a miss's wait for admission and its prefill step (the
+# crops awaited, the vision encoder, the prefill), and the decode after the first token
+PARTS = ("submit_ms", "ttft_miss_ms", "ttft_hit_ms", "queue_miss_ms", "prefill_miss_ms",
+         "decode_ms")  # fmt: skip
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny-a"
 
 
 def measure(engine: Engine, queries: list[Query], batch: int, settings: dict, cot: bool) -> dict:
     """Run ``queries`` with ``batch`` in flight; requests/s, p50 latency, mean tokens out, and
-    where a request's time went (p50 ms): the caller's submit (the image decoded and hashed),
-    time to first token of a miss and of a hit (``cache_tier``), and the decode after it."""
+    where a request's time went (p50 ms, ``PARTS``)."""
     slots, done, lock = threading.Semaphore(batch), threading.Event(), threading.Lock()
     latency, tokens, errors, submit = [], [], [], []
-    parts: dict[str, list[float]] = {"ttft_miss_ms": [], "ttft_hit_ms": [], "decode_ms": []}
+    parts: dict[str, list[float]] = {k: [] for k in PARTS if k != "submit_ms"}
 
     def finished(future, t0: float) -> None:  # on the scheduler thread: keep it short
         latency.append(time.perf_counter() - t0)
@@ -83,6 +87,9 @@ def measure(engine: Engine, queries: list[Query], batch: int, settings: dict, co
             tokens.append(m.output_tokens + m.reasoning_tokens)  # CoT: thinking + answer
             parts["ttft_hit_ms" if m.cache_tier != "none" else "ttft_miss_ms"].append(m.ttft_ms)
             parts["decode_ms"].append(m.decode_ms)
+            if m.cache_tier == "none":  # a miss's time to first token, split
+                parts["queue_miss_ms"].append(m.queue_ms)
+                parts["prefill_miss_ms"].append(m.prefill_ms)
         slots.release()
         with lock:
             if len(latency) == len(queries):
@@ -258,9 +265,8 @@ def summary(engine: Engine, runs: dict, startup: tuple[int, int], device: str) -
     rps = {
         name: round(statistics.median(r["rps"] for r in rounds), 2) for name, rounds in runs.items()
     }
-    parts = ("submit_ms", "ttft_miss_ms", "ttft_hit_ms", "decode_ms")
     breakdown = {  # batch 1: where a lone request's time goes (p50 ms, median over rounds)
-        name: {k: round(statistics.median(r[k] for r in rounds), 2) for k in parts}
+        name: {k: round(statistics.median(r[k] for r in rounds), 2) for k in PARTS}
         for name, rounds in runs.items() if name.endswith("batch 1")
     }  # fmt: skip
     return {

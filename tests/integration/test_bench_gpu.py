@@ -41,6 +41,10 @@ def test_chartqa_workload_through_the_engine(bench_gpu, tmp_path) -> None:
             out = bench_gpu.measure(engine, queries[:6], 4, settings, cot)
             most = 3 * (2 if cot else 1)  # reasoning thinks up to max_tokens, then answers
             assert out["rps"] > 0 and out["p50_ms"] > 0 and 1 <= out["tokens"] <= most
+            assert set(bench_gpu.PARTS) <= set(out)
+            if not cot:  # new charts: a miss's time to first token, split (then all hits)
+                assert 0 < out["prefill_miss_ms"] <= out["ttft_miss_ms"]
+                assert 0 <= out["queue_miss_ms"] <= out["ttft_miss_ms"]
         stats = engine.stats()
         assert stats.requests_served == 12 and stats.requests_failed == 0
         engine.check_integrity()
