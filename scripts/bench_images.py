@@ -8,7 +8,9 @@ PNG like the GPU bench's (``chart_workload.chart_png``: 640-900 x 480-640), the 
 JPEG, and a 1280 x 960 photo-like JPEG. Two variants, run interleaved through the harness:
 
 - ``PIL``: every decode through PIL, as before ``kestrel/images/vips.py``;
-- ``prepare_image``: as it is now (libvips decodes the kinds it decodes to PIL's pixels).
+- ``prepare_image``: as it is now (libvips decodes the kinds it decodes to PIL's pixels);
+- ``sent again``: the same bytes through an Engine's ``KnownImages`` that prepared them before
+  (a chart's next question, a conversation's next turn): their digest, no decode.
 
 Each figure is the median over ``--repeats`` calls, milliseconds, SHA-256 included. Both
 variants are checked to give the same pixels first.
@@ -31,6 +33,7 @@ from PIL import Image
 
 from kestrel import images
 from kestrel.images import prepare_image
+from kestrel.images.known import KnownImages
 
 
 def _jpeg(pixels: np.ndarray, quality: int = 90) -> bytes:
@@ -53,14 +56,16 @@ def _pil_only() -> mock._patch:
     return mock.patch.object(images, "decode_pixels", lambda image, source: None)
 
 
-def variant(data: bytes, repeats: int, pil: bool) -> Callable[[], dict[str, float]]:
+def variant(
+    data: bytes, repeats: int, pil: bool, prepare: Callable[[bytes], object] = prepare_image
+) -> Callable[[], dict[str, float]]:
     def run() -> dict[str, float]:
         times = []
         with _pil_only() if pil else contextlib.nullcontext():
-            prepare_image(data)  # warm
+            prepare(data)  # warm
             for _ in range(repeats):
                 t = time.perf_counter()
-                prepare_image(data)
+                prepare(data)
                 times.append(time.perf_counter() - t)
         return {"ms": statistics.median(times) * 1e3}
 
@@ -78,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
             want = prepare_image(data)
         if prepare_image(data).digest != want.digest:
             raise SystemExit(f"{name}: libvips and PIL decode different pixels")
+        known = KnownImages()
+        if [known.prepare(data).digest for _ in range(2)] != [want.digest] * 2:
+            raise SystemExit(f"{name}: the image sent again has another digest")
     bench = harness.start(args, "Image decode + hash on the caller's thread (bench_images.py)")
     for name, data in files.items():
         with Image.open(io.BytesIO(data)) as image:
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         runs = bench.run({
             f"{name}: PIL": variant(data, args.repeats, pil=True),
             f"{name}: prepare_image": variant(data, args.repeats, pil=False),
+            f"{name}: sent again": variant(data, args.repeats, False, KnownImages().prepare),
         })  # fmt: skip
         bench.table(runs, {"ms": "ms per image"}, baseline=f"{name}: PIL")
     bench.finish()

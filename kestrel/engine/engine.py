@@ -23,6 +23,7 @@ from kestrel.engine.requests import RequestFactory
 from kestrel.engine.setup import load_runtime
 from kestrel.errors import InvalidInputError
 from kestrel.images import PreparedImage, prepare_image
+from kestrel.images.known import KnownImages
 from kestrel.results import EngineStats
 from kestrel.runtime.heads import ModelHeads
 from kestrel.runtime.runner import BatchExecutor
@@ -112,8 +113,10 @@ class Engine(BlockingCalls, AsyncTwins):
         self._adapters = AdapterRegistry(self.runtime.model, max_adapters)
         self._replies = ReplyMemory()
         self._loop = SchedulerLoop(self._scheduler)
+        # encoded images seen before come back deferred: no decode unless their crops are needed
+        self._images = KnownImages(exif_orientation=exif_orientation)
         self._drafts = Drafter(
-            self._factory, self._adapters, self._replies, self.prepare_image, lambda: self.closed
+            self._factory, self._adapters, self._replies, self._images.prepare, lambda: self.closed
         )
         self._requests = Submitter(self._loop, self.runtime.crops, self.runtime.embeddings)
 

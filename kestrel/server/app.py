@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kestrel.errors import KestrelError
+from kestrel.images.known import KnownImages
 from kestrel.server.chat import ChatCall, chat_response, parse_chat, start_chat
 from kestrel.server.errors import CLIENT_CLOSED, ApiError, from_exception
 from kestrel.server.exchange import Exchange as _Exchange
@@ -90,7 +91,7 @@ def _respond(call: Call, outcome: Any, ex: _Exchange) -> Response:
     return JSONResponse(result_body(call.skill, outcome, ex.request_id), headers=headers)
 
 
-Parse = Callable[..., Any]  # (body, *, max_pixels) -> a validated call, in a worker thread
+Parse = Callable[..., Any]  # (body, *, prepare) -> a validated call, in a worker thread
 Start = Callable[[ServedEngine, Any], Awaitable[Any]]  # (engine, call) -> its coroutine
 Respond = Callable[[Any, Any, _Exchange], Response]  # (call, outcome, exchange) -> response
 
@@ -109,6 +110,10 @@ class _Server:
         self.ledger = Ledger(self.gate, self.metrics, on_idle=self.trimmer.poke)
         self.model_name = served_name(engine)
         self.info = InfoRoutes(engine, self.ledger, self.authorize, self.model_name)
+        # images a client sent before (each chat turn resends its image) are not decoded again
+        self.images = KnownImages(
+            max_pixels=limits.max_image_pixels, exif_orientation=engine.exif_orientation
+        )
 
     def authorize(self, request: Request) -> None:
         if self.api_key is not None:
@@ -147,9 +152,7 @@ class _Server:
             self.gate.enter(self.limits.retry_after_s)
             ex.holds_slot = True
             body = await read_body(request, self.limits.max_body_bytes)
-            pixels = self.limits.max_image_pixels
-            upright = self.engine.exif_orientation
-            call = await asyncio.to_thread(parse, body, max_pixels=pixels, exif_orientation=upright)
+            call = await asyncio.to_thread(parse, body, prepare=self.images.prepare)
             call = self._select_adapter(call)
             outcome = await until_disconnected(request.receive, start(self.engine, call))
         except (ClientGone, ClientDisconnect):

@@ -27,10 +27,9 @@ from starlette.responses import JSONResponse, Response
 
 from kestrel.engine.chat import MAX_IMAGES
 from kestrel.errors import InvalidInputError
-from kestrel.images import prepare_image
 from kestrel.results import ChatResult, RequestMetrics
 from kestrel.server.errors import ApiError
-from kestrel.server.payloads import decode_data_url, load_object, typed
+from kestrel.server.payloads import Prepare, decode_data_url, load_object, typed
 from kestrel.server.protocol import ServedEngine
 from kestrel.server.responses import EventStream
 
@@ -109,7 +108,7 @@ def _image_parts(messages: list[Any]) -> list[dict[str, Any]]:
     return [p for p in found if p["type"] == "image_url"]
 
 
-def _decoded(messages: list[Any], max_pixels: int, exif_orientation: bool) -> list[Any]:
+def _decoded(messages: list[Any], prepare: Prepare) -> list[Any]:
     """``messages`` with each user image_url part decoded into a PreparedImage."""
     parts = _image_parts(messages)
     if len(parts) > MAX_IMAGES:
@@ -121,8 +120,7 @@ def _decoded(messages: list[Any], max_pixels: int, exif_orientation: bool) -> li
         if not isinstance(url, str):
             raise ApiError(400, "invalid_image", "image_url must be {'url': 'data:image/...'}")
         try:
-            data = decode_data_url(url)
-            image = prepare_image(data, max_pixels=max_pixels, exif_orientation=exif_orientation)
+            image = prepare(decode_data_url(url))
         except InvalidInputError as exc:  # not an image, corrupt, or over the pixel limit
             raise ApiError(400, "invalid_image", str(exc)) from None
         decoded[id(part)] = {"type": "image", "image": image}
@@ -135,7 +133,7 @@ def _decoded(messages: list[Any], max_pixels: int, exif_orientation: bool) -> li
     return [swap(m) for m in messages]
 
 
-def parse_chat(body: bytes, *, max_pixels: int, exif_orientation: bool = True) -> ChatCall:
+def parse_chat(body: bytes, *, prepare: Prepare) -> ChatCall:
     """Validate the body of ``POST /v1/chat/completions``; raises :class:`ApiError` (400).
     Images are decoded upright by their EXIF orientation unless ``exif_orientation`` is False."""
     obj = load_object(body)
@@ -164,7 +162,7 @@ def parse_chat(body: bytes, *, max_pixels: int, exif_orientation: bool = True) -
         stream=stream,
         include_usage=stream
         and bool(typed(options or {}, "include_usage", (bool,), "true or false")),
-        messages=_decoded(messages, max_pixels, exif_orientation),  # last: the costly part
+        messages=_decoded(messages, prepare),  # last: the costly part
     )
 
 

@@ -21,15 +21,17 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kestrel.errors import InvalidInputError
-from kestrel.images import PreparedImage, prepare_image
+from kestrel.images import PreparedImage
 from kestrel.server.errors import ApiError
 
-__all__ = ["SKILLS", "Call", "decode_data_url", "load_object", "parse_call", "typed"]
+__all__ = ["SKILLS", "Call", "Prepare", "decode_data_url", "load_object", "parse_call", "typed"]
+
+Prepare = Callable[[bytes], PreparedImage]  # encoded bytes -> a prepared image (or refused)
 
 SKILLS = ("query", "caption", "point", "detect")
 _COMMON = frozenset(
@@ -129,13 +131,12 @@ def _b64(text: str) -> bytes:
     return data
 
 
-def _image(obj: Mapping[str, Any], max_pixels: int, exif_orientation: bool) -> PreparedImage | None:
+def _image(obj: Mapping[str, Any], prepare: Prepare) -> PreparedImage | None:
     url = typed(obj, "image_url", (str,), "a data URL or base64 string")
     if url is None:
         return None
     try:
-        data = decode_data_url(url)
-        return prepare_image(data, max_pixels=max_pixels, exif_orientation=exif_orientation)
+        return prepare(decode_data_url(url))
     except InvalidInputError as exc:  # not an image, corrupt, or over the pixel limit
         raise ApiError(400, "invalid_image", str(exc)) from None
 
@@ -176,9 +177,10 @@ def _adapter(obj: Mapping[str, Any]) -> str | None:
     return adapter if adapter is not None else variant
 
 
-def parse_call(skill: str, body: bytes, *, max_pixels: int, exif_orientation: bool = True) -> Call:
+def parse_call(skill: str, body: bytes, *, prepare: Prepare) -> Call:
     """Validate the body of a ``POST /v1/<skill>``; raises :class:`ApiError` (400). The image
-    is decoded upright by its EXIF orientation unless ``exif_orientation`` is False."""
+    is prepared by ``prepare`` (the app's ``KnownImages.prepare``: its pixel limit and EXIF
+    option, and an image seen before is not decoded again)."""
     obj = _aliased(skill, load_object(body))
     for key in _REQUIRED[skill]:
         if obj.get(key) is None:
@@ -201,7 +203,5 @@ def parse_call(skill: str, body: bytes, *, max_pixels: int, exif_orientation: bo
         reasoning=bool(typed(obj, "reasoning", (bool,), "true or false")),
         length=typed(obj, "length", (str,), "a string") or "normal",
         spatial_refs=refs,
-        image=_image(
-            obj, max_pixels, exif_orientation
-        ),  # last: the costly part, once the rest is known good
+        image=_image(obj, prepare),  # last: the costly part, once the rest is known good
     )

@@ -24,6 +24,7 @@ def test_image_decode_bench_compares_pil_with_prepare_image(scripts, capsys) -> 
         assert figures[f"{name}: PIL"]["ms"]["median"] > 0
         assert figures[f"{name}: prepare_image"]["ms"]["median"] > 0
         assert figures[f"{name}: prepare_image / {name}: PIL: ms"]["median"] > 0
+        assert figures[f"{name}: sent again"]["ms"]["median"] > 0
 
 
 def test_crop_parts_bench_runs_serial_and_parts(scripts, capsys) -> None:

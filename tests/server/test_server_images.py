@@ -70,3 +70,25 @@ def test_keep_exif_orientation_serves_the_stored_pixels() -> None:
             got = detect(client, stored_png(6))
     assert got["objects"] == [dict(b) for b in want.objects]
     assert got["metrics"]["cached_tokens"] > 0
+
+
+def test_an_image_sent_again_is_not_decoded_again(engine, monkeypatch) -> None:
+    """Clients send the image with every request (OpenAI chat clients with every turn): the
+    same data URL again is prepared without a decode, and still answers from the cache."""
+    from kestrel.images.known import DeferredImage, KnownImages
+
+    made: list = []
+    prepare = KnownImages.prepare
+    monkeypatch.setattr(KnownImages, "prepare", lambda self, im: made.append(prepare(self, im))
+                        or made[-1])  # fmt: skip
+    body = {"image_url": data_url(stored_png(1)), "question": "What is it?", "settings": GREEDY}
+    with TestClient(create_app(engine)) as client:
+        first = client.post("/v1/query", json=body).json()
+        again = client.post("/v1/query", json=body).json()
+        content = [{"type": "image_url", "image_url": {"url": data_url(stored_png(1))}},
+                   {"type": "text", "text": "What is it?"}]  # fmt: skip
+        chat = {"messages": [{"role": "user", "content": content}], "max_tokens": 3}
+        assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    server_side = [m for m in made if isinstance(m, DeferredImage)]
+    assert len(server_side) >= 2 and not any(m.decoded for m in server_side)
+    assert again["answer"] == first["answer"] and again["metrics"]["cached_tokens"] > 0
