@@ -135,7 +135,8 @@ def _decoded(messages: list[Any], prepare: Prepare) -> list[Any]:
 
 def parse_chat(body: bytes, *, prepare: Prepare) -> ChatCall:
     """Validate the body of ``POST /v1/chat/completions``; raises :class:`ApiError` (400).
-    Images are decoded upright by their EXIF orientation unless ``exif_orientation`` is False."""
+    Images are prepared by ``prepare`` (the app's ``KnownImages.prepare``: its pixel limit and
+    EXIF option, and an image a client sent before is not decoded again)."""
     obj = load_object(body)
     _check_fields(obj)
     messages = typed(obj, "messages", (list,), "a list of message objects")
