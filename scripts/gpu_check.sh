@@ -12,20 +12,23 @@
 #      then scripts/bench_vision.py: the vision encoder on 10 crops with each attention kernel,
 #      replayed from a CUDA graph, its matrix products alone, and its kernels by device time;
 #   3. pytest -m gpu tests/gpu;
-#   4. scripts/bench_gpu_runtime.py twice, FlashAttention's decode and the Triton decode kernel
-#      forced (KESTREL_DECODE_KERNEL=fa / triton): decode step ms by batch, kernels, TTFT; the
-#      fa run also times the vision encoder beside batch-64 decode steps on a second stream;
-#      scripts/bench_attention.py --only gpu: the decode attention calls alone, fa vs Triton;
+#   4. scripts/bench_gpu_runtime.py with each bucket's measured decode kernel (as served):
+#      decode step ms by batch, kernels, TTFT, and the vision encoder beside batch-64 decode
+#      steps on a second stream; on request (SKIP without them) once more with FlashAttention's
+#      decode and once with the Triton kernel forced (KESTREL_DECODE_KERNEL=fa / triton), and
+#      scripts/bench_attention.py --only gpu (the decode attention calls alone, fa vs Triton);
 #   5. one JSON line: the probe, the pytest counts, req/s per row, failed requests, failed
 #      captures, the start-up decode kernel choice per bucket, decode step ms by batch for
-#      each decode kernel, crop ms by variant, the vision encoder's ms by attention kernel,
+#      each runtime run, crop ms by variant, the vision encoder's ms by attention kernel,
 #      the encoder / decode overlap (the last line).
 # On the GPU machine here, run it through the staged FlashAttention 4 (see the GPU tools' README):
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
 # Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter. Every step
 # is cut short to fit BUDGET seconds (default 560), so the summary line comes within 10 minutes.
-# A shorter check for a lease's last minutes: SAMPLING=greedy (the bench's rows; default both)
-# and SKIP="vision triton attention" (any of those steps left out).
+# SKIP names steps left out: any of vision, auto, fa, triton, attention (default "fa triton
+# attention": the forced-kernel runs; SKIP="" runs every step, ~8 minutes on an H200). A shorter
+# check for a lease's last minutes: SAMPLING=greedy (the bench's rows; default both) and
+# SKIP="vision fa triton attention".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kestrel-gpu-check}
@@ -35,7 +38,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 t0=$(date +%s)
 BUDGET=${BUDGET:-560}  # seconds for all steps: the summary line is printed within it
 SAMPLING=${SAMPLING:-greedy,default}
-SKIP=" ${SKIP:-} "
+SKIP=" ${SKIP-fa triton attention} "  # set but empty: nothing skipped
 runs() { [[ $SKIP != *" $1 "* ]]; }  # whether step $1 runs (SKIP does not name it)
 cap() {  # a step's timeout: at most $1 s, and no more than what the budget has left
   local left=$(( BUDGET - ($(date +%s) - t0) ))
@@ -95,12 +98,13 @@ timeout "$(cap 260)" "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider \
 pytest_rc=$?
 tail -3 "$OUT/pytest.log" >&2
 
-echo "== 4/4 decode: FlashAttention vs the Triton decode kernel" >&2
-for kernel in fa triton; do
+echo "== 4/4 decode: the runtime bench (the measured kernels; fa / triton forced on request)" >&2
+for kernel in auto fa triton; do
   runs "$kernel" || continue
-  extra=(); [[ $kernel == fa ]] && extra=(--overlap)  # the encoder beside decode, measured once
-  KESTREL_DECODE_KERNEL=$kernel timeout "$(cap 90)" "$PY" scripts/bench_gpu_runtime.py --qa-requests 32 \
-    ${extra[@]+"${extra[@]}"} > "$OUT/runtime_$kernel.log" 2>&1
+  extra=(); [[ $kernel == auto ]] && extra=(--overlap)  # the encoder beside decode, measured once
+  forced=(); [[ $kernel != auto ]] && forced=("KESTREL_DECODE_KERNEL=$kernel")
+  env ${forced[@]+"${forced[@]}"} timeout "$(cap 90)" "$PY" scripts/bench_gpu_runtime.py \
+    --qa-requests 32 ${extra[@]+"${extra[@]}"} > "$OUT/runtime_$kernel.log" 2>&1
   grep -E '^(BUSY )?\| [0-9]' "$OUT/runtime_$kernel.log" | sed "s/^/$kernel /" >&2
 done
 runs attention && timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
@@ -134,8 +138,8 @@ def decode_ms(kernel: str) -> dict | None:
 
 
 def overlap() -> dict | None:
-    """bench_overlap's medians and ``hidden`` from the fa runtime run (None if it did not run)."""
-    path = out / "runtime_fa.log"
+    """bench_overlap's medians and ``hidden`` from the runtime run (None if it did not run)."""
+    path = out / "runtime_auto.log"
     text = path.read_text(errors="replace") if path.exists() else ""
     found = re.findall(r"^overlap: (\{.*\})$", text, re.M)
     return json.loads(found[-1]) if found else None
@@ -170,7 +174,7 @@ print(json.dumps({
     "failed_captures": bench["failed_captures"] if bench else None,
     "captured": bench["captured"] if bench else None,
     "decode_kernels": bench.get("decode_kernels") if bench else None,
-    "decode_step_ms": {k: decode_ms(k) for k in ("fa", "triton")},
+    "decode_step_ms": {k: decode_ms(k) for k in ("auto", "fa", "triton")},
     "crops_ms": crops_ms(),
     "vision": vision(),
     "overlap": overlap(),
