@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check, about 8 minutes on an H200 (docs/benchmarks.md; the first engine start
+# One-shot GPU check, about 6 minutes on an H200 by default, 8 with SKIP="" (docs/benchmarks.md; the first engine start
 # also compiles the Triton decode kernel's launch configurations it measures):
 #   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend,
 #      pyvips and its version);
