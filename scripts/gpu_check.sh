@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One-shot GPU check, about 6 minutes on an H200 by default, 8 with SKIP="" (docs/benchmarks.md; the first engine start
-# also compiles the Triton decode kernel's launch configurations it measures):
+# One-shot GPU check, about 6 minutes on an H200 by default, 8 with SKIP="" (docs/benchmarks.md;
+# the first engine start also compiles the Triton decode kernel's launch configurations it
+# measures):
 #   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend,
 #      pyvips and its version);
 #   2. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
@@ -107,8 +108,8 @@ for kernel in auto fa triton; do
     --qa-requests 32 ${extra[@]+"${extra[@]}"} > "$OUT/runtime_$kernel.log" 2>&1
   grep -E '^(BUSY )?\| [0-9]' "$OUT/runtime_$kernel.log" | sed "s/^/$kernel /" >&2
 done
-runs attention && timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu --json "$OUT/attention.json" \
-  > "$OUT/attention.log" 2>&1
+runs attention && timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu \
+  --json "$OUT/attention.json" > "$OUT/attention.log" 2>&1
 
 "$PY" - "$OUT" "$probe_rc" "$pytest_rc" "$bench_rc" "$(( $(date +%s) - t0 ))" <<'PYEOF'
 import json
