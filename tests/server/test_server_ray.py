@@ -233,7 +233,11 @@ def test_a_second_front_door_attaches_to_the_same_replicas(server, tmp_path) -> 
 
 
 def test_stats_and_metrics_show_each_replica_and_the_sum(server) -> None:
+    for name in NAMES:  # traffic on every replica, whichever tests ran before (or none)
+        body = {"image_url": data_url(_image_of(name, 900)), "question": "Sum?", "settings": GREEDY}
+        assert post(server, "query", body)[0] == 200
     s = idle_stats(server)
+    assert all(r["requests_served"] > 0 for r in s["replicas"])
     assert [r["replica"] for r in s["replicas"]] == NAMES
     for key in ("requests_served", "vision_encodes_skipped", "pages_cached"):
         assert s[key] == sum(r[key] for r in s["replicas"]), key
