@@ -159,6 +159,8 @@ class EngineStats:
     host_kv_hits: int = 0
     host_kv_bytes: int = 0
     host_kv_budget_bytes: int = 0
+    # encoded images handed in again and prepared without a decode (images/known.py)
+    image_decodes_skipped: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

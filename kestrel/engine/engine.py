@@ -185,6 +185,7 @@ class Engine(BlockingCalls, AsyncTwins):
             vision_encodes_skipped=s.counters.vision_skipped,
             **self._runner.pages(),
             vision_encodes=c.encoder_runs,
+            image_decodes_skipped=self._images.repeats,
             **self.runtime.embeddings.stats_fields(),
             **self._host_kv_fields(),
         )

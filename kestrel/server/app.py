@@ -109,11 +109,12 @@ class _Server:
         # the last admitted request finished: hand freed heap memory back to the system
         self.ledger = Ledger(self.gate, self.metrics, on_idle=self.trimmer.poke)
         self.model_name = served_name(engine)
-        self.info = InfoRoutes(engine, self.ledger, self.authorize, self.model_name)
         # images a client sent before (each chat turn resends its image) are not decoded again
         self.images = KnownImages(
             max_pixels=limits.max_image_pixels, exif_orientation=engine.exif_orientation
         )
+        self.info = InfoRoutes(engine, self.ledger, self.authorize, self.model_name,
+                               decodes_skipped=lambda: self.images.repeats)  # fmt: skip
 
     def authorize(self, request: Request) -> None:
         if self.api_key is not None:

@@ -64,6 +64,7 @@ class InfoRoutes:
     authorize: Callable[[Request], None]
     model_name: str
     started_at: float = field(default_factory=time.time)
+    decodes_skipped: Callable[[], int] = lambda: 0  # images the app was sent again, not decoded
 
     async def health(self, request: Request) -> Response:
         ex = self.ledger.open("health")
@@ -102,7 +103,8 @@ class InfoRoutes:
             return ex.fail(err)
         body = (await asyncio.to_thread(self.engine.stats)).to_dict()
         gate = self.ledger.gate
-        body["server"] = {"in_flight": gate.in_flight, "max_queue": gate.limit}
+        body["server"] = {"in_flight": gate.in_flight, "max_queue": gate.limit,
+                          "image_decodes_skipped": self.decodes_skipped()}  # fmt: skip
         ex.finish(200)
         return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
 
@@ -115,5 +117,5 @@ class InfoRoutes:
         ex.finish(200)  # recorded first, so this scrape counts itself
         stats = await asyncio.to_thread(self.engine.stats)
         gate = self.ledger.gate
-        text = self.ledger.metrics.render(stats, gate.in_flight, gate.limit)
+        text = self.ledger.metrics.render(stats, gate.in_flight, gate.limit, self.decodes_skipped())
         return Response(text, media_type=CONTENT_TYPE, headers={"X-Request-ID": ex.request_id})

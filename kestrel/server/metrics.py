@@ -32,6 +32,7 @@ class _EngineCollector(Collector):
         self.stats: EngineStats | None = None
         self.in_flight = 0
         self.max_queue = 0
+        self.decodes_skipped = 0  # the app's own (it prepares the images it is sent)
 
     def describe(self) -> list[Metric]:
         return []  # dynamic: nothing to check for name clashes at registration
@@ -73,6 +74,8 @@ class _EngineCollector(Collector):
              s.vision_encodes_skipped),
             ("kv_evictions", "KV pages evicted from the prefix cache", s.evictions),
             ("vision_encodes", "vision encoder runs (one per image encoded)", s.vision_encodes),
+            ("image_decodes_skipped", "images sent again, prepared without a decode",
+             self.decodes_skipped + s.image_decodes_skipped),
         ):  # fmt: skip
             yield CounterMetricFamily(f"kestrel_{name}", doc, value=total)
         yield from _tier_metrics(s)
@@ -150,9 +153,13 @@ class ServerMetrics:
         self.tokens.labels(route, "output").inc(metrics.output_tokens)
         self.tokens.labels(route, "reasoning").inc(metrics.reasoning_tokens)
 
-    def render(self, stats: EngineStats | None, in_flight: int, max_queue: int) -> bytes:
-        """The exposition text, with this engine snapshot and server state."""
+    def render(
+        self, stats: EngineStats | None, in_flight: int, max_queue: int, decodes_skipped: int = 0
+    ) -> bytes:
+        """The exposition text, with this engine snapshot and server state (``decodes_skipped``:
+        the images the app was sent again and prepared without a decode)."""
         self._engine.stats = stats
         self._engine.in_flight = in_flight
         self._engine.max_queue = max_queue
+        self._engine.decodes_skipped = decodes_skipped
         return generate_latest(self.registry)

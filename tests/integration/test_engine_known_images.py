@@ -46,6 +46,7 @@ def test_a_repeated_image_is_decoded_only_when_its_crops_are_needed(make_engine,
     salted = engine.query(png, "What is in the picture?", settings=GREEDY, cache_salt="t2")
     assert isinstance(made[-1], DeferredImage) and made[-1].decoded  # its crops were made
     assert salted.metrics.cached_tokens == 0 and salted.answer == first.answer
+    assert engine.stats().image_decodes_skipped == 2  # the second and the salted query
     fresh = make_engine()  # a first sight on another engine: the same answer
     assert fresh.query(png, "What colour is it?", settings=GREEDY).answer == again.answer
 

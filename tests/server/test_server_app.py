@@ -243,10 +243,15 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 def test_stats_and_prometheus_metrics(client, engine) -> None:
     _check_error(_post(client, "query", b"{"), 400, "invalid_json")
-    assert _post(client, "query", _q(question="Metrics?")).status_code == 200
+    for _ in range(2):  # the second hits the cache, whichever tests ran before (or none)
+        assert _post(client, "query", _q(question="Metrics?")).status_code == 200
     stats = client.get("/v1/stats").json()
     queue = max(DEFAULT_MAX_QUEUE, 4 * engine.max_batch_size)
-    assert stats["server"] == {"in_flight": 0, "max_queue": queue}
+    assert stats["server"] == {
+        "in_flight": 0,
+        "max_queue": queue,
+        "image_decodes_skipped": stats["server"]["image_decodes_skipped"],
+    }
     assert stats["pages_total"] == engine.stats().pages_total
     response = client.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain")
@@ -278,7 +283,12 @@ def test_cache_tiers_in_stats_and_metrics(client, engine) -> None:
     assert stats["embedding_budget_bytes"] > 0 and stats["embedding_misses"] >= 1
     assert 0 < stats["embedding_bytes"] <= stats["embedding_budget_bytes"]
     assert stats["vision_encodes"] >= 1 and stats["host_kv_bytes"] == 0
+    skipped = stats["server"]["image_decodes_skipped"]  # the same data URL again: no decode
+    assert skipped >= 1
     m = _samples(client.get("/metrics").text)
+    # the metric counts the app's and the engine's own (callers of the engine directly)
+    engine_own = stats["image_decodes_skipped"]
+    assert m[("kestrel_image_decodes_skipped_total", ())] == skipped + engine_own
     s = engine.stats()  # idle: nothing moved since the scrape
     lookups = "kestrel_embedding_cache_lookups_total"
     assert m[(lookups, (("result", "miss"),))] == s.embedding_misses
