@@ -54,6 +54,28 @@ def test_parts_make_exactly_the_whole(n: int) -> None:
             assert np.array_equal(pieced, whole), (h, w, n, dtype)
 
 
+@pytest.mark.parametrize(("h", "w"), [(960, 1280), (600, 800)])
+def test_parts_are_balanced_by_their_modelled_work(h: int, w: int) -> None:
+    """Each part's modelled work (its band's rows; the first part also the global crop and its
+    render's fixed set-up) is equal to within the rounding of its two edges, where the global
+    crop's work is under a part's share; the first part's band is then the shortest. Where it
+    is not, the first part makes the global crop alone."""
+    g = crops_mod.crop_geometry(h, w, VISION)
+    rows, width = g.resized
+    enlarged = rows > h or width > w
+    per_row = width * (crops_mod.ENLARGED_BAND_PIXEL if enlarged else 1.0)
+    whole = (crops_mod.GLOBAL_PER_SOURCE_PIXEL * h * w + crops_mod.GLOBAL_PER_CROP_PIXEL
+             * g.crop**2 + crops_mod.GLOBAL_RENDER_SETUP)  # fmt: skip
+    for n in (2, 4):
+        parts = crops_mod.crop_parts(g, n, (h, w))
+        work = [(whole if p.whole else 0.0) + (p.bottom - p.top) * per_row for p in parts]
+        if whole >= (whole + rows * per_row) / n:
+            assert parts[0].bottom == parts[0].top and len(parts) == n, (n, parts)
+            continue
+        assert max(work) - min(work) <= 2.001 * per_row, (n, work)
+        assert parts[0].bottom - parts[0].top < parts[1].bottom - parts[1].top
+
+
 def _timed(pool: CropPool, image: PreparedImage) -> tuple[float, torch.Tensor]:
     t = time.perf_counter()
     crops = pool.pixels(image)
