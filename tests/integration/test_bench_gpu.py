@@ -45,6 +45,7 @@ def test_chartqa_workload_through_the_engine(bench_gpu, tmp_path) -> None:
             if not cot:  # new charts: a miss's time to first token, split (then all hits)
                 assert 0 < out["prefill_miss_ms"] <= out["ttft_miss_ms"]
                 assert 0 <= out["queue_miss_ms"] <= out["ttft_miss_ms"]
+                assert out["submit_new_ms"] > 0 and out["submit_again_ms"] > 0  # 6 charts, 10 q
         stats = engine.stats()
         assert stats.requests_served == 12 and stats.requests_failed == 0
         engine.check_integrity()
