@@ -35,8 +35,9 @@ _KEY_PREFIX = b"kestrel-encoded:"  # the bytes' digest is a lookup key, never an
 
 class DeferredImage(PreparedImage):
     """A :class:`PreparedImage` whose digest is known and whose pixels are decoded from its
-    encoded bytes on first use (once, whichever thread asks first). Pickled, it travels as the
-    plain PreparedImage (its pixels decoded)."""
+    encoded bytes on first use (once, whichever thread asks first). Pickled (a Ray front door
+    sending it to a replica), it travels as its encoded bytes and its decoder, not its pixels:
+    the other side decodes only if it needs the crops."""
 
     __slots__ = ("_data", "_decode", "_lock", "_pixels", "_size")
 
@@ -79,8 +80,8 @@ class DeferredImage(PreparedImage):
     def __repr__(self) -> str:
         return f"DeferredImage({self.height}x{self.width}, digest={self.digest[:8].hex()})"
 
-    def __reduce__(self) -> tuple[type, tuple[np.ndarray, bytes]]:
-        return PreparedImage, (self.pixels, self.digest)
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return DeferredImage, (self.digest, self._data, self._decode, self._size)
 
 
 class KnownImages:
