@@ -74,7 +74,7 @@ class Overlap:
         bos = TextToken(rt.config.tokenizer.bos_id)
         shared = prepare_image(rng.integers(0, 256, (600, 800, 3), np.uint8))
         budget = step_budget(steps, rounds)
-        room = rt.config.text.max_context - 3 - rt.config.vision.n_patches
+        room = rt.config.text.max_context - rt.config.prefix_len - 2  # BOS, image, 2 tokens
         if budget > room:
             raise SystemExit(
                 f"{steps} decode steps x {rounds} rounds take {budget} positions a row, more "

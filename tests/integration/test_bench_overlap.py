@@ -65,7 +65,7 @@ def test_the_default_measurement_fits_moondream_2s_context(overlap) -> None:
     from kestrel.moondream.config import MoondreamConfig
 
     cfg = MoondreamConfig()
-    room = cfg.text.max_context - 3 - cfg.vision.n_patches
+    room = cfg.text.max_context - cfg.prefix_len - 2
     assert overlap.step_budget(64, 3) <= room < overlap.step_budget(64, 8)
     rt = overlap.build(smoke=True, batch=1)
     with pytest.raises(SystemExit, match="use fewer"):

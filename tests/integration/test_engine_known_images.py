@@ -23,7 +23,8 @@ def _png() -> bytes:
     return buf.getvalue()
 
 
-def _recording(monkeypatch) -> list:
+def recording_prepares(monkeypatch) -> list:
+    """Every image ``KnownImages.prepare`` returns from now on, in order."""
     made: list = []
     prepare = KnownImages.prepare
 
@@ -36,7 +37,7 @@ def _recording(monkeypatch) -> list:
 
 
 def test_a_repeated_image_is_decoded_only_when_its_crops_are_needed(make_engine, monkeypatch):
-    made = _recording(monkeypatch)
+    made = recording_prepares(monkeypatch)
     engine, png = make_engine(), _png()
     first = engine.query(png, "What is in the picture?", settings=GREEDY)
     again = engine.query(png, "What colour is it?", settings=GREEDY)
@@ -52,7 +53,7 @@ def test_a_repeated_image_is_decoded_only_when_its_crops_are_needed(make_engine,
 
 
 def test_a_conversation_sends_its_image_each_turn_and_decodes_it_once(make_engine, monkeypatch):
-    made = _recording(monkeypatch)
+    made = recording_prepares(monkeypatch)
     engine, png = make_engine(), _png()
     turn = {"role": "user", "content": [{"type": "image", "image": png},
                                         {"type": "text", "text": "What is it?"}]}  # fmt: skip

@@ -75,12 +75,10 @@ def test_keep_exif_orientation_serves_the_stored_pixels() -> None:
 def test_an_image_sent_again_is_not_decoded_again(engine, monkeypatch) -> None:
     """Clients send the image with every request (OpenAI chat clients with every turn): the
     same data URL again is prepared without a decode, and still answers from the cache."""
-    from kestrel.images.known import DeferredImage, KnownImages
+    from kestrel.images.known import DeferredImage
+    from tests.integration.test_engine_known_images import recording_prepares
 
-    made: list = []
-    prepare = KnownImages.prepare
-    monkeypatch.setattr(KnownImages, "prepare", lambda self, im: made.append(prepare(self, im))
-                        or made[-1])  # fmt: skip
+    made = recording_prepares(monkeypatch)
     body = {"image_url": data_url(stored_png(1)), "question": "What is it?", "settings": GREEDY}
     with TestClient(create_app(engine)) as client:
         first = client.post("/v1/query", json=body).json()
