@@ -13,6 +13,11 @@ when CUDA is there. uint8 crops (a CUDA model's). Variants run interleaved throu
 each figure is the median over ``--repeats`` images, and the table gives each against serial.
 The crops of every variant are checked equal first. ``scripts/gpu_check.sh`` runs it on the
 GPU machine's cores.
+
+``--device cuda`` (or ``cpu``) times each variant up to the encoder's input on that device
+(``CropPixels.encoder_input``: the upload and normalization, synchronized) and adds ``on the
+device``: the image itself staged and cropped there (``resample.make_crops``, a CUDA runtime's
+default), the same bytes.
 """
 
 from __future__ import annotations
@@ -38,12 +43,25 @@ def images(height: int, width: int, count: int) -> list[PreparedImage]:
     return [prepare_image(rng.integers(0, 256, (height, width, 3), np.uint8)) for _ in range(count)]
 
 
-def variant(pool: CropPool, shots: list[PreparedImage]) -> Callable[[], dict[str, float]]:
+def made(pool: CropPool, image: PreparedImage, device: str | None) -> torch.Tensor:
+    """``image``'s crops from ``pool``: on the host, or the encoder's input on ``device``."""
+    crops = pool.pixels(image)
+    if device is None:
+        return crops.pixels
+    out = crops.encoder_input(torch.bfloat16, device)
+    if out.device.type == "cuda":
+        torch.cuda.synchronize()
+    return out
+
+
+def variant(
+    pool: CropPool, shots: list[PreparedImage], device: str | None
+) -> Callable[[], dict[str, float]]:
     def run() -> dict[str, float]:
         times = []
         for image in shots:
             t = time.perf_counter()
-            crops = pool.pixels(image)
+            crops = made(pool, image, device)
             times.append(time.perf_counter() - t)
             del crops  # its staging slot back
         return {"ms": statistics.median(times) * 1e3}
@@ -56,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--parts", default="2,4", help="parts per image to compare with serial")
     p.add_argument("--size", default="960x1280", help="image height x width")
     p.add_argument("--repeats", type=int, default=15, help="images per figure (median)")
+    p.add_argument("--device", default=None, help="time up to the encoder's input there")
     harness.add_arguments(p, rounds=5)
     args = p.parse_args(argv)
     height, width = (int(v) for v in args.size.lower().split("x"))
@@ -72,10 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     if (cores or 1) > 1:
         pools["1 part, libvips threads"] = pool(1)
     pools |= {f"{n} parts": pool(n) for n in parts if n > 1}
+    if args.device is not None:
+        pools["on the device"] = CropPool(config, normalize=False, pin_memory=pin, on_device=True)
     shots = images(height, width, args.repeats)
     want = None
-    for name, made in pools.items():  # start the workers; every variant makes the same crops
-        got = [made.pixels(image).pixels.clone() for image in shots[:2]]
+    for name, pooled in pools.items():  # start the workers; every variant makes the same crops
+        got = [made(pooled, image, args.device).clone() for image in shots[:2]]
         want = want or got
         if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
             raise SystemExit(f"{name}: the crops differ from serial")
@@ -83,10 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     g = crop_geometry(height, width, config)
     bench.emit(f"{width} x {height}: {g.n_crops} crops uint8, {cores} cores, staging: {pin}; "
                f"worker processes: {next(iter(pools.values())).uses_processes}")  # fmt: skip
-    runs = bench.run({name: variant(made, shots) for name, made in pools.items()})
+    runs = bench.run({name: variant(pooled, shots, args.device) for name, pooled in pools.items()})
     bench.table(runs, {"ms": "ms per image"}, baseline="serial", fmt=".2f")
-    for made in pools.values():
-        made.close()
+    for pooled in pools.values():
+        pooled.close()
     bench.finish()
 
 

@@ -8,8 +8,9 @@
 #      16 threads submitting while the engine starts (decode attention per bucket: whichever
 #      kernel the start-up measurement chose), and where a lone request's time goes;
 #      then scripts/bench_crop_parts.py: a chart-sized (800 x 600) image's crops serially, on
-#      libvips threads, and in 2, 4, 8 parts on the host's cores (host only, ~20 s; after the
-#      bench, so that its load does not mark the bench's figures BUSY);
+#      libvips threads, and in 2, 4, 8 parts on the host's cores, and made on the GPU from the
+#      uploaded image (the runtime's default), each up to the encoder's input on the GPU
+#      (~20 s; after the bench, so that its load does not mark the bench's figures BUSY);
 #      then scripts/bench_vision.py: the vision encoder on 10 crops with each attention kernel,
 #      replayed from a CUDA graph, its matrix products alone, and its kernels by device time;
 #   3. pytest -m gpu tests/gpu;
@@ -83,8 +84,8 @@ grep -E '^(BUSY )?\| ' "$OUT/bench.log" >&2
 echo "== host: one image's crops serially, on libvips threads, in 2-8 parts" >&2
 # the bench's charts are 640-900 x 480-640: their crops are enlarged, libvips's costliest path
 timeout "$(cap 45)" "$PY" scripts/bench_crop_parts.py --parts 2,4,8 --rounds 3 --repeats 10 \
-  --size 600x800 --allow-busy > "$OUT/crops.log" 2>&1
-grep -E '^(BUSY )?\| (serial|1 part,|[0-9]+ parts) ' "$OUT/crops.log" >&2
+  --size 600x800 --device cuda --allow-busy > "$OUT/crops.log" 2>&1
+grep -E '^(BUSY )?\| (serial|1 part,|[0-9]+ parts|on the device) ' "$OUT/crops.log" >&2
 
 echo "== vision encoder: attention kernels, the CUDA graph, the matrix products alone" >&2
 runs vision && timeout "$(cap 60)" "$PY" scripts/bench_vision.py --crops 10 --rounds 5 \
@@ -158,7 +159,7 @@ def crops_ms() -> dict | None:
     """One image's crops, ms by variant (bench_crop_parts' table; None if it did not run)."""
     path = out / "crops.log"
     text = path.read_text(errors="replace") if path.exists() else ""
-    variant = r"serial|1 part, libvips threads|\d+ parts"
+    variant = r"serial|1 part, libvips threads|\d+ parts|on the device"
     rows = re.findall(rf"^(?:BUSY )?\| ({variant}) \| ([\d.]+)", text, re.M)
     size = re.findall(r"^(?:BUSY )?(\d+ x \d+): \d+ crops", text, re.M)
     if not rows:

@@ -28,40 +28,29 @@ all.
 
 from __future__ import annotations
 
-import json
-import logging
 import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-
 from kestrel.images import PreparedImage
 from kestrel.moondream.config import VisionConfig
-from kestrel.moondream.crops import (
-    CropGeometry,
-    CropPart,
-    check_pixels,
-    crop_geometry,
-    crop_parts,
-    lut_image,
-    vips_image,
-    write_crops,
-)
-from kestrel.moondream.vision import pixel_table
-from kestrel.runtime.crop_arenas import ARENAS, one_off
-from kestrel.runtime.crop_procs import WORKERS, CropWorkerError, WorkerGone, processes_supported
+from kestrel.runtime.crop_maker import Cropper, crops_on_device
+from kestrel.runtime.crop_procs import WORKERS, processes_supported
 from kestrel.runtime.crop_staging import CropPixels, CropStaging
 
-__all__ = ["CropHold", "CropPixels", "CropPool", "processes_supported", "start_workers"]
+__all__ = [
+    "CropHold",
+    "CropPixels",
+    "CropPool",
+    "crops_on_device",
+    "processes_supported",
+    "start_workers",
+]
 
-log = logging.getLogger("kestrel.runtime")
-_MAX_FAILURES = 3  # worker processes that die in a row before a pool stops starting them
 _WORKERS = WORKERS  # the process's crop workers (tests stop them)
 
 
@@ -94,153 +83,6 @@ def start_workers(
                               name="kestrel-crops-start")  # fmt: skip
     thread.start()
     return thread
-
-
-def _aligned(n: int) -> int:
-    return (n + 63) // 64 * 64
-
-
-class _Cropper:
-    """Makes one image's crops in ``parallel`` parts at once (``crops.crop_parts``), each in a
-    worker process (all sent before any reply is awaited) or, failing that, on a part thread
-    here; stages them when ``staging`` is set."""
-
-    def __init__(
-        self,
-        config: VisionConfig,
-        normalize: bool,
-        processes: bool,
-        parallel: int,
-        staging: CropStaging | None,
-        threads: int,
-    ) -> None:
-        self.config = config
-        self.normalize, self.staging, self.parallel = normalize, staging, parallel
-        self.threads = threads
-        self.processes = processes and processes_supported()
-        self.failures = 0
-        self.table = pixel_table() if normalize else None
-        self._parts = (
-            ThreadPoolExecutor(parallel - 1, thread_name_prefix="kestrel-crops-part")
-            if parallel > 1
-            else None
-        )
-
-    def crop(self, image: PreparedImage) -> CropPixels:
-        pixels = check_pixels(image.pixels)
-        g = crop_geometry(pixels.shape[0], pixels.shape[1], self.config)
-        parts = crop_parts(g, self.parallel, pixels.shape[:2])
-        made = self._in_worker(pixels, g, parts) if self.processes else None
-        if made is not None:
-            return made
-        crops_hwc = self._here(pixels, g, parts)
-        if self.staging is not None:
-            return self.staging.stage(crops_hwc, (g.rows, g.cols))
-        return CropPixels(crops_hwc, (g.rows, g.cols))
-
-    def close(self) -> None:
-        if self._parts is not None:
-            self._parts.shutdown(wait=False, cancel_futures=True)
-
-    def _each(self, fn: Callable[[CropPart], None], parts: list[CropPart]) -> None:
-        """``fn(part)`` for every part at once: the first on this thread, the others on the
-        part threads (here, once those are closed); waits for all, raises the first error."""
-        futures: list[Future | None] = []
-        for part in parts[1:]:
-            try:
-                futures.append(self._parts.submit(fn, part) if self._parts else None)
-            except RuntimeError:  # closed
-                futures.append(None)
-        errors: list[BaseException] = []
-        for part, future in zip(parts, [None, *futures], strict=True):
-            try:
-                if future is None or future.cancelled():
-                    fn(part)
-                else:
-                    try:
-                        future.result()
-                    except CancelledError:
-                        fn(part)
-            except BaseException as exc:  # every part ends before the memory is let go
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    def _dtypes(self) -> tuple[np.dtype, torch.dtype]:
-        if self.normalize:
-            return np.dtype(np.float32), torch.float32
-        return np.dtype(np.uint8), torch.uint8
-
-    def _in_worker(
-        self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]
-    ) -> CropPixels | None:
-        """The crops made by worker processes; None if they could not (then made here)."""
-        try:
-            crops_hwc = self._shipped(pixels, g, parts)
-        except (WorkerGone, CropWorkerError, OSError) as exc:  # no worker, a worker failed
-            self.failures += 1  # (its libvips, its pyvips), or no shared memory to give it
-            if self.failures >= _MAX_FAILURES:
-                self.processes = False
-            log.warning("crops made in-process: %s", exc)
-            return None
-        self.failures = 0
-        return crops_hwc
-
-    def _shipped(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> CropPixels:
-        """The worker processes make the crops in shared memory: in a reused arena
-        (``crop_arenas.py``) they are copied out of (into pinned staging where there is some),
-        or, when no arena is free, in a file of this image's own, which they stay in. A fresh
-        file's pages cost more than the copy, float32 crops' too: a 1280 x 960 image's took
-        17 ms through a file of their own, 8 ms through an arena and a copy (2 cores)."""
-        n_in, (np_dtype, dtype) = pixels.size, self._dtypes()
-        count = g.n_crops * 3 * g.crop * g.crop
-        out_at = _aligned(n_in)
-        size = out_at + count * np_dtype.itemsize
-        arena = ARENAS.take(size)
-        shared = arena if arena is not None else one_off(size)
-        try:
-            np.frombuffer(shared.memory, np.uint8, count=n_in)[:] = pixels.reshape(-1)
-            head = {"size": shared.size, "height": pixels.shape[0], "width": pixels.shape[1],
-                    "out": out_at, "geometry": _fields(g), "threads": self.threads}  # fmt: skip
-            if arena is not None:
-                head["arena"] = list(arena.key)
-            table = self.table.tobytes() if self.table is not None else b""
-            key = None if arena is None else arena.key
-
-            def job(part: CropPart) -> tuple[bytes, int, tuple[int, int] | None]:
-                spec = {**head, "part": [part.whole, part.top, part.bottom]}
-                return json.dumps(spec).encode() + b"\n" + table, shared.fd, key
-
-            WORKERS.run_all([job(part) for part in parts])  # all at once, none on a thread
-            crops_hwc = torch.frombuffer(shared.memory, dtype=dtype, count=count, offset=out_at)
-            return self._kept(crops_hwc.view(g.n_crops, g.crop, g.crop, 3), g, arena is not None)
-        finally:
-            if arena is not None:
-                ARENAS.give(arena)
-            else:
-                os.close(shared.fd)  # the mapping lives on in the crops' tensor
-
-    def _kept(self, crops_hwc: torch.Tensor, g: CropGeometry, borrowed: bool) -> CropPixels:
-        """``crops_hwc`` as the crops handed out: staged, or as they are, or (``borrowed``: in
-        memory that is reused) copied when no staging slot is free."""
-        tiling = (g.rows, g.cols)
-        crops = self.staging.stage(crops_hwc, tiling) if self.staging is not None else None
-        if crops is not None and (crops.staging is not None or not borrowed):
-            return crops
-        return CropPixels(crops_hwc.clone() if borrowed else crops_hwc, tiling)
-
-    def _here(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> torch.Tensor:
-        np_dtype, _ = self._dtypes()
-        out = np.empty((g.n_crops, g.crop, g.crop, 3), np_dtype)
-        lut = lut_image(self.table) if self.table is not None else None
-        image = vips_image(pixels)  # libvips images are immutable: the parts share it
-        self._each(lambda part: write_crops(image, g, out, lut, part), parts)
-        return torch.from_numpy(out)
-
-
-def _fields(g: CropGeometry) -> dict[str, int]:
-    return {"crop": g.crop, "margin": g.margin, "window": g.window, "rows": g.rows,
-            "cols": g.cols}  # fmt: skip
 
 
 @dataclass(slots=True, eq=False)
@@ -298,15 +140,16 @@ class CropPool:
         processes: bool = True,
         parallel: int | None = None,
         threads: int | None = None,
+        on_device: bool = False,
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        if pin_memory and normalize:
-            raise ValueError("pinned crop staging holds uint8 crops: pass normalize=False")
+        if (pin_memory or on_device) and normalize:
+            raise ValueError("staged or device crops are uint8: pass normalize=False")
         workers, parallel = _sizes(workers, parallel)
         threads = threads or max(1, _cores() // parallel)
         staging = CropStaging(config, prefetch + workers + 2) if pin_memory else None
-        self._cropper = _Cropper(config, normalize, processes, parallel, staging, threads)
+        self._cropper = Cropper(config, normalize, processes, parallel, staging, threads, on_device)
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="kestrel-crops")
         self._lock = threading.Lock()
         self._entries: dict[bytes, _Entry] = {}  # by image digest, in arrival order
@@ -316,6 +159,10 @@ class CropPool:
     @property
     def uses_processes(self) -> bool:
         return self._cropper.processes
+
+    @property
+    def on_device(self) -> bool:
+        return self._cropper.on_device
 
     def hold(self, images: Iterable[PreparedImage], *, skip_recent: bool = False) -> CropHold:
         """Start (or share) the crops of ``images``; they stay until taken or released."""

@@ -16,9 +16,11 @@ import threading
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kestrel.moondream.config import VisionConfig
+from kestrel.moondream.resample import CropPlan, make_crops
 from kestrel.moondream.vision import normalize_pixels
 from kestrel_kernels import pinned
 
@@ -29,11 +31,14 @@ __all__ = ["CropPixels", "CropStaging"]
 class CropPixels:
     """An image's crops on the host, channels last [N, crop, crop, 3] as libvips makes them:
     normalized float32, or uint8 to be normalized on the device; ``tiling`` = (rows, cols).
-    ``staging``: the slot of pinned memory ``pixels`` lies in (None: plain memory)."""
+    ``staging``: the slot of pinned memory ``pixels`` lies in (None: plain memory). With a
+    ``plan`` ``pixels`` is the image itself (uint8 [H, W, 3]), cropped on the device
+    (``resample.make_crops``: the same bytes)."""
 
     pixels: torch.Tensor
     tiling: tuple[int, int]
     staging: tuple[CropStaging, int] | None = None
+    plan: CropPlan | None = None
 
     def encoder_input(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """The vision encoder's input: normalized, in ``dtype`` on ``device`` (uploaded without
@@ -44,6 +49,8 @@ class CropPixels:
         if to_cuda and self.staging is not None:
             staging, slot = self.staging
             staging.uploaded(slot)
+        if self.plan is not None:
+            pixels = make_crops(pixels, self.plan)
         if pixels.dtype == torch.uint8:  # the same arithmetic, on the device
             return normalize_pixels(pixels, dtype, device)
         # a view: the encoder's patch cut (``vision.patchify``) copies it into patches anyway
@@ -67,20 +74,34 @@ class CropStaging:
         self.takes = 0
         self.misses = 0
 
-    def stage(self, crops_hwc: torch.Tensor, tiling: tuple[int, int]) -> CropPixels:
-        """``crops_hwc`` (uint8 [N, crop, crop, 3]) copied into a free slot; in plain memory as
-        they are when no slot is free."""
-        slot = self._take() if crops_hwc.dtype == torch.uint8 else None
-        if slot is None or crops_hwc.shape[0] > self.max_crops:
-            if slot is not None:
-                self._give_back(slot)
+    def fits(self, pixels: torch.Tensor | np.ndarray) -> bool:
+        """Whether uint8 ``pixels`` fit a slot (the most crops an image has, or an image of at
+        most as many bytes: ~1.86 million pixels for Moondream's 13 crops of 378 x 378)."""
+        return pixels.dtype in (torch.uint8, np.uint8) and pixels.nbytes <= self.slot_bytes
+
+    def stage(
+        self,
+        crops_hwc: torch.Tensor | np.ndarray,
+        tiling: tuple[int, int],
+        plan: CropPlan | None = None,
+    ) -> CropPixels:
+        """``crops_hwc`` (uint8 [N, crop, crop, 3], or with a ``plan`` the image [H, W, 3]: an
+        array, read-only ones too) copied into a free slot; when no slot is free, in plain
+        memory (a tensor as it is, an array copied)."""
+        slot = self._take() if self.fits(crops_hwc) else None
+        if slot is None:
             with self._lock:
                 self.misses += 1
-            return CropPixels(crops_hwc, tiling)
+            if isinstance(crops_hwc, np.ndarray):
+                crops_hwc = torch.from_numpy(crops_hwc.copy())
+            return CropPixels(crops_hwc, tiling, plan=plan)
         start = slot * self.slot_bytes
-        view = self._memory[start : start + crops_hwc.numel()].view(crops_hwc.shape)
-        view.copy_(crops_hwc)
-        crops = CropPixels(view, tiling, (self, slot))
+        view = self._memory[start : start + crops_hwc.nbytes].view(tuple(crops_hwc.shape))
+        if isinstance(crops_hwc, np.ndarray):
+            np.copyto(view.numpy(), crops_hwc)
+        else:
+            view.copy_(crops_hwc)
+        crops = CropPixels(view, tiling, (self, slot), plan)
         weakref.finalize(crops, self._give_back, slot)
         return crops
 

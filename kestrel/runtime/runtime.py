@@ -56,7 +56,7 @@ from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.prefix_cache.node import token_kv_length
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 from kestrel.runtime.compiled import CompiledPrefill, check_compile
-from kestrel.runtime.crop_pool import CropPool
+from kestrel.runtime.crop_pool import CropPool, crops_on_device
 from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.cuda_memory import KvPoolReport, pool_pages
 from kestrel.runtime.decode_steps import DecodeSteps
@@ -106,7 +106,9 @@ class MoondreamRuntime(DecodeSteps):
     ``compile``: decode and prefill through ``torch.compile`` (``compiled.py``; opt-in).
     ``embedding_cache_bytes``: the image-embedding tier's budget (``embeddings.py``; None:
     sized from the KV pool, 0: off; on CUDA an auto-sized pool gives those bytes up).
-    ``host_kv_bytes``: pinned host memory for KV pages the cache evicts (CUDA; 0: off). The
+    ``host_kv_bytes``: pinned host memory for KV pages the cache evicts (CUDA; 0: off).
+    ``device_crops``: a new image's crops made on the model's device from the uploaded image
+    (``moondream/resample.py``: libvips' bytes; None: on CUDA, if a start-up probe agrees). The
     decode steps (a known token, or a look-ahead id on the device) are in ``decode_steps.py``.
     """
 
@@ -126,6 +128,7 @@ class MoondreamRuntime(DecodeSteps):
         compile: bool = False,
         embedding_cache_bytes: int | None = None,
         host_kv_bytes: int = 0,
+        device_crops: bool | None = None,
     ) -> None:
         self.model = model
         self.retain_decoded = retain_decoded
@@ -176,10 +179,16 @@ class MoondreamRuntime(DecodeSteps):
         self._active: dict[int, SequenceState] = {}
         fp8_kv = kv_scales is not None
         compile = compile and not fp8_kv  # FP8 pages: eager (not compiled yet)
-        self._start_up(kv_cache_pages, max_batch_size, cuda_graphs, compile, fp8_kv)
+        self._start_up(kv_cache_pages, max_batch_size, cuda_graphs, compile, fp8_kv, device_crops)
 
     def _start_up(
-        self, kv_cache_pages: int, max_batch_size: int, capture: bool, compile: bool, fp8_kv: bool
+        self,
+        kv_cache_pages: int,
+        max_batch_size: int,
+        capture: bool,
+        compile: bool,
+        fp8_kv: bool,
+        device_crops: bool | None,
     ) -> None:
         """Before anything is served: the compiled forms, each decode bucket's attention kernel
         chosen and the graphs built (``graph_set.py``), the pinned ring for uploads and
@@ -203,10 +212,10 @@ class MoondreamRuntime(DecodeSteps):
         # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
         cached = (kv_cache_pages - 1) // self.config.image_tokens
         images = cached if self.enable_prefix_cache else 0
-        # on CUDA: uint8 crops in pinned staging, normalized on the device
-        self.crops = CropPool(
-            self.config.vision, normalize=not pins, pin_memory=pins, recent=images
-        )
+        # on CUDA: the image in pinned staging, cropped and normalized on the device
+        on_device = crops_on_device(self.config.vision, self.device, pins, device_crops)
+        self.crops = CropPool(self.config.vision, normalize=not (pins or on_device),
+                              pin_memory=pins, recent=images, on_device=on_device)  # fmt: skip
 
     @classmethod
     def from_pretrained(

@@ -14,6 +14,7 @@ import torch
 
 from kestrel.images import load_image
 from kestrel.moondream.region import encode_coordinate, encode_size, spatial_ref_tokens
+from kestrel.moondream.resample import crop_plan, make_crops
 from kestrel.moondream.vision import normalize_pixels, overlap_crops, select_tiling
 from kestrel.skills.prompts import token_ids
 from tests.conformance.cases import check_region_case, check_text_case, run_case
@@ -70,6 +71,18 @@ def test_image_crops(fx, name, golden, fp32):
     ref = golden.crops_u8(name)
     assert [int(c.sum(dtype=np.int64)) for c in ref] == im["crop_u8_sums"]
     assert np.array_equal(crops.crops, ref), "crops differ from the reference's libvips crops"
+
+
+@pytest.mark.parametrize(("fx", "name"), IMAGES, **SESSION)
+def test_image_crops_made_as_tensors(fx, name, golden, fp32):
+    """The crops a device makes (``resample.make_crops``, here on the CPU) are the
+    reference's libvips bytes too."""
+    pixels = load_image(golden.dir / golden.image(name)["file"], background=None)
+    plan = crop_plan(pixels.shape[0], pixels.shape[1], fp32.model.config.vision)
+    if plan is None:
+        pytest.skip(f"{name}: libvips box-shrinks this image first (made on the host)")
+    made = make_crops(torch.from_numpy(pixels), plan).numpy()
+    assert np.array_equal(made, golden.crops_u8(name)), "tensor crops differ from the reference's"
 
 
 # ------------------------------------------------------------------------------- vision / prefix

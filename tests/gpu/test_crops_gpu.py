@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kestrel.images import prepare_image
+from kestrel.moondream import resample
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.crops import overlap_crops
 from kestrel.moondream.vision import normalize_pixels
@@ -27,4 +28,20 @@ def test_uint8_crops_normalize_on_the_device() -> None:
         got = crops.encoder_input(dtype, "cuda")
         want = normalize_pixels(overlap_crops(image.pixels, vision).crops, dtype, "cuda")
         assert got.device.type == "cuda" and got.is_contiguous() and torch.equal(got, want)
+    pool.close()
+
+
+@pytest.mark.parametrize("size", [(480, 640), (600, 800), (640, 900), (960, 1280), (700, 500)])
+def test_crops_made_on_the_gpu_are_libvips_bytes(size) -> None:
+    """``resample.make_crops`` on CUDA: the host's libvips crops, byte for byte, from the
+    image staged in pinned memory (the default of a CUDA runtime)."""
+    vision = MoondreamConfig().vision
+    pool = CropPool(vision, normalize=False, pin_memory=True, on_device=True)
+    image = prepare_image(np.random.default_rng(size[0]).integers(0, 256, (*size, 3), np.uint8))
+    crops = pool.pixels(image)
+    assert crops.plan is not None and crops.pixels.is_pinned()
+    got = crops.encoder_input(torch.bfloat16, "cuda")
+    want = normalize_pixels(overlap_crops(image.pixels, vision).crops, torch.bfloat16, "cuda")
+    assert torch.equal(got, want)
+    assert resample.device_disagrees(vision, "cuda") is None
     pool.close()

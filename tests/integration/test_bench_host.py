@@ -32,3 +32,13 @@ def test_crop_parts_bench_runs_serial_and_parts(scripts, capsys) -> None:
                                       "--parts", "2", "--size", "480x640"])  # fmt: skip
     out = capsys.readouterr().out
     assert "| serial |" in out and "| 2 parts |" in out and "1.00x" in out
+    assert "on the device" not in out
+
+
+def test_crop_parts_bench_times_up_to_the_encoders_input_with_a_device(scripts, capsys) -> None:
+    """``--device``: every variant up to the encoder's input there, and the crops made on the
+    device from the image (checked equal to the host's first, or the bench stops)."""
+    args = ["--parts", "2", "--size", "300x400", "--device", "cpu"]
+    scripts["bench_crop_parts"].main(["--allow-busy", "--rounds", "1", "--repeats", "2", *args])
+    out = capsys.readouterr().out
+    assert "| serial |" in out and "| on the device |" in out

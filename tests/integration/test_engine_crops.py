@@ -8,7 +8,7 @@ import threading
 
 from kestrel import Engine
 from kestrel.moondream import crops, vision
-from kestrel.runtime import crop_pool, crop_staging
+from kestrel.runtime import crop_maker, crop_staging
 from tests.integration.conftest import FIXTURE_MODEL, GREEDY, assert_idle
 
 
@@ -22,9 +22,9 @@ def test_crops_never_run_on_the_scheduler_thread(images, monkeypatch) -> None:
 
         return wrapper
 
-    monkeypatch.setattr(crop_pool._Cropper, "crop", recording("crop", crop_pool._Cropper.crop))
+    monkeypatch.setattr(crop_maker.Cropper, "crop", recording("crop", crop_maker.Cropper.crop))
     for module, name in [(crops, "overlap_crops"), (crops, "write_crops"),
-                         (vision, "normalize_pixels"), (crop_pool, "write_crops"),
+                         (vision, "normalize_pixels"), (crop_maker, "write_crops"),
                          (crop_staging, "normalize_pixels")]:  # fmt: skip
         monkeypatch.setattr(module, name, recording("host", getattr(module, name)))
     with Engine(FIXTURE_MODEL, device="cpu", dtype="float32") as engine:

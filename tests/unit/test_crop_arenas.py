@@ -16,7 +16,7 @@ import torch
 from kestrel.images import prepare_image
 from kestrel.moondream import crops as crops_mod
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.runtime import crop_arenas, crop_pool, crop_procs, crop_staging
+from kestrel.runtime import crop_arenas, crop_maker, crop_procs, crop_staging
 from kestrel.runtime.crop_pool import CropPool, processes_supported
 from kestrel.runtime.crop_worker import NOT_MAPPED, serve
 
@@ -84,7 +84,7 @@ def test_worker_maps_an_arena_once_and_asks_for_a_missing_one() -> None:
 @needs_memfd
 def test_staged_pool_crops_through_arenas(monkeypatch) -> None:
     arenas = crop_arenas.Arenas(slots=4)
-    monkeypatch.setattr(crop_pool, "ARENAS", arenas)
+    monkeypatch.setattr(crop_maker, "ARENAS", arenas)
     monkeypatch.setattr(
         crop_staging.pinned, "pinned_empty", lambda n: torch.empty(n, dtype=torch.uint8)
     )
@@ -125,10 +125,12 @@ def test_float_crops_go_through_an_arena_and_are_copied_out(monkeypatch) -> None
     pages than the copy): no file of their own, and crops handed out never change when the
     arena is reused for the next image."""
     arenas = crop_arenas.Arenas(slots=2)
-    monkeypatch.setattr(crop_pool, "ARENAS", arenas)
+    monkeypatch.setattr(crop_maker, "ARENAS", arenas)
     files: list[int] = []
-    real_one_off = crop_pool.one_off
-    monkeypatch.setattr(crop_pool, "one_off", lambda size: files.append(size) or real_one_off(size))
+    real_one_off = crop_maker.one_off
+    monkeypatch.setattr(
+        crop_maker, "one_off", lambda size: files.append(size) or real_one_off(size)
+    )
     pool = CropPool(VISION, normalize=True, workers=1)
     rng = np.random.default_rng(2)
     try:
@@ -141,7 +143,7 @@ def test_float_crops_go_through_an_arena_and_are_copied_out(monkeypatch) -> None
             assert torch.equal(got.pixels, copy)  # not overwritten by a later image
             g = crops_mod.crop_geometry(*image.pixels.shape[:2], VISION)
             want = np.empty((g.n_crops, g.crop, g.crop, 3), np.float32)
-            table = crops_mod.lut_image(crop_pool.pixel_table())
+            table = crops_mod.lut_image(crop_maker.pixel_table())
             crops_mod.write_crops(crops_mod.vips_image(image.pixels), g, want, table)
             assert torch.equal(got.pixels, torch.from_numpy(want))
     finally:

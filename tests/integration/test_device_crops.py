@@ -1,0 +1,87 @@
+"""Crops made where the encoder runs (``CropPool(on_device=True)``, the CUDA default), proved on
+the CPU: the pool hands out the image itself with its plan, the encoder's input is the host
+crops' to the bit, images the device does not take are cropped on the host, and a runtime that
+makes them so gives the same logits and answers as one that does not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kestrel.images import prepare_image
+from kestrel.moondream.config import MoondreamConfig
+from kestrel.runtime import crop_staging
+from kestrel.runtime.crop_pool import CropPool
+from tests.integration.conftest import text_tokens
+
+VISION = MoondreamConfig().vision
+
+
+@pytest.mark.parametrize("size", [(600, 800), (960, 1280), (700, 500), (2000, 500)])
+def test_the_pool_hands_out_the_image_and_the_encoder_gets_the_host_crops(size) -> None:
+    image = prepare_image(np.random.default_rng(1).integers(0, 256, (*size, 3), np.uint8))
+    device = CropPool(VISION, normalize=False, on_device=True, processes=False)
+    host = CropPool(VISION, normalize=False, processes=False)
+    try:
+        made, expected = device.pixels(image), host.pixels(image)
+        if size == (2000, 500):  # libvips box-shrinks first: the host makes these
+            rows, cols = made.tiling
+            assert made.plan is None and made.pixels.shape[0] == 1 + rows * cols
+        else:
+            assert made.plan is not None and tuple(made.pixels.shape) == (*size, 3)
+            assert made.tiling == expected.tiling
+        for dtype in (torch.float32, torch.bfloat16):
+            got = made.encoder_input(dtype, "cpu")
+            want = expected.encoder_input(dtype, "cpu")
+            assert got.dtype == dtype and torch.equal(got, want)
+    finally:
+        device.close()
+        host.close()
+
+
+def test_device_crops_need_uint8_crops() -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        CropPool(VISION, normalize=True, on_device=True)
+
+
+def test_a_runtime_with_device_crops_answers_as_one_without(make_runtime, model, images) -> None:
+    t = model.config.tokenizer
+    prompt = text_tokens([t.bos_id, *t.templates["query"]["prefix"], 302, 333, 272,
+                          t.answer_id, t.answer_id])  # fmt: skip
+    answers = {}
+    for on in (False, True):
+        rt = make_runtime(device_crops=on, enable_prefix_cache=False)
+        assert rt.crops.on_device is on
+        for name in ("scene_800x600", "shapes_378"):
+            state, logits = rt.start_sequence(prompt, images[name], max_new_tokens=4)
+            ids = [int(logits.argmax())]
+            for _ in range(3):
+                ids.append(int(rt.decode_step([state], [text_tokens([ids[-1]])[0]])[0].argmax()))
+            answers[on, name] = (logits, ids)
+            rt.release_sequence(state)
+        assert rt.counters.encoder_runs == 2
+    for name in ("scene_800x600", "shapes_378"):
+        (a, ids_a), (b, ids_b) = answers[False, name], answers[True, name]
+        assert torch.equal(a, b) and ids_a == ids_b  # the same pixels: the same floats
+
+
+def test_staged_images_take_a_slot_and_larger_ones_are_cropped_on_the_host(monkeypatch) -> None:
+    plain = crop_staging.pinned.host_empty  # the pinned allocation, less the page-locking
+    monkeypatch.setattr(crop_staging.pinned, "pinned_empty", lambda n: plain(n, pin=False))
+    pool = CropPool(VISION, normalize=False, pin_memory=True, on_device=True, processes=False)
+    host = CropPool(VISION, normalize=False, processes=False)
+    try:
+        small = prepare_image(np.random.default_rng(2).integers(0, 256, (600, 800, 3), np.uint8))
+        large = prepare_image(np.random.default_rng(3).integers(0, 256, (1500, 1400, 3), np.uint8))
+        staged = pool.pixels(small)
+        assert staged.staging is not None and staged.plan is not None
+        assert staged.pixels.shape == (600, 800, 3)  # the image itself, in a slot
+        cut = pool.pixels(large)  # 6.3 MB: more than a slot's 13 crops; its crops fit one
+        assert cut.staging is not None and cut.plan is None and cut.pixels.shape[0] == 1 + 3 * 3
+        for crops, image in ((staged, small), (cut, large)):
+            want = host.pixels(image).encoder_input(torch.float32, "cpu")
+            assert torch.equal(crops.encoder_input(torch.float32, "cpu"), want)
+    finally:
+        pool.close()
+        host.close()

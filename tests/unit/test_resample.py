@@ -1,0 +1,135 @@
+"""libvips' resize copied as integer tensor arithmetic (``moondream/resample.py``): the bytes
+of the installed pyvips for every kind of pass, the crops of ``overlap_crops``, the cases it
+leaves to the host, and the start-up probe that decides whether a device makes the crops."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import pyvips
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kestrel.moondream import resample
+from kestrel.moondream.config import MoondreamConfig
+from kestrel.moondream.crops import overlap_crops
+from kestrel.moondream.resample import crop_plan, make_crops, resize, resize_plan
+from kestrel.runtime.crop_maker import crops_on_device
+
+VISION = MoondreamConfig().vision
+
+
+def _vips(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    image = pyvips.Image.new_from_array(pixels)
+    out = image.resize(width / image.width, vscale=height / image.height)
+    return np.frombuffer(out.write_to_memory(), np.uint8).reshape(out.height, out.width, 3)
+
+
+# (source height, width) -> (height, width): both grown (the local crops' copy of a chart),
+# both shrunk (a global crop; a large photo's copy), one of each, one axis kept, tiny, a
+# single row, and sizes that do not divide.
+SIZES = [
+    ((240, 320), (322, 588)),
+    ((300, 400), (322, 588)),
+    ((120, 100), (378, 378)),
+    ((600, 800), (378, 378)),
+    ((480, 640), (455, 455)),
+    ((350, 250), (322, 189)),
+    ((250, 350), (189, 322)),
+    ((300, 400), (300, 588)),
+    ((150, 150), (189, 150)),
+    ((1, 5), (37, 37)),
+    ((7, 3), (5, 2)),
+    ((377, 379), (378, 378)),
+    ((378, 378), (378, 378)),
+]
+
+
+@pytest.mark.parametrize(("source", "size"), SIZES, ids=lambda v: "x".join(map(str, v)))
+def test_resize_is_libvips_byte_for_byte(source, size) -> None:
+    rng = np.random.default_rng(sum(source) + sum(size))
+    pixels = rng.integers(0, 256, (*source, 3), dtype=np.uint8)  # full range: clips, negatives
+    plan = resize_plan(*source, *size)
+    assert plan is not None
+    made = resize(torch.from_numpy(pixels), plan)
+    assert made.dtype == torch.uint8 and tuple(made.shape) == (*size, 3)
+    expected = _vips(pixels, *size)
+    assert np.array_equal(made.numpy(), expected), (
+        f"{int((made.numpy() != expected).sum())} values differ from libvips"
+    )
+
+
+def test_a_smooth_image_is_libvips_byte_for_byte_too() -> None:
+    y, x = np.mgrid[0:333, 0:517]
+    pixels = np.stack([x * 255 // 516, y * 255 // 332, (x + y) % 256], -1).astype(np.uint8)
+    for size in [(910, 1176), (378, 378), (200, 700)]:
+        plan = resize_plan(333, 517, *size)
+        assert np.array_equal(resize(torch.from_numpy(pixels), plan).numpy(), _vips(pixels, *size))
+
+
+@pytest.mark.parametrize("source", [(480, 640), (600, 800), (640, 900), (960, 1280), (300, 200),
+                                    (1400, 300), (378, 378), (1000, 1500)])  # fmt: skip
+def test_crops_are_overlap_crops(source) -> None:
+    pixels = np.random.default_rng(source[0]).integers(0, 256, (*source, 3), dtype=np.uint8)
+    plan = crop_plan(*source, VISION)
+    assert plan is not None
+    made = make_crops(torch.from_numpy(pixels), plan)
+    expected = overlap_crops(pixels, VISION)
+    assert plan.tiling == expected.tiling
+    assert made.is_contiguous() and np.array_equal(made.numpy(), expected.crops)
+
+
+def test_a_box_shrink_is_left_to_the_host() -> None:
+    # libvips box-shrinks before its reduce once a side shrinks by 4x or more (gap 2)
+    assert resize_plan(2000, 1000, 378, 378) is None
+    assert resize_plan(50, 2000, 378, 378) is None
+    assert resize_plan(1500, 1500, 378, 378) is not None  # 3.97x: a reduce alone
+    assert crop_plan(3024, 4032, VISION) is None
+    with pytest.raises(ValueError, match="cannot resize"):
+        resize_plan(0, 10, 5, 5)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view  # a view launches nothing
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_charts_crops_are_a_bounded_number_of_ops() -> None:
+    """What a GPU launches per new image: every op is one kernel (or none, for views)."""
+    pixels = torch.zeros((600, 800, 3), dtype=torch.uint8)
+    plan = crop_plan(600, 800, VISION)
+    make_crops(pixels, plan)  # the tables' uploads, once
+    with _Ops() as ops:
+        make_crops(pixels, plan)
+    print(f"kernels for an 800 x 600 image's {plan.geometry.n_crops} crops: {ops.count}")
+    passes = [p for r in (plan.whole, plan.local) for p in r.passes]
+    taps = sum(p.index.shape[1] for p in passes)
+    assert (len(passes), taps) == (4, 32)  # 11 + 13 taps of lanczos3, 4 + 4 of bicubic
+    # a gather and a multiply-add a tap; rounding and clipping a pass; the rest per image
+    assert ops.count <= 2 * taps + 3 * len(passes) + 6
+
+
+def test_the_probe_trusts_equal_bytes_and_refuses_others(monkeypatch, caplog) -> None:
+    assert resample.device_disagrees(VISION, "cpu") is None
+    assert crops_on_device(VISION, torch.device("cpu"), pins=False, wanted=True)
+    assert not crops_on_device(VISION, torch.device("cpu"), pins=False, wanted=None)
+    real = resample.make_crops
+
+    def off_by_one(pixels, plan):
+        out = real(pixels, plan)
+        out[0, 0, 0, 0] ^= 1
+        return out
+
+    monkeypatch.setattr(resample, "make_crops", off_by_one)
+    why = resample.device_disagrees(VISION, "cpu")
+    assert why is not None and "1 of" in why
+    with caplog.at_level(logging.WARNING, logger="kestrel.runtime"):
+        assert not crops_on_device(VISION, torch.device("cpu"), pins=True, wanted=None)
+    assert "crops are made on the host" in caplog.text
