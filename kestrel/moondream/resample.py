@@ -7,7 +7,10 @@ with fixed-point integer arithmetic (coefficients in 1/4096ths, positions in 1/6
 pixel), so a copy of its arithmetic gives its exact output, not an approximation:
 
 - an axis that shrinks runs ``reducev`` / ``reduceh``: a lanczos3 mask of ``2 * rint(3 s) + 1``
-  taps per output pixel (``s`` the shrink), the sum rounded and clipped to 0..255;
+  taps per output pixel (``s`` the shrink), the sum rounded and clipped to 0..255; past twice
+  the reduce gap (a 4x shrink: a side over ~1,500 pixels for a 378-pixel global crop) a box
+  average over ``floor(s / 2)`` pixels comes first, as libvips' ``shrinkv`` / ``shrinkh`` make
+  it (a multiply by ~2^24 / box and the top 8 bits of 32), and the mask reduces what is left;
 - an axis that grows runs through ``affine`` with the bicubic (Catmull-Rom) interpolator: four
   taps a row, rounded, then four a column, rounded and clipped; when one axis grows, the other
   goes through the same interpolator at its own scale (1.0 after a reduce), as libvips does.
@@ -15,12 +18,10 @@ pixel), so a copy of its arithmetic gives its exact output, not an approximation
 Every pass is a gather of source rows (or columns) and an int32 weighted sum: no float
 rounding anywhere on the device. The tables (source positions and coefficients) are computed
 on the host in float64, the same expressions in the same order as libvips 8.18 (``resample/
-resize.c``, ``reducev.cpp``, ``reduceh.cpp``, ``affine.c``, ``bicubic.cpp``), and cached per
-axis. A shrink by more than twice the reduce gap (a side over ~1,500 pixels for a 378-pixel
-global crop) makes libvips box-shrink first; that is not copied here: ``resize_plan`` says
-None and the caller makes those crops on the host. ``tests/unit/test_resample.py`` checks the
-bytes against the installed pyvips, and the runtime checks them again at start-up
-(``device_disagrees``) before it trusts a device with them.
+resize.c``, ``reducev.cpp``, ``reduceh.cpp``, ``shrinkv.c``, ``shrinkh.c``, ``affine.c``,
+``bicubic.cpp``, and their Highway kernels for uchar), and cached per axis.
+``tests/unit/test_resample.py`` checks the bytes against the installed pyvips, and the runtime
+checks them again at start-up (``device_disagrees``) before it trusts a device with them.
 """
 
 from __future__ import annotations
@@ -60,13 +61,15 @@ _GAP = 2.0  # vips_resize's default reduce gap
 class AxisPass:
     """One pass along ``axis`` (0: rows, 1: columns): output pixel i is
     ``(sum_k weight[i, k] * source[index[i, k]] + 2048) >> 12``, clipped to 0..255 where
-    ``clip`` (the end of a libvips operation)."""
+    ``clip`` (the end of a libvips operation); a ``box`` pass (libvips' shrink by ``box``
+    pixels) is the sum of its taps, averaged as libvips averages it."""
 
     axis: int
     index: np.ndarray  # int64 [n_out, taps]: source positions, edges repeated
     weight: np.ndarray  # int32 [n_out, taps]
     clip: bool
     key: tuple  # what made the tables (their device copies are kept by it)
+    box: int = 0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -121,15 +124,25 @@ def _table_index(pos: float) -> int:
     return ((int(pos * _POSITIONS * 2) & (_POSITIONS * 2 - 1)) + 1) >> 1
 
 
+Tables = tuple[np.ndarray, np.ndarray]
+
+
 @lru_cache(maxsize=256)
-def _reduce(n_in: int, shrink: float, across: bool) -> tuple[np.ndarray, np.ndarray] | None:
-    """Index and weight tables of libvips' lanczos3 reduce of ``n_in`` pixels by ``shrink``
-    (``across``: reduceh, whose position adds up along the row). None when libvips would
-    box-shrink first (not copied here)."""
+def _reduce(n_in: int, shrink: float, across: bool) -> tuple[int, Tables | None, Tables]:
+    """libvips' reduce of ``n_in`` pixels by ``shrink`` (``across``: reduceh, whose position
+    adds up along the row): (box, its tables or None, the lanczos3 mask's tables). Past twice
+    the gap libvips first box-shrinks by ``box`` pixels (rounding the length up, the last pixel
+    repeated), then reduces what is left."""
     n_out = int(n_in / shrink + 0.5)
-    if n_out < 1 or max(1, math.floor(n_in / n_out / _GAP)) > 1:
-        return None
-    offset = (1 + (n_out * shrink - n_in)) / 2.0 - 1
+    extra = n_out * shrink - n_in
+    box = max(1, math.floor(n_in / n_out / _GAP))
+    boxed = None
+    if box > 1:
+        n_mid = math.ceil(n_in / box)
+        index = np.minimum(np.arange(n_mid * box).reshape(n_mid, box), n_in - 1)
+        boxed = (index, np.ones((n_mid, box), np.int32))
+        n_in, extra, shrink = n_mid, extra / box, shrink / box
+    offset = (1 + extra) / 2.0 - 1
     taps = int(2 * np.rint(3 * shrink) + 1)
     table = [_mask(taps, shrink, float(t) / _POSITIONS) for t in range(_POSITIONS + 1)]
     edge = math.ceil(taps / 2.0) - 1
@@ -144,7 +157,7 @@ def _reduce(n_in: int, shrink: float, across: bool) -> tuple[np.ndarray, np.ndar
         weight[i] = table[_table_index(pos)]
         pos += shrink
     np.clip(index, 0, n_in - 1, out=index)
-    return index, weight
+    return box, boxed, (index, weight)
 
 
 @lru_cache(maxsize=256)
@@ -166,10 +179,9 @@ def _bicubic(n_in: int, n_out: int, step: float, across: bool) -> tuple[np.ndarr
     return index, weight
 
 
-def resize_plan(height: int, width: int, out_height: int, out_width: int) -> ResizePlan | None:
+def resize_plan(height: int, width: int, out_height: int, out_width: int) -> ResizePlan:
     """How libvips resizes a ``height`` x ``width`` image to ``out_height`` x ``out_width``
-    (``resize(out_width / width, vscale=out_height / height)``, lanczos3); None where this
-    module does not copy it (a box shrink first)."""
+    (``resize(out_width / width, vscale=out_height / height)``, lanczos3)."""
     if min(height, width, out_height, out_width) < 1:
         raise ValueError(f"cannot resize {height} x {width} to {out_height} x {out_width}")
     hscale = max(out_width / width, 1.0 / width)
@@ -180,10 +192,11 @@ def resize_plan(height: int, width: int, out_height: int, out_width: int) -> Res
         if scale >= 1.0:
             continue
         n_in, shrink = (h if axis == 0 else w), 1.0 / scale
-        tables = _reduce(n_in, shrink, axis == 1)
-        if tables is None:
-            return None
-        passes.append(AxisPass(axis, *tables, clip=True, key=("reduce", n_in, shrink, axis)))
+        box, boxed, tables = _reduce(n_in, shrink, axis == 1)
+        key = ("reduce", n_in, shrink, axis)
+        if boxed is not None:
+            passes.append(AxisPass(axis, *boxed, clip=False, key=(*key, "box"), box=box))
+        passes.append(AxisPass(axis, *tables, clip=True, key=key))
         h, w = (len(tables[0]), w) if axis == 0 else (h, len(tables[0]))
     if hscale > 1.0 or vscale > 1.0:
         a = hscale if hscale > 1.0 else 1.0
@@ -214,6 +227,11 @@ def resize(pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
         acc = x.index_select(p.axis, index[0]) * weight[0].view(shape)  # int32
         for k in range(1, index.shape[0]):
             acc.addcmul_(x.index_select(p.axis, index[k]), weight[k].view(shape))
+        if p.box:  # libvips' average: a multiply by ~2^24 / box in 32 bits, the top 8 bits
+            scale = (1 << 32) // (256 * p.box)
+            x = acc.add_(p.box // 2).to(torch.int64).mul_(scale).bitwise_and_(0xFFFFFFFF)
+            x = torch.bitwise_right_shift(x, 24, out=x).to(torch.int32)
+            continue
         x = torch.bitwise_right_shift(acc.add_(_ONE // 2), 12, out=acc)  # floor, as C's >>
         if p.clip:
             x.clamp_(0, 255)
@@ -240,15 +258,12 @@ class CropPlan:
         return (self.geometry.rows, self.geometry.cols)
 
 
-def crop_plan(height: int, width: int, config: VisionConfig) -> CropPlan | None:
-    """The device plan of a ``height`` x ``width`` image's crops; None where a resize is not
-    copied here (``resize_plan``)."""
+def crop_plan(height: int, width: int, config: VisionConfig) -> CropPlan:
+    """How a ``height`` x ``width`` image's crops are made on a device."""
     g = crop_geometry(height, width, config)
-    whole = resize_plan(height, width, g.crop, g.crop)
-    local = resize_plan(height, width, *g.resized)
-    if whole is None or local is None:
-        return None
-    return CropPlan(g, whole, local)
+    return CropPlan(
+        g, resize_plan(height, width, g.crop, g.crop), resize_plan(height, width, *g.resized)
+    )
 
 
 def make_crops(pixels: torch.Tensor, plan: CropPlan) -> torch.Tensor:
@@ -289,8 +304,9 @@ def _on(p: AxisPass, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return found
 
 
-# Images whose crops take every kind of pass: both axes grown, both shrunk, one of each.
-_PROBES = ((480, 640), (960, 1280), (700, 500))
+# Images whose crops take every kind of pass: both axes grown, both shrunk, one of each, and
+# both box-shrunk first (the global crop of a 1600 x 2000 image).
+_PROBES = ((480, 640), (960, 1280), (700, 500), (1600, 2000))
 
 
 def device_disagrees(config: VisionConfig, device: torch.device | str) -> str | None:
@@ -300,8 +316,6 @@ def device_disagrees(config: VisionConfig, device: torch.device | str) -> str | 
     for height, width in _PROBES:
         pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
         plan = crop_plan(height, width, config)
-        if plan is None:
-            return f"a {height} x {width} image's resize is not copied"
         made = make_crops(torch.from_numpy(pixels).to(device), plan).cpu().numpy()
         expected = overlap_crops(pixels, config).crops
         if made.shape != expected.shape or not np.array_equal(made, expected):

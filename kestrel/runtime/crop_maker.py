@@ -108,11 +108,8 @@ class Cropper:
 
     def _for_device(self, pixels: np.ndarray) -> CropPixels | None:
         """The image itself, staged for crops on the device (``resample.make_crops``); None
-        where the device does not make them: a resize it does not copy, or an image larger
-        than a staging slot (its crops are smaller)."""
+        for an image larger than a staging slot (~1.86 million pixels; its crops are smaller)."""
         plan = _device_plan(pixels.shape[0], pixels.shape[1], self.config)
-        if plan is None:
-            return None
         if self.staging is None:  # a device that takes plain memory (a CPU: tests)
             return CropPixels(torch.from_numpy(pixels.copy()), plan.tiling, plan=plan)
         if not self.staging.fits(pixels):
@@ -220,7 +217,7 @@ class Cropper:
 
 
 @lru_cache(maxsize=1024)
-def _device_plan(height: int, width: int, config: VisionConfig) -> CropPlan | None:
+def _device_plan(height: int, width: int, config: VisionConfig) -> CropPlan:
     return crop_plan(height, width, config)
 
 

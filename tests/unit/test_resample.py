@@ -1,6 +1,7 @@
 """libvips' resize copied as integer tensor arithmetic (``moondream/resample.py``): the bytes
-of the installed pyvips for every kind of pass, the crops of ``overlap_crops``, the cases it
-leaves to the host, and the start-up probe that decides whether a device makes the crops."""
+of the installed pyvips for every kind of pass (grown, reduced, box-shrunk, mixed), the crops
+of ``overlap_crops``, the kernels a GPU launches for them, and the start-up probe that decides
+whether a device makes the crops."""
 
 from __future__ import annotations
 
@@ -69,24 +70,36 @@ def test_a_smooth_image_is_libvips_byte_for_byte_too() -> None:
         assert np.array_equal(resize(torch.from_numpy(pixels), plan).numpy(), _vips(pixels, *size))
 
 
-@pytest.mark.parametrize("source", [(480, 640), (600, 800), (640, 900), (960, 1280), (300, 200),
-                                    (1400, 300), (378, 378), (1000, 1500)])  # fmt: skip
+CHARTS = [(480, 640), (600, 800), (640, 900)]  # the GPU bench's charts: grown both ways
+OTHERS = [(960, 1280), (300, 200), (1400, 300), (378, 378), (1000, 1500), (1600, 2000)]
+
+
+@pytest.mark.parametrize("source", CHARTS + OTHERS)
 def test_crops_are_overlap_crops(source) -> None:
     pixels = np.random.default_rng(source[0]).integers(0, 256, (*source, 3), dtype=np.uint8)
     plan = crop_plan(*source, VISION)
-    assert plan is not None
     made = make_crops(torch.from_numpy(pixels), plan)
     expected = overlap_crops(pixels, VISION)
     assert plan.tiling == expected.tiling
     assert made.is_contiguous() and np.array_equal(made.numpy(), expected.crops)
 
 
-def test_a_box_shrink_is_left_to_the_host() -> None:
-    # libvips box-shrinks before its reduce once a side shrinks by 4x or more (gap 2)
-    assert resize_plan(2000, 1000, 378, 378) is None
-    assert resize_plan(50, 2000, 378, 378) is None
-    assert resize_plan(1500, 1500, 378, 378) is not None  # 3.97x: a reduce alone
-    assert crop_plan(3024, 4032, VISION) is None
+@pytest.mark.parametrize(("source", "size", "boxes"), [
+    ((1600, 300), (378, 378), [2, 0, 0, 0]),  # rows box-shrunk by 2, then reduced; columns grown
+    ((40, 1900), (378, 378), [2, 0, 0, 0]),  # columns box-shrunk by 2, rows grown
+    ((2300, 1700), (378, 378), [3, 0, 2, 0]),  # both, rows by 3
+    ((1500, 1500), (378, 378), [0, 0]),  # a 3.97x shrink: the reduce alone
+])  # fmt: skip
+def test_a_large_shrink_box_averages_first_as_libvips(source, size, boxes) -> None:
+    """Past twice the reduce gap libvips averages boxes of pixels before its reduce; the box
+    pass rounds as libvips' uchar path does (32-bit fixed point), so the bytes stay exact."""
+    pixels = np.random.default_rng(source[1]).integers(0, 256, (*source, 3), dtype=np.uint8)
+    plan = resize_plan(*source, *size)
+    assert [p.box for p in plan.passes] == boxes
+    assert np.array_equal(resize(torch.from_numpy(pixels), plan).numpy(), _vips(pixels, *size))
+
+
+def test_a_size_of_nothing_is_refused() -> None:
     with pytest.raises(ValueError, match="cannot resize"):
         resize_plan(0, 10, 5, 5)
 
