@@ -15,8 +15,11 @@ pixel), so a copy of its arithmetic gives its exact output, not an approximation
   taps a row, rounded, then four a column, rounded and clipped; when one axis grows, the other
   goes through the same interpolator at its own scale (1.0 after a reduce), as libvips does.
 
-Every pass is a gather of source rows (or columns) and an int32 weighted sum: no float
-rounding anywhere on the device. The tables (source positions and coefficients) are computed
+Every pass is one matrix product with the pass's integer weights (scaled by 1/4096, a power of
+two) in a dense matrix: every product and partial sum is then a whole number of 1/4096ths below
+2^24, which float32 holds exactly, so no float is ever rounded and the result cannot depend on
+the GPU or the order of its sums (float64 where PyTorch is allowed TF32 or bf16 products). The
+tables (source positions and coefficients) are computed
 on the host in float64, the same expressions in the same order as libvips 8.18 (``resample/
 resize.c``, ``reducev.cpp``, ``reduceh.cpp``, ``shrinkv.c``, ``shrinkh.c``, ``affine.c``,
 ``bicubic.cpp``, and their Highway kernels for uchar), and cached per axis.
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 
 from kestrel.moondream.crops import CropGeometry, crop_geometry, overlap_crops
+from kestrel_kernels.transfer import upload
 
 if TYPE_CHECKING:
     from kestrel.moondream.config import VisionConfig
@@ -65,10 +69,11 @@ class AxisPass:
     pixels) is the sum of its taps, averaged as libvips averages it."""
 
     axis: int
+    n_in: int
     index: np.ndarray  # int64 [n_out, taps]: source positions, edges repeated
     weight: np.ndarray  # int32 [n_out, taps]
     clip: bool
-    key: tuple  # what made the tables (their device copies are kept by it)
+    key: tuple  # what made the tables (their device matrices are kept by it)
     box: int = 0
 
 
@@ -119,9 +124,27 @@ def _catmull(x: float) -> list[int]:
     return [int(c * _ONE) for c in (cone, ctwo, cthr, cfou)]
 
 
-def _table_index(pos: float) -> int:
-    """The mask for position ``pos``: its fraction rounded to the nearest 1/64 (0..64)."""
-    return ((int(pos * _POSITIONS * 2) & (_POSITIONS * 2 - 1)) + 1) >> 1
+def _tables(
+    pos: np.ndarray, first: int, taps: int, table: np.ndarray, n_in: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Index and weight tables for float64 positions ``pos`` (one an output pixel): taps from
+    ``int(pos) - first`` on, edges repeated, weighted by the mask for the position's fraction
+    rounded to the nearest 1/64 (``(int(pos * 128) & 127) + 1 >> 1``, as libvips: 0..64)."""
+    start = pos.astype(np.int64) - first  # a C cast: positions are never negative
+    index = np.clip(start[:, None] + np.arange(taps), 0, n_in - 1)
+    sub = (((pos * (_POSITIONS * 2)).astype(np.int64) & (_POSITIONS * 2 - 1)) + 1) >> 1
+    return index, table[sub]
+
+
+def _positions(first: float, step: float, n: int, across: bool, direct: np.ndarray) -> np.ndarray:
+    """Output pixels' source positions: ``direct`` (each computed on its own), or, ``across``
+    a row, added up from ``first`` one ``step`` at a time, as libvips' row loops do (a
+    cumulative sum adds left to right, so the float64 rounding is the same)."""
+    if not across:
+        return direct
+    steps = np.full(n, step)
+    steps[0] = first
+    return np.cumsum(steps)
 
 
 Tables = tuple[np.ndarray, np.ndarray]
@@ -144,39 +167,24 @@ def _reduce(n_in: int, shrink: float, across: bool) -> tuple[int, Tables | None,
         n_in, extra, shrink = n_mid, extra / box, shrink / box
     offset = (1 + extra) / 2.0 - 1
     taps = int(2 * np.rint(3 * shrink) + 1)
-    table = [_mask(taps, shrink, float(t) / _POSITIONS) for t in range(_POSITIONS + 1)]
-    edge = math.ceil(taps / 2.0) - 1
-    index = np.empty((n_out, taps), np.int64)
-    weight = np.empty((n_out, taps), np.int32)
-    pos = 0.5 * shrink - 0.5 - offset
-    for i in range(n_out):
-        if not across:
-            pos = (i + 0.5) * shrink - 0.5 - offset
-        start = int(pos) - edge
-        index[i] = np.arange(start, start + taps)
-        weight[i] = table[_table_index(pos)]
-        pos += shrink
-    np.clip(index, 0, n_in - 1, out=index)
-    return box, boxed, (index, weight)
+    table = np.array([_mask(taps, shrink, t / _POSITIONS) for t in range(_POSITIONS + 1)], np.int32)
+    direct = (np.arange(n_out) + 0.5) * shrink - 0.5 - offset
+    pos = _positions(0.5 * shrink - 0.5 - offset, shrink, n_out, across, direct)
+    return box, boxed, _tables(pos, math.ceil(taps / 2.0) - 1, taps, table, n_in)
+
+
+_CATMULL = np.array([_catmull(t / _POSITIONS) for t in range(_POSITIONS + 1)], np.int32)
 
 
 @lru_cache(maxsize=256)
-def _bicubic(n_in: int, n_out: int, step: float, across: bool) -> tuple[np.ndarray, np.ndarray]:
+def _bicubic(n_in: int, n_out: int, step: float, across: bool) -> Tables:
     """Index and weight tables of libvips' affine with the bicubic interpolator along one
-    axis, ``step`` source pixels per output pixel (``across``: x, whose position adds up)."""
-    table = [_catmull(float(t) / _POSITIONS) for t in range(_POSITIONS + 1)]
-    index = np.empty((n_out, 4), np.int64)
-    weight = np.empty((n_out, 4), np.int32)
-    pos = 0.0 * step + 0.5 + 1  # ia * 0, less idx (0.5 - 1), plus the window offset
-    for i in range(n_out):
-        if not across:
-            pos = step * float(i) + 0.5 + 1
-        start = int(pos) - 3  # the 4 x 4 window's first tap, less the 2-pixel border
-        index[i] = np.arange(start, start + 4)
-        weight[i] = table[_table_index(pos)]
-        pos += step
-    np.clip(index, 0, n_in - 1, out=index)
-    return index, weight
+    axis, ``step`` source pixels per output pixel (``across``: x, whose position adds up).
+    A position is ``step * i`` less the input offset (-0.5, less the 1-pixel border) plus the
+    window offset (1); the window's first tap is one before it, 2 more for the border."""
+    direct = step * np.arange(n_out, dtype=np.float64) + 0.5 + 1
+    pos = _positions(0.0 * step + 0.5 + 1, step, n_out, across, direct)
+    return _tables(pos, 3, 4, _CATMULL, n_in)
 
 
 def resize_plan(height: int, width: int, out_height: int, out_width: int) -> ResizePlan:
@@ -195,8 +203,9 @@ def resize_plan(height: int, width: int, out_height: int, out_width: int) -> Res
         box, boxed, tables = _reduce(n_in, shrink, axis == 1)
         key = ("reduce", n_in, shrink, axis)
         if boxed is not None:
-            passes.append(AxisPass(axis, *boxed, clip=False, key=(*key, "box"), box=box))
-        passes.append(AxisPass(axis, *tables, clip=True, key=key))
+            passes.append(AxisPass(axis, n_in, *boxed, clip=False, key=(*key, "box"), box=box))
+            n_in = len(boxed[0])
+        passes.append(AxisPass(axis, n_in, *tables, clip=True, key=key))
         h, w = (len(tables[0]), w) if axis == 0 else (h, len(tables[0]))
     if hscale > 1.0 or vscale > 1.0:
         a = hscale if hscale > 1.0 else 1.0
@@ -205,8 +214,8 @@ def resize_plan(height: int, width: int, out_height: int, out_width: int) -> Res
         ia, id_ = tmp * d, tmp * a
         n_w, n_h = _round_int(a * w), _round_int(d * h)
         across, down = (w, n_w, ia, True), (h, n_h, id_, False)
-        passes.append(AxisPass(1, *_bicubic(*across), clip=False, key=("bicubic", *across)))
-        passes.append(AxisPass(0, *_bicubic(*down), clip=True, key=("bicubic", *down)))
+        passes.append(AxisPass(1, w, *_bicubic(*across), clip=False, key=("bicubic", *across)))
+        passes.append(AxisPass(0, h, *_bicubic(*down), clip=True, key=("bicubic", *down)))
         h, w = n_h, n_w
     return ResizePlan(tuple(passes), (out_height, out_width), (h, w))
 
@@ -217,30 +226,52 @@ def _round_int(x: float) -> int:
 
 def resize(pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
     """``pixels`` (uint8 [H, W, 3], any device) resized by ``plan``: uint8 [*plan.size, 3],
-    byte for byte what libvips makes. Each pass adds its taps one at a time (a gather and a
-    multiply-add each), so the only temporaries are the size of the pass's output."""
-    x = pixels
+    byte for byte what libvips makes."""
+    resized = _resized(_planar(pixels), plan)
+    return resized.permute(0, 2, 1).to(torch.uint8, memory_format=torch.contiguous_format)
+
+
+def _exact() -> torch.dtype:
+    """The float type whose matrix products are exact here: float32 while they run in IEEE
+    float32 (PyTorch's default), float64 where TF32 or bf16 products are allowed."""
+    if torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32:
+        return torch.float64
+    return torch.float32
+
+
+def _planar(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 [H, W, 3] as floats [H, 3, W] (one copy): a resize's row pass multiplies it as
+    [H, 3W], its column pass as [3H, W], so no pass needs a transpose."""
+    height, width, _ = pixels.shape
+    out = torch.empty((height, 3, width), dtype=_exact(), device=pixels.device)
+    return out.copy_(pixels.permute(0, 2, 1))
+
+
+def _resized(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
+    """``x`` ([H, 3, W] floats) through ``plan``'s passes: [*plan.size] as [h, 3, w], whole
+    numbers 0..255. Each pass is one matrix product with the pass's weights in a dense matrix
+    (exact: every product and partial sum is a whole number of 1/4096ths below 2^24), then
+    libvips' rounding: ``floor(y + 1/2)`` (its ``(sum + 2048) >> 12``), clipped where libvips
+    clips; a box average in float64 (libvips multiplies by ~2^24 / box in 32 bits)."""
     for p in plan.passes:
-        index, weight = _on(p, pixels.device)
-        shape = [1, 1, 1]
-        shape[p.axis] = index.shape[1]
-        acc = x.index_select(p.axis, index[0]) * weight[0].view(shape)  # int32
-        for k in range(1, index.shape[0]):
-            acc.addcmul_(x.index_select(p.axis, index[k]), weight[k].view(shape))
-        if p.box:  # libvips' average: a multiply by ~2^24 / box in 32 bits, the top 8 bits
-            scale = (1 << 32) // (256 * p.box)
-            x = acc.add_(p.box // 2).to(torch.int64).mul_(scale).bitwise_and_(0xFFFFFFFF)
-            x = torch.bitwise_right_shift(x, 24, out=x).to(torch.int32)
+        height, _, width = x.shape
+        wide = x.to(torch.float64) if p.box else x
+        m = _matrix(p, x.device, wide.dtype)
+        if p.axis == 0:
+            y = torch.mm(m, wide.view(height, 3 * width)).view(-1, 3, width)
+        else:
+            y = torch.mm(wide.view(3 * height, width), m.T).view(height, 3, -1)
+        if p.box:
+            x = y.add_((p.box // 2) * ((1 << 24) // p.box) / (1 << 24)).floor_().to(x.dtype)
             continue
-        x = torch.bitwise_right_shift(acc.add_(_ONE // 2), 12, out=acc)  # floor, as C's >>
+        x = y.add_(0.5).floor_()
         if p.clip:
             x.clamp_(0, 255)
-    out = x.to(torch.uint8)
     (h, w), (nh, nw) = plan.size, plan.natural
     if (nh, nw) == (h, w):
-        return out
-    fitted = torch.zeros((h, w, 3), dtype=torch.uint8, device=pixels.device)
-    fitted[: min(h, nh), : min(w, nw)] = out[:h, :w]
+        return x
+    fitted = x.new_zeros((h, 3, w))
+    fitted[: min(h, nh), :, : min(w, nw)] = x[:h, :, :w]
     return fitted
 
 
@@ -269,39 +300,45 @@ def crop_plan(height: int, width: int, config: VisionConfig) -> CropPlan:
 def make_crops(pixels: torch.Tensor, plan: CropPlan) -> torch.Tensor:
     """The crops of ``pixels`` (uint8 [H, W, 3]) on its device: uint8 [N, crop, crop, 3],
     channels last, index 0 the global crop, then the local crops row-major; the bytes of
-    ``crops.overlap_crops``."""
+    ``crops.overlap_crops``. An 800 x 600 chart's 9 crops are 19 kernel launches."""
     g = plan.geometry
+    x = _planar(pixels)
     out = torch.empty((g.n_crops, g.crop, g.crop, 3), dtype=torch.uint8, device=pixels.device)
-    out[0] = resize(pixels, plan.whole)
-    resized = resize(pixels, plan.local)
+    out[0].copy_(_resized(x, plan.whole).permute(0, 2, 1))
+    resized = _resized(x, plan.local)  # [h, 3, w]
     s0, s1, s2 = resized.stride()
-    windows = resized.as_strided(
-        (g.rows, g.cols, g.crop, g.crop, 3), (g.window * s0, g.window * s1, s0, s1, s2)
+    windows = resized.as_strided(  # [rows, cols, crop, crop, 3] of the planar copy
+        (g.rows, g.cols, g.crop, g.crop, 3), (g.window * s0, g.window * s2, s0, s2, s1)
     )
     out[1:].view(g.rows, g.cols, g.crop, g.crop, 3).copy_(windows)
     return out
 
 
-_DEVICE_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-_DEVICE_TABLES_KEPT = 512
-_DEVICE_TABLES_LOCK = threading.Lock()
+_MATRICES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_MATRIX_BYTES = 64 << 20  # kept on each device, the least lately used let go first
+_MATRICES_LOCK = threading.Lock()
 
 
-def _on(p: AxisPass, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``p``'s tables on ``device``, tap-major ([taps, n_out]): uploaded once, the last 512
-    used kept."""
-    key = (*p.key, str(device))
-    with _DEVICE_TABLES_LOCK:
-        found = _DEVICE_TABLES.get(key)
+def _matrix(p: AxisPass, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``p``'s weights as a dense [n_out, n_in] matrix on ``device``: built there from its
+    tables (uploaded through the pinned ring), scaled to 1/4096ths of a whole (a box pass:
+    libvips' 32-bit reciprocal of the box), and kept while they fit ``_MATRIX_BYTES``."""
+    key = (*p.key, str(device), dtype)
+    with _MATRICES_LOCK:
+        found = _MATRICES.get(key)
         if found is not None:
-            _DEVICE_TABLES.move_to_end(key)
+            _MATRICES.move_to_end(key)
             return found
-    found = tuple(torch.from_numpy(t.T.copy()).to(device) for t in (p.index, p.weight))
-    with _DEVICE_TABLES_LOCK:
-        _DEVICE_TABLES[key] = found
-        while len(_DEVICE_TABLES) > _DEVICE_TABLES_KEPT:
-            _DEVICE_TABLES.popitem(last=False)
-    return found
+    index = upload(torch.from_numpy(p.index), torch.int64, device)
+    weight = upload(torch.from_numpy(p.weight), dtype, device)
+    scale = ((1 << 24) // p.box) / (1 << 24) if p.box else 1.0 / _ONE
+    m = torch.zeros((len(p.index), p.n_in), dtype=dtype, device=device)
+    m.scatter_add_(1, index, weight.mul_(scale))  # a repeated edge pixel adds up its weights
+    with _MATRICES_LOCK:
+        _MATRICES[key] = m
+        while sum(t.nbytes for t in _MATRICES.values()) > _MATRIX_BYTES and len(_MATRICES) > 1:
+            _MATRICES.popitem(last=False)
+    return m
 
 
 # Images whose crops take every kind of pass: both axes grown, both shrunk, one of each, and

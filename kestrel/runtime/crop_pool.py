@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from kestrel.images import PreparedImage
 from kestrel.moondream.config import VisionConfig
 from kestrel.runtime.crop_maker import Cropper, crops_on_device
@@ -155,6 +157,18 @@ class CropPool:
         self._entries: dict[bytes, _Entry] = {}  # by image digest, in arrival order
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self.prefetch, self.recent = prefetch, recent
+
+    @classmethod
+    def for_runtime(
+        cls, config: VisionConfig, device: torch.device, pins: bool, recent: int,
+        device_crops: bool | None,
+    ) -> CropPool:  # fmt: skip
+        """A runtime's pool: where the host pins (CUDA) uint8 crops in pinned staging, or by
+        default the image itself there, cropped on the device (``crops_on_device``); else
+        float32 crops ready for the encoder (or, asked for, the image cropped by torch)."""
+        on_device = crops_on_device(config, device, pins, device_crops)
+        return cls(config, normalize=not (pins or on_device), pin_memory=pins, recent=recent,
+                   on_device=on_device)  # fmt: skip
 
     @property
     def uses_processes(self) -> bool:

@@ -56,7 +56,7 @@ from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.prefix_cache.node import token_kv_length
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 from kestrel.runtime.compiled import CompiledPrefill, check_compile
-from kestrel.runtime.crop_pool import CropPool, crops_on_device
+from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.cuda_memory import KvPoolReport, pool_pages
 from kestrel.runtime.decode_steps import DecodeSteps
@@ -181,15 +181,8 @@ class MoondreamRuntime(DecodeSteps):
         compile = compile and not fp8_kv  # FP8 pages: eager (not compiled yet)
         self._start_up(kv_cache_pages, max_batch_size, cuda_graphs, compile, fp8_kv, device_crops)
 
-    def _start_up(
-        self,
-        kv_cache_pages: int,
-        max_batch_size: int,
-        capture: bool,
-        compile: bool,
-        fp8_kv: bool,
-        device_crops: bool | None,
-    ) -> None:
+    def _start_up(self, kv_cache_pages: int, max_batch_size: int, capture: bool, compile: bool,
+                  fp8_kv: bool, device_crops: bool | None) -> None:  # fmt: skip
         """Before anything is served: the compiled forms, each decode bucket's attention kernel
         chosen and the graphs built (``graph_set.py``), the pinned ring for uploads and
         read-backs, every graph captured (decode, prefill, vision; never under traffic), then
@@ -210,12 +203,9 @@ class MoondreamRuntime(DecodeSteps):
             pinned.reserve(self.device)
         graphs.capture_all()
         # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
-        cached = (kv_cache_pages - 1) // self.config.image_tokens
-        images = cached if self.enable_prefix_cache else 0
-        # on CUDA: the image in pinned staging, cropped and normalized on the device
-        on_device = crops_on_device(self.config.vision, self.device, pins, device_crops)
-        self.crops = CropPool(self.config.vision, normalize=not (pins or on_device),
-                              pin_memory=pins, recent=images, on_device=on_device)  # fmt: skip
+        cached = (kv_cache_pages - 1) // self.config.image_tokens if self.enable_prefix_cache else 0
+        vision = self.config.vision
+        self.crops = CropPool.for_runtime(vision, self.device, pins, cached, device_crops)
 
     @classmethod
     def from_pretrained(
