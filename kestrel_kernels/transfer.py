@@ -28,7 +28,8 @@ __all__ = ["Readback", "upload"]
 def upload(data: object, dtype: torch.dtype, device: torch.device | str) -> Tensor:
     """``data`` (numbers, nested lists, a host tensor) as a ``dtype`` tensor on ``device``."""
     host = data if isinstance(data, Tensor) else torch.tensor(data, dtype=dtype)
-    host = host.to(dtype)
+    if host.dtype != dtype:
+        host = host.to(dtype)
     device = torch.device(device)
     count_upload(blocking=False)
     if device.type != "cuda":

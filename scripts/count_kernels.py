@@ -129,6 +129,7 @@ def build(max_batch: int):
         kv_cache_pages=max_batch * 900 + 4000,
         max_batch_size=max_batch,
         attention_backend="fa",
+        device_crops=True,  # as on CUDA: the image's crops cut where the encoder runs
     )
     rt.decode_graphs = DecodeGraphs(
         model,

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from kestrel.moondream.crops import CropGeometry, crop_geometry, overlap_crops
+from kestrel.moondream.vision import normalize_planar
 from kestrel_kernels.transfer import upload
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ __all__ = [
     "ResizePlan",
     "crop_plan",
     "device_disagrees",
+    "encoder_crops",
     "make_crops",
     "resize",
     "resize_plan",
@@ -250,21 +252,22 @@ def _planar(pixels: torch.Tensor) -> torch.Tensor:
 def _resized(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
     """``x`` ([H, 3, W] floats) through ``plan``'s passes: [*plan.size] as [h, 3, w], whole
     numbers 0..255. Each pass is one matrix product with the pass's weights in a dense matrix
-    (exact: every product and partial sum is a whole number of 1/4096ths below 2^24), then
-    libvips' rounding: ``floor(y + 1/2)`` (its ``(sum + 2048) >> 12``), clipped where libvips
-    clips; a box average in float64 (libvips multiplies by ~2^24 / box in 32 bits)."""
+    and libvips' rounding added as its bias (exact: every product and partial sum is a whole
+    number of 1/4096ths below 2^24), floored (``floor(y + 1/2)``: libvips' ``(sum + 2048) >>
+    12``) and clipped where libvips clips; a box average in float64 (libvips multiplies by
+    ~2^24 / box in 32 bits)."""
     for p in plan.passes:
         height, _, width = x.shape
         wide = x.to(torch.float64) if p.box else x
         m = _matrix(p, x.device, wide.dtype)
-        if p.axis == 0:
-            y = torch.mm(m, wide.view(height, 3 * width)).view(-1, 3, width)
-        else:
-            y = torch.mm(wide.view(3 * height, width), m.T).view(height, 3, -1)
-        if p.box:
-            x = y.add_((p.box // 2) * ((1 << 24) // p.box) / (1 << 24)).floor_().to(x.dtype)
-            continue
-        x = y.add_(0.5).floor_()
+        rounding = (p.box // 2) * ((1 << 24) // p.box) / (1 << 24) if p.box else 0.5
+        if p.axis == 0:  # [n_out, H] @ [H, 3W]
+            flat = wide.view(height, 3 * width)
+            y = torch.addmm(_bias(rounding, flat.shape[1], m), m, flat).view(-1, 3, width)
+        else:  # [3H, W] @ [W, n_out] (the matrix is kept transposed)
+            y = torch.addmm(_bias(rounding, m.shape[1], m), wide.view(3 * height, width), m)
+            y = y.view(height, 3, -1)
+        x = y.floor_() if y.dtype == x.dtype else y.floor_().to(x.dtype)  # a box: from float64
         if p.clip:
             x.clamp_(0, 255)
     (h, w), (nh, nw) = plan.size, plan.natural
@@ -297,21 +300,43 @@ def crop_plan(height: int, width: int, config: VisionConfig) -> CropPlan:
     )
 
 
+def _crops(pixels: torch.Tensor, plan: CropPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global crop [crop, 3, crop] and the strided view of the local crops [rows, cols, 3,
+    crop, crop] in the resized copy, both as whole-number floats."""
+    g = plan.geometry
+    x = _planar(pixels)
+    whole = _resized(x, plan.whole)
+    resized = _resized(x, plan.local)  # [h, 3, w]
+    s0, s1, s2 = resized.stride()
+    windows = resized.as_strided(
+        (g.rows, g.cols, 3, g.crop, g.crop), (g.window * s0, g.window * s2, s1, s0, s2)
+    )
+    return whole, windows
+
+
 def make_crops(pixels: torch.Tensor, plan: CropPlan) -> torch.Tensor:
     """The crops of ``pixels`` (uint8 [H, W, 3]) on its device: uint8 [N, crop, crop, 3],
     channels last, index 0 the global crop, then the local crops row-major; the bytes of
-    ``crops.overlap_crops``. An 800 x 600 chart's 9 crops are 19 kernel launches."""
+    ``crops.overlap_crops``."""
     g = plan.geometry
-    x = _planar(pixels)
+    whole, windows = _crops(pixels, plan)
     out = torch.empty((g.n_crops, g.crop, g.crop, 3), dtype=torch.uint8, device=pixels.device)
-    out[0].copy_(_resized(x, plan.whole).permute(0, 2, 1))
-    resized = _resized(x, plan.local)  # [h, 3, w]
-    s0, s1, s2 = resized.stride()
-    windows = resized.as_strided(  # [rows, cols, crop, crop, 3] of the planar copy
-        (g.rows, g.cols, g.crop, g.crop, 3), (g.window * s0, g.window * s2, s0, s2, s1)
-    )
-    out[1:].view(g.rows, g.cols, g.crop, g.crop, 3).copy_(windows)
+    out[0].copy_(whole.permute(0, 2, 1))
+    out[1:].view(g.rows, g.cols, g.crop, g.crop, 3).copy_(windows.permute(0, 1, 3, 4, 2))
     return out
+
+
+def encoder_crops(pixels: torch.Tensor, plan: CropPlan, dtype: torch.dtype) -> torch.Tensor:
+    """The vision encoder's input from ``pixels`` (uint8 [H, W, 3]) on its device: the crops of
+    ``make_crops``, normalized as ``vision.normalize_pixels`` normalizes them, [N, 3, crop,
+    crop] in ``dtype``, written channel-major straight from the resized copies. An 800 x 600
+    chart's 9 crops are 17 kernel launches in bfloat16."""
+    g = plan.geometry
+    whole, windows = _crops(pixels, plan)
+    out = torch.empty((g.n_crops, 3, g.crop, g.crop), dtype=torch.bfloat16, device=pixels.device)
+    out[0].copy_(whole.permute(1, 0, 2))  # whole numbers 0..255: exact in bfloat16
+    out[1:].view(g.rows, g.cols, 3, g.crop, g.crop).copy_(windows)
+    return normalize_planar(out, dtype)
 
 
 _MATRICES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -320,25 +345,53 @@ _MATRICES_LOCK = threading.Lock()
 
 
 def _matrix(p: AxisPass, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``p``'s weights as a dense [n_out, n_in] matrix on ``device``: built there from its
-    tables (uploaded through the pinned ring), scaled to 1/4096ths of a whole (a box pass:
-    libvips' 32-bit reciprocal of the box), and kept while they fit ``_MATRIX_BYTES``."""
+    """``p``'s weights as a dense matrix on ``device``, [n_out, n_in] (a column pass: [n_in,
+    n_out], as its product takes it): built there from its tables (uploaded through the
+    pinned ring), scaled to 1/4096ths of a whole (a box pass: libvips' 32-bit reciprocal of
+    the box), and kept while they fit ``_MATRIX_BYTES``."""
     key = (*p.key, str(device), dtype)
     with _MATRICES_LOCK:
         found = _MATRICES.get(key)
         if found is not None:
             _MATRICES.move_to_end(key)
             return found
-    index = upload(torch.from_numpy(p.index), torch.int64, device)
-    weight = upload(torch.from_numpy(p.weight), dtype, device)
-    scale = ((1 << 24) // p.box) / (1 << 24) if p.box else 1.0 / _ONE
-    m = torch.zeros((len(p.index), p.n_in), dtype=dtype, device=device)
-    m.scatter_add_(1, index, weight.mul_(scale))  # a repeated edge pixel adds up its weights
+    scale = ((1 << 24) // p.box) / (1 << 24) if p.box else 1.0 / _ONE  # exact: powers of 2
+    index, weight = (p.index.T, p.weight.T) if p.axis == 1 else (p.index, p.weight)
+    index = upload(torch.from_numpy(np.ascontiguousarray(index)), torch.int64, device)
+    np_dtype = np.float64 if dtype == torch.float64 else np.float32
+    scaled = torch.from_numpy(np.ascontiguousarray(weight, np_dtype) * np_dtype(scale))
+    n_out = len(p.index)
+    shape = (p.n_in, n_out) if p.axis == 1 else (n_out, p.n_in)
+    m = torch.zeros(shape, dtype=dtype, device=device)
+    m.scatter_add_(p.axis ^ 1, index, upload(scaled, dtype, device))  # repeated edges add up
+    _keep(key, m)
+    return m
+
+
+_BIAS_LENGTH = 1 << 16  # the longest bias a product takes: 3 x a 21,845-pixel side
+
+
+def _bias(value: float, n: int, like: torch.Tensor) -> torch.Tensor:
+    """A [n] vector of ``value`` on ``like``'s device and dtype: the first ``n`` of one kept
+    vector per value (made once, not per image size)."""
+    if n > _BIAS_LENGTH:
+        return torch.full((n,), value, dtype=like.dtype, device=like.device)
+    key = ("bias", value, str(like.device), like.dtype)
     with _MATRICES_LOCK:
-        _MATRICES[key] = m
+        found = _MATRICES.get(key)
+        if found is not None:
+            _MATRICES.move_to_end(key)
+            return found[:n]
+    bias = torch.full((_BIAS_LENGTH,), value, dtype=like.dtype, device=like.device)
+    _keep(key, bias)
+    return bias[:n]
+
+
+def _keep(key: tuple, tensor: torch.Tensor) -> None:
+    with _MATRICES_LOCK:
+        _MATRICES[key] = tensor
         while sum(t.nbytes for t in _MATRICES.values()) > _MATRIX_BYTES and len(_MATRICES) > 1:
             _MATRICES.popitem(last=False)
-    return m
 
 
 # Images whose crops take every kind of pass: both axes grown, both shrunk, one of each, and

@@ -40,6 +40,7 @@ __all__ = [
     "encode_image",
     "encode_image_with_intermediates",
     "normalize_pixels",
+    "normalize_planar",
     "overlap_crops",
     "patchify",
     "pixel_table",
@@ -78,8 +79,15 @@ def normalize_pixels(
         )
     x_NHWC = crops.to(device=device)
     x_NCHW = x_NHWC.permute(0, 3, 1, 2).contiguous()  # reordered as uint8: the fewest bytes
-    x_NCHW = x_NCHW.to(torch.bfloat16).div(255.0).sub(0.5).div(0.5)
-    return x_NCHW.to(dtype)
+    return normalize_planar(x_NCHW, dtype)
+
+
+def normalize_planar(x_NCHW: Tensor, dtype: torch.dtype) -> Tensor:
+    """Pixel values 0..255 [N, 3, H, W] (uint8, or whole numbers in a float type) normalized as
+    ``normalize_pixels`` does, in ``dtype`` (bfloat16 values are used as they are)."""
+    x = x_NCHW if x_NCHW.dtype == torch.bfloat16 else x_NCHW.to(torch.bfloat16)
+    x = x.div(255.0).sub(0.5).div(0.5)
+    return x if dtype == torch.bfloat16 else x.to(dtype)
 
 
 def pixel_table() -> np.ndarray:

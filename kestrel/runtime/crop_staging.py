@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kestrel.moondream.config import VisionConfig
-from kestrel.moondream.resample import CropPlan, make_crops
+from kestrel.moondream.resample import CropPlan, encoder_crops
 from kestrel.moondream.vision import normalize_pixels
 from kestrel_kernels import pinned
 
@@ -49,8 +49,8 @@ class CropPixels:
         if to_cuda and self.staging is not None:
             staging, slot = self.staging
             staging.uploaded(slot)
-        if self.plan is not None:
-            pixels = make_crops(pixels, self.plan)
+        if self.plan is not None:  # the image: cut and normalized where it now is
+            return encoder_crops(pixels, self.plan, dtype)
         if pixels.dtype == torch.uint8:  # the same arithmetic, on the device
             return normalize_pixels(pixels, dtype, device)
         # a view: the encoder's patch cut (``vision.patchify``) copies it into patches anyway

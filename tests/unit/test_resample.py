@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import pyvips
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kestrel.moondream import resample
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.crops import overlap_crops
-from kestrel.moondream.resample import crop_plan, make_crops, resize, resize_plan
+from kestrel.moondream.resample import crop_plan, encoder_crops, make_crops, resize, resize_plan
+from kestrel.moondream.vision import normalize_pixels
 from kestrel.runtime.crop_maker import crops_on_device
+from kestrel_kernels.counting import LaunchCounter
 
 VISION = MoondreamConfig().vision
 
@@ -104,29 +105,26 @@ def test_a_size_of_nothing_is_refused() -> None:
         resize_plan(0, 10, 5, 5)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not func.is_view  # a view launches nothing
-        return func(*args, **(kwargs or {}))
-
-
-def test_a_charts_crops_are_a_bounded_number_of_ops() -> None:
-    """What a GPU launches per new image (every op but a view is one kernel, ``empty`` none):
-    the image made planar once, each pass one matrix product, its rounding and clipping, and
-    the crops copied out; the pass matrices are built once per geometry, before."""
-    pixels = torch.zeros((600, 800, 3), dtype=torch.uint8)
-    plan = crop_plan(600, 800, VISION)
-    make_crops(pixels, plan)  # each pass's matrix, built once
-    with _Ops() as ops:
-        make_crops(pixels, plan)
-    print(f"kernels for an 800 x 600 image's {plan.geometry.n_crops} crops: {ops.count}")
+def test_a_charts_encoder_input_is_a_bounded_number_of_launches() -> None:
+    """What a GPU launches per new image (``LaunchCounter``: views and allocations launch
+    nothing): the image made planar once, per pass a matrix product with libvips' rounding as
+    its bias, a floor and a clip (not after the bicubic's first pass), the crops copied out
+    channel-major and normalized (3). An image size never seen before first builds each
+    pass's matrix on the device: two uploads of its tables, a fill and a scatter."""
+    pixels = torch.zeros((611, 803, 3), dtype=torch.uint8)  # a size no other test uses
+    plan = crop_plan(611, 803, VISION)
     passes = [p for r in (plan.whole, plan.local) for p in r.passes]
     assert len(passes) == 4  # lanczos3 down and across (global), bicubic across and down
-    assert ops.count <= 2 + 4 * len(passes) + 3
+    steady = 1 + 3 * len(passes) - 1 + 2 + 3
+    with LaunchCounter() as first:
+        got = encoder_crops(pixels, plan, torch.bfloat16)
+    with LaunchCounter() as again:
+        encoder_crops(pixels, plan, torch.bfloat16)
+    assert torch.equal(got, normalize_pixels(make_crops(pixels, plan), torch.bfloat16))
+    print(f"launches for an 800 x 600 image's encoder input ({plan.geometry.n_crops} crops): "
+          f"{first.launches} for a new size, {again.launches} again")  # fmt: skip
+    assert again.launches <= steady
+    assert first.launches <= steady + 4 * len(passes)
 
 
 def test_allowed_tf32_or_bf16_products_make_it_float64_and_still_exact() -> None:
