@@ -41,6 +41,7 @@ import torch
 
 from kestrel.moondream.crops import CropGeometry, crop_geometry, overlap_crops
 from kestrel.moondream.vision import normalize_planar
+from kestrel_kernels import pinned
 from kestrel_kernels.transfer import upload
 
 if TYPE_CHECKING:
@@ -256,10 +257,9 @@ def _resized(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
     number of 1/4096ths below 2^24), floored (``floor(y + 1/2)``: libvips' ``(sum + 2048) >>
     12``) and clipped where libvips clips; a box average in float64 (libvips multiplies by
     ~2^24 / box in 32 bits)."""
-    for p in plan.passes:
+    for p, m in zip(plan.passes, _matrices(plan.passes, x.device, x.dtype), strict=True):
         height, _, width = x.shape
         wide = x.to(torch.float64) if p.box else x
-        m = _matrix(p, x.device, wide.dtype)
         rounding = (p.box // 2) * ((1 << 24) // p.box) / (1 << 24) if p.box else 0.5
         if p.axis == 0:  # [n_out, H] @ [H, 3W]
             flat = wide.view(height, 3 * width)
@@ -305,6 +305,7 @@ def _crops(pixels: torch.Tensor, plan: CropPlan) -> tuple[torch.Tensor, torch.Te
     crop, crop] in the resized copy, both as whole-number floats."""
     g = plan.geometry
     x = _planar(pixels)
+    _matrices(plan.whole.passes + plan.local.passes, x.device, x.dtype)  # a new size: together
     whole = _resized(x, plan.whole)
     resized = _resized(x, plan.local)  # [h, 3, w]
     s0, s1, s2 = resized.stride()
@@ -344,28 +345,64 @@ _MATRIX_BYTES = 64 << 20  # kept on each device, the least lately used let go fi
 _MATRICES_LOCK = threading.Lock()
 
 
-def _matrix(p: AxisPass, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``p``'s weights as a dense matrix on ``device``, [n_out, n_in] (a column pass: [n_in,
-    n_out], as its product takes it): built there from its tables (uploaded through the
-    pinned ring), scaled to 1/4096ths of a whole (a box pass: libvips' 32-bit reciprocal of
-    the box), and kept while they fit ``_MATRIX_BYTES``."""
-    key = (*p.key, str(device), dtype)
+def _matrices(
+    passes: tuple[AxisPass, ...], device: torch.device, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Each pass's weights as a dense matrix on ``device``, [n_out, n_in] (a column pass:
+    [n_in, n_out], as its product takes it), scaled to 1/4096ths of a whole (a box pass:
+    libvips' 32-bit reciprocal of the box, in float64), kept while they fit
+    ``_MATRIX_BYTES``. Those not kept are built on the device together: their tables in one
+    upload of positions and one of weights per float type (``_upload_all``), then a fill and
+    a scatter each."""
+    types = [torch.float64 if p.box else dtype for p in passes]
+    keys = [(*p.key, str(device), t) for p, t in zip(passes, types, strict=True)]
     with _MATRICES_LOCK:
-        found = _MATRICES.get(key)
-        if found is not None:
-            _MATRICES.move_to_end(key)
-            return found
-    scale = ((1 << 24) // p.box) / (1 << 24) if p.box else 1.0 / _ONE  # exact: powers of 2
-    index, weight = (p.index.T, p.weight.T) if p.axis == 1 else (p.index, p.weight)
-    index = upload(torch.from_numpy(np.ascontiguousarray(index)), torch.int64, device)
-    np_dtype = np.float64 if dtype == torch.float64 else np.float32
-    scaled = torch.from_numpy(np.ascontiguousarray(weight, np_dtype) * np_dtype(scale))
-    n_out = len(p.index)
-    shape = (p.n_in, n_out) if p.axis == 1 else (n_out, p.n_in)
-    m = torch.zeros(shape, dtype=dtype, device=device)
-    m.scatter_add_(p.axis ^ 1, index, upload(scaled, dtype, device))  # repeated edges add up
-    _keep(key, m)
-    return m
+        found = [_MATRICES.get(k) for k in keys]
+        for k, m in zip(keys, found, strict=True):
+            if m is not None:
+                _MATRICES.move_to_end(k)
+    todo = [i for i, m in enumerate(found) if m is None]
+    if not todo:
+        return found
+    oriented = [(passes[i].index.T, passes[i].weight.T) if passes[i].axis else
+                (passes[i].index, passes[i].weight) for i in todo]  # fmt: skip
+    indexes = _upload_all([t[0] for t in oriented], torch.int64, device)
+    weights: list[torch.Tensor | None] = [None] * len(todo)
+    for t in set(types[i] for i in todo):
+        mine = [j for j, i in enumerate(todo) if types[i] == t]
+        scaled = [oriented[j][1] * _scale(passes[todo[j]]) for j in mine]
+        for j, w in zip(mine, _upload_all(scaled, t, device), strict=True):
+            weights[j] = w
+    for j, i in enumerate(todo):
+        p, n_out = passes[i], len(passes[i].index)
+        shape = (p.n_in, n_out) if p.axis == 1 else (n_out, p.n_in)
+        m = torch.zeros(shape, dtype=types[i], device=device)
+        found[i] = m.scatter_add_(p.axis ^ 1, indexes[j], weights[j])  # repeated edges add up
+        _keep(keys[i], m)
+    return found
+
+
+def _scale(p: AxisPass) -> float:
+    """What a pass's integer weights are multiplied by: 2^-12, or for a box libvips'
+    reciprocal ``floor(2^24 / box) / 2^24`` (both exact in float64)."""
+    return ((1 << 24) // p.box) / (1 << 24) if p.box else 1.0 / _ONE
+
+
+def _upload_all(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list:
+    """``arrays`` on ``device`` as ``dtype``: one upload through the pinned ring while they
+    fit a slot together, else one each; the device tensors are views of what was uploaded."""
+    host = [np.ascontiguousarray(a, _NUMPY[dtype]) for a in arrays]
+    if sum(a.nbytes for a in host) > pinned.SLOT_BYTES:
+        return [upload(torch.from_numpy(a), dtype, device) for a in host]
+    flat = upload(torch.from_numpy(np.concatenate([a.ravel() for a in host])), dtype, device)
+    out, at = [], 0
+    for a in host:
+        out.append(flat[at : at + a.size].view(a.shape))
+        at += a.size
+    return out
+
+
+_NUMPY = {torch.int64: np.int64, torch.float32: np.float32, torch.float64: np.float64}
 
 
 _BIAS_LENGTH = 1 << 16  # the longest bias a product takes: 3 x a 21,845-pixel side
