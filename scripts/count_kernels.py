@@ -16,9 +16,12 @@ the Engine's own pieces (request factory, scheduler, runner) on this thread.
 Rows: a decode step at batch 1 and 64, greedy and with Moondream's default sampling
 (temperature 0.5, top-p 0.3): launches inside the graph body and outside it, syncs, blocking
 uploads; a hit prefill (13 new positions after a cached image), a miss prefill (9 crops and
-~743 positions: vision encoder included), the vision encoder alone on 9 crops -- for these
-three the bodies of the prefill and vision graphs (run uncaptured) and the launches outside
-them, each graph launch counted as one (``*_eager`` in the JSON) -- and the host
+~743 positions: the crops and the vision encoder included), the vision encoder alone on 9
+crops (its crops included) -- for these three the bodies of the prefill and vision graphs
+(run uncaptured) and the launches outside them, each graph launch counted as one
+(``*_eager`` in the JSON) --, the crops alone, cut and normalized on the device as a CUDA
+runtime cuts them (``resample.py``), for an image size not seen before and for one seen (its
+pass matrices kept), and the host
 microseconds of one scheduler decode step at batch 64 with the model math stubbed (fixed logits
 over 16 ids stand in for the forward, so the sampler's ops pay their per-op host cost but no
 arithmetic to speak of; everything else -- sampling, skills, streams, bookkeeping -- runs). The
@@ -279,6 +282,10 @@ def prefill_rows(sites: bool) -> dict:
     with torch.inference_mode(), counted_graphs(box, sites) as c:
         rt._encode_image(img)
     out["vision_9"] = c
+    for key, seed in (("crops_new_size", 4), ("crops_seen_size", 5)):  # 757 x 1513, 9 crops
+        with torch.inference_mode(), counted_graphs(box, sites) as c:
+            rt.crops.pixels(picture(seed, 757, 1513)).encoder_input(rt.dtype, rt.device)
+        out[key] = c
     box[0] = None
     return out
 
@@ -328,7 +335,8 @@ def measure(sites: bool) -> tuple[list, dict, dict]:
                 rows.append((f"decode b{batch} {name}", r))
                 all_sites[f"decode b{batch} {name}"] = r.pop("sites")
         pre = prefill_rows(sites)
-    all_sites.update((k, pre[k].sites) for k in ("prefill_hit", "prefill_miss", "vision_9"))
+    rows_pre = ("prefill_hit", "prefill_miss", "vision_9", "crops_new_size", "crops_seen_size")
+    all_sites.update((k, pre[k].sites) for k in rows_pre)
     return rows, pre, all_sites
 
 
@@ -336,7 +344,7 @@ def print_table(rows: list, pre: dict) -> None:
     table = [("row", "graph body", "outside", "syncs", "deferred reads", "blocking up", "async up")]
     keys = ("graph_body", "outside", "syncs", "deferred", "uploads_blocking", "uploads_nonblocking")
     table += [(name, *(r[k] for k in keys)) for name, r in rows]
-    for key in ("prefill_hit", "prefill_miss", "vision_9"):
+    for key in ("prefill_hit", "prefill_miss", "vision_9", "crops_new_size", "crops_seen_size"):
         c = pre[key]
         up = (c.uploads_blocking, c.uploads_nonblocking)
         table.append((key, c.graph_body, eager(c), c.syncs, c.deferred_reads, *up))
@@ -361,6 +369,8 @@ def summary(rows: list, pre: dict, host: dict) -> dict:
         "prefill_hit_eager": eager(pre["prefill_hit"]),
         "prefill_miss_eager": eager(pre["prefill_miss"]),
         "vision_9_eager": eager(pre["vision_9"]),
+        "crops_new_size": pre["crops_new_size"].launches,
+        "crops_seen_size": pre["crops_seen_size"].launches,
         "syncs_per_decode_step": by["decode b64 greedy"]["syncs"],
         "syncs_per_decode_step_sampled": by["decode b64 sampled"]["syncs"],
         "uploads_per_prefill": max(

@@ -55,6 +55,8 @@ def crops_on_device(
     why = device_disagrees(config, device)
     if why is not None:
         log.warning("crops are made on the host: %s", why)
+    else:
+        log.info("crops are made on %s (libvips' bytes on every probe image)", device)
     return why is None
 
 

@@ -44,6 +44,7 @@ def test_engine_on_cuda_matches_eager(pictures, cache: bool) -> None:
         kv_cache_pages=12_000,
         enable_prefix_cache=cache,
     ) as engine:
+        assert engine.runtime.crops.on_device  # crops cut on the GPU; the eager ones by libvips
         eager = EagerMoondream(engine.runtime.model, engine.runtime.tokenizer, backend="torch")
         for skill, img, kw in CASES:
             image = None if img is None else pictures[img]
