@@ -16,7 +16,7 @@ GPU machine's cores.
 
 ``--device cuda`` (or ``cpu``) times each variant up to the encoder's input on that device
 (``CropPixels.encoder_input``: the upload and normalization, synchronized) and adds ``on the
-device``: the image itself staged and cropped there (``resample.make_crops``, a CUDA runtime's
+device``: the image itself staged and cropped there (``device_crops.py``, a CUDA runtime's
 default), the same bytes.
 """
 
@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     parts = [n for n in (int(v) for v in args.parts.split(",")) if n <= max(1, cores or 1)]
     config = MoondreamConfig().vision
     pin = torch.cuda.is_available()
+    if args.device == "cuda" and not pin:
+        print("no CUDA here: the host variants alone, up to the host's crops")
+        args.device = None
 
     def pool(n: int, threads: int | None = None) -> CropPool:
         return CropPool(config, normalize=False, pin_memory=pin, workers=n, parallel=n,

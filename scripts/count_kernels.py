@@ -16,16 +16,13 @@ the Engine's own pieces (request factory, scheduler, runner) on this thread.
 Rows: a decode step at batch 1 and 64, greedy and with Moondream's default sampling
 (temperature 0.5, top-p 0.3): launches inside the graph body and outside it, syncs, blocking
 uploads; a hit prefill (13 new positions after a cached image), a miss prefill (9 crops and
-~743 positions: the crops and the vision encoder included), the vision encoder alone on 9
-crops (its crops included) -- for these three the bodies of the prefill and vision graphs
-(run uncaptured) and the launches outside them, each graph launch counted as one
-(``*_eager`` in the JSON) --, the crops alone, cut and normalized on the device as a CUDA
-runtime cuts them (``resample.py``), for an image size not seen before and for one seen (its
-pass matrices kept), and the host
-microseconds of one scheduler decode step at batch 64 with the model math stubbed (fixed logits
-over 16 ids stand in for the forward, so the sampler's ops pay their per-op host cost but no
-arithmetic to speak of; everything else -- sampling, skills, streams, bookkeeping -- runs). The
-host time is a timing figure: take it on an idle machine.
+~743 positions, crops and encoder included), the vision encoder on 9 crops (its crops
+included) -- for these three the graph bodies (run uncaptured) and the launches outside them,
+a graph launch counted as one (``*_eager`` in the JSON) --, the crops alone as a CUDA runtime
+cuts them (``device_crops.py``) for a new image size and a seen one, and the host microseconds
+of one scheduler decode step at batch 64 with the model math stubbed (fixed logits over 16 ids
+stand in for the forward: the sampler's ops pay their per-op host cost, no arithmetic to speak
+of; sampling, skills, streams and bookkeeping run). Take the host time on an idle machine.
 """
 
 from __future__ import annotations
@@ -70,6 +67,7 @@ FIXTURE = REPO / "tests" / "fixtures" / "md2-tiny-a"
 SAMPLED = {"temperature": 0.5, "top_p": 0.3, "max_tokens": 48}
 GREEDY = {"temperature": 0.0, "max_tokens": 48}
 STUB_VOCAB = 16
+PRE_ROWS = ("prefill_hit", "prefill_miss", "vision_9", "crops_new_size", "crops_seen_size")
 
 
 def fake_binding(
@@ -79,18 +77,8 @@ def fake_binding(
     from kestrel_kernels.counting import opaque
 
     with opaque("flash_attn"):
-        out = varlen_paged_attention_torch(
-            q,
-            k[:, 0],
-            v[:, 0],
-            page_table,
-            1,
-            seqused_k,
-            cu_seqlens_q,
-            max_seqlen_q,
-            causal,
-            softmax_scale,
-        )
+        args = (page_table, 1, seqused_k, cu_seqlens_q, max_seqlen_q, causal, softmax_scale)
+        out = varlen_paged_attention_torch(q, k[:, 0], v[:, 0], *args)
     return out, None
 
 
@@ -335,8 +323,7 @@ def measure(sites: bool) -> tuple[list, dict, dict]:
                 rows.append((f"decode b{batch} {name}", r))
                 all_sites[f"decode b{batch} {name}"] = r.pop("sites")
         pre = prefill_rows(sites)
-    rows_pre = ("prefill_hit", "prefill_miss", "vision_9", "crops_new_size", "crops_seen_size")
-    all_sites.update((k, pre[k].sites) for k in rows_pre)
+    all_sites.update((k, pre[k].sites) for k in PRE_ROWS)
     return rows, pre, all_sites
 
 
@@ -344,7 +331,7 @@ def print_table(rows: list, pre: dict) -> None:
     table = [("row", "graph body", "outside", "syncs", "deferred reads", "blocking up", "async up")]
     keys = ("graph_body", "outside", "syncs", "deferred", "uploads_blocking", "uploads_nonblocking")
     table += [(name, *(r[k] for k in keys)) for name, r in rows]
-    for key in ("prefill_hit", "prefill_miss", "vision_9", "crops_new_size", "crops_seen_size"):
+    for key in PRE_ROWS:
         c = pre[key]
         up = (c.uploads_blocking, c.uploads_nonblocking)
         table.append((key, c.graph_body, eager(c), c.syncs, c.deferred_reads, *up))

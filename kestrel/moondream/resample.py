@@ -1,10 +1,11 @@
-"""libvips' lanczos3 resize of a uint8 RGB image as integer tensor arithmetic, on any device.
+"""libvips' lanczos3 resize of a uint8 RGB image as tables of integer weights (numpy only).
 
 Moondream's crops come from ``pyvips.Image.resize`` (``crops.py``): on a GPU host that is
-~9 ms of host work per new image, on the critical path of a lone request. This module makes
-the same bytes with torch on the device the encoder runs on. libvips resizes an 8-bit image
-with fixed-point integer arithmetic (coefficients in 1/4096ths, positions in 1/64ths of a
-pixel), so a copy of its arithmetic gives its exact output, not an approximation:
+~9 ms of host work per new image, on the critical path of a lone request, so a CUDA runtime
+makes the same bytes on the GPU (``device_crops.py``). libvips resizes an 8-bit image with
+fixed-point integer arithmetic (coefficients in 1/4096ths, positions in 1/64ths of a pixel), so
+a copy of its arithmetic gives its exact output, not an approximation. This module is that
+copy's host half: what each pass of a resize reads and with which integer weights.
 
 - an axis that shrinks runs ``reducev`` / ``reduceh``: a lanczos3 mask of ``2 * rint(3 s) + 1``
   taps per output pixel (``s`` the shrink), the sum rounded and clipped to 0..255; past twice
@@ -15,49 +16,28 @@ pixel), so a copy of its arithmetic gives its exact output, not an approximation
   taps a row, rounded, then four a column, rounded and clipped; when one axis grows, the other
   goes through the same interpolator at its own scale (1.0 after a reduce), as libvips does.
 
-Every pass is one matrix product with the pass's integer weights (scaled by 1/4096, a power of
-two) in a dense matrix: every product and partial sum is then a whole number of 1/4096ths below
-2^24, which float32 holds exactly, so no float is ever rounded and the result cannot depend on
-the GPU or the order of its sums (float64 where PyTorch is allowed TF32 or bf16 products). The
-tables (source positions and coefficients) are computed
-on the host in float64, the same expressions in the same order as libvips 8.18 (``resample/
-resize.c``, ``reducev.cpp``, ``reduceh.cpp``, ``shrinkv.c``, ``shrinkh.c``, ``affine.c``,
-``bicubic.cpp``, and their Highway kernels for uchar), and cached per axis.
-``tests/unit/test_resample.py`` checks the bytes against the installed pyvips, and the runtime
-checks them again at start-up (``device_disagrees``) before it trusts a device with them.
+The tables (source positions and weights) are computed in float64 with the same expressions in
+the same order as libvips 8.18 (``resample/resize.c``, ``reducev.cpp``, ``reduceh.cpp``,
+``shrinkv.c``, ``shrinkh.c``, ``affine.c``, ``bicubic.cpp``, and their Highway kernels for
+uchar), and cached per axis. ``tests/unit/test_resample.py`` checks the bytes against the
+installed pyvips.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from kestrel.moondream.crops import CropGeometry, crop_geometry, overlap_crops
-from kestrel.moondream.vision import normalize_planar
-from kestrel_kernels import pinned
-from kestrel_kernels.transfer import upload
+from kestrel.moondream.crops import CropGeometry, crop_geometry
 
 if TYPE_CHECKING:
     from kestrel.moondream.config import VisionConfig
 
-__all__ = [
-    "AxisPass",
-    "CropPlan",
-    "ResizePlan",
-    "crop_plan",
-    "device_disagrees",
-    "encoder_crops",
-    "make_crops",
-    "resize",
-    "resize_plan",
-]
+__all__ = ["AxisPass", "CropPlan", "ResizePlan", "crop_plan", "resize_plan"]
 
 _POSITIONS = 64  # VIPS_TRANSFORM_SCALE: sub-pixel positions of a mask table
 _ONE = 4096  # VIPS_INTERPOLATE_SCALE: a coefficient of 1.0
@@ -78,6 +58,12 @@ class AxisPass:
     clip: bool
     key: tuple  # what made the tables (their device matrices are kept by it)
     box: int = 0
+
+    @property
+    def scale(self) -> float:
+        """What the integer weights are multiplied by: 2^-12, or for a box libvips'
+        reciprocal ``floor(2^24 / box) / 2^24`` (both exact in float64)."""
+        return ((1 << 24) // self.box) / (1 << 24) if self.box else 1.0 / _ONE
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -227,57 +213,6 @@ def _round_int(x: float) -> int:
     return int(x + 0.5) if x > 0 else int(x - 0.5)
 
 
-def resize(pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
-    """``pixels`` (uint8 [H, W, 3], any device) resized by ``plan``: uint8 [*plan.size, 3],
-    byte for byte what libvips makes."""
-    resized = _resized(_planar(pixels), plan)
-    return resized.permute(0, 2, 1).to(torch.uint8, memory_format=torch.contiguous_format)
-
-
-def _exact() -> torch.dtype:
-    """The float type whose matrix products are exact here: float32 while they run in IEEE
-    float32 (PyTorch's default), float64 where TF32 or bf16 products are allowed."""
-    if torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32:
-        return torch.float64
-    return torch.float32
-
-
-def _planar(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 [H, W, 3] as floats [H, 3, W] (one copy): a resize's row pass multiplies it as
-    [H, 3W], its column pass as [3H, W], so no pass needs a transpose."""
-    height, width, _ = pixels.shape
-    out = torch.empty((height, 3, width), dtype=_exact(), device=pixels.device)
-    return out.copy_(pixels.permute(0, 2, 1))
-
-
-def _resized(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
-    """``x`` ([H, 3, W] floats) through ``plan``'s passes: [*plan.size] as [h, 3, w], whole
-    numbers 0..255. Each pass is one matrix product with the pass's weights in a dense matrix
-    and libvips' rounding added as its bias (exact: every product and partial sum is a whole
-    number of 1/4096ths below 2^24), floored (``floor(y + 1/2)``: libvips' ``(sum + 2048) >>
-    12``) and clipped where libvips clips; a box average in float64 (libvips multiplies by
-    ~2^24 / box in 32 bits)."""
-    for p, m in zip(plan.passes, _matrices(plan.passes, x.device, x.dtype), strict=True):
-        height, _, width = x.shape
-        wide = x.to(torch.float64) if p.box else x
-        rounding = (p.box // 2) * ((1 << 24) // p.box) / (1 << 24) if p.box else 0.5
-        if p.axis == 0:  # [n_out, H] @ [H, 3W]
-            flat = wide.view(height, 3 * width)
-            y = torch.addmm(_bias(rounding, flat.shape[1], m), m, flat).view(-1, 3, width)
-        else:  # [3H, W] @ [W, n_out] (the matrix is kept transposed)
-            y = torch.addmm(_bias(rounding, m.shape[1], m), wide.view(3 * height, width), m)
-            y = y.view(height, 3, -1)
-        x = y.floor_() if y.dtype == x.dtype else y.floor_().to(x.dtype)  # a box: from float64
-        if p.clip:
-            x.clamp_(0, 255)
-    (h, w), (nh, nw) = plan.size, plan.natural
-    if (nh, nw) == (h, w):
-        return x
-    fitted = x.new_zeros((h, 3, w))
-    fitted[: min(h, nh), :, : min(w, nw)] = x[:h, :, :w]
-    return fitted
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class CropPlan:
     """How one image's crops are made on a device: the global crop (``whole``) and the
@@ -298,157 +233,3 @@ def crop_plan(height: int, width: int, config: VisionConfig) -> CropPlan:
     return CropPlan(
         g, resize_plan(height, width, g.crop, g.crop), resize_plan(height, width, *g.resized)
     )
-
-
-def _crops(pixels: torch.Tensor, plan: CropPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global crop [crop, 3, crop] and the strided view of the local crops [rows, cols, 3,
-    crop, crop] in the resized copy, both as whole-number floats."""
-    g = plan.geometry
-    x = _planar(pixels)
-    _matrices(plan.whole.passes + plan.local.passes, x.device, x.dtype)  # a new size: together
-    whole = _resized(x, plan.whole)
-    resized = _resized(x, plan.local)  # [h, 3, w]
-    s0, s1, s2 = resized.stride()
-    windows = resized.as_strided(
-        (g.rows, g.cols, 3, g.crop, g.crop), (g.window * s0, g.window * s2, s1, s0, s2)
-    )
-    return whole, windows
-
-
-def make_crops(pixels: torch.Tensor, plan: CropPlan) -> torch.Tensor:
-    """The crops of ``pixels`` (uint8 [H, W, 3]) on its device: uint8 [N, crop, crop, 3],
-    channels last, index 0 the global crop, then the local crops row-major; the bytes of
-    ``crops.overlap_crops``."""
-    g = plan.geometry
-    whole, windows = _crops(pixels, plan)
-    out = torch.empty((g.n_crops, g.crop, g.crop, 3), dtype=torch.uint8, device=pixels.device)
-    out[0].copy_(whole.permute(0, 2, 1))
-    out[1:].view(g.rows, g.cols, g.crop, g.crop, 3).copy_(windows.permute(0, 1, 3, 4, 2))
-    return out
-
-
-def encoder_crops(pixels: torch.Tensor, plan: CropPlan, dtype: torch.dtype) -> torch.Tensor:
-    """The vision encoder's input from ``pixels`` (uint8 [H, W, 3]) on its device: the crops of
-    ``make_crops``, normalized as ``vision.normalize_pixels`` normalizes them, [N, 3, crop,
-    crop] in ``dtype``, written channel-major straight from the resized copies. An 800 x 600
-    chart's 9 crops are 17 kernel launches in bfloat16."""
-    g = plan.geometry
-    whole, windows = _crops(pixels, plan)
-    out = torch.empty((g.n_crops, 3, g.crop, g.crop), dtype=torch.bfloat16, device=pixels.device)
-    out[0].copy_(whole.permute(1, 0, 2))  # whole numbers 0..255: exact in bfloat16
-    out[1:].view(g.rows, g.cols, 3, g.crop, g.crop).copy_(windows)
-    return normalize_planar(out, dtype)
-
-
-_MATRICES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-_MATRIX_BYTES = 64 << 20  # kept on each device, the least lately used let go first
-_MATRICES_LOCK = threading.Lock()
-
-
-def _matrices(
-    passes: tuple[AxisPass, ...], device: torch.device, dtype: torch.dtype
-) -> list[torch.Tensor]:
-    """Each pass's weights as a dense matrix on ``device``, [n_out, n_in] (a column pass:
-    [n_in, n_out], as its product takes it), scaled to 1/4096ths of a whole (a box pass:
-    libvips' 32-bit reciprocal of the box, in float64), kept while they fit
-    ``_MATRIX_BYTES``. Those not kept are built on the device together: their tables in one
-    upload of positions and one of weights per float type (``_upload_all``), then a fill and
-    a scatter each."""
-    types = [torch.float64 if p.box else dtype for p in passes]
-    keys = [(*p.key, str(device), t) for p, t in zip(passes, types, strict=True)]
-    with _MATRICES_LOCK:
-        found = [_MATRICES.get(k) for k in keys]
-        for k, m in zip(keys, found, strict=True):
-            if m is not None:
-                _MATRICES.move_to_end(k)
-    todo = [i for i, m in enumerate(found) if m is None]
-    if not todo:
-        return found
-    oriented = [(passes[i].index.T, passes[i].weight.T) if passes[i].axis else
-                (passes[i].index, passes[i].weight) for i in todo]  # fmt: skip
-    indexes = _upload_all([t[0] for t in oriented], torch.int64, device)
-    weights: list[torch.Tensor | None] = [None] * len(todo)
-    for t in set(types[i] for i in todo):
-        mine = [j for j, i in enumerate(todo) if types[i] == t]
-        scaled = [oriented[j][1] * _scale(passes[todo[j]]) for j in mine]
-        for j, w in zip(mine, _upload_all(scaled, t, device), strict=True):
-            weights[j] = w
-    for j, i in enumerate(todo):
-        p, n_out = passes[i], len(passes[i].index)
-        shape = (p.n_in, n_out) if p.axis == 1 else (n_out, p.n_in)
-        m = torch.zeros(shape, dtype=types[i], device=device)
-        found[i] = m.scatter_add_(p.axis ^ 1, indexes[j], weights[j])  # repeated edges add up
-        _keep(keys[i], m)
-    return found
-
-
-def _scale(p: AxisPass) -> float:
-    """What a pass's integer weights are multiplied by: 2^-12, or for a box libvips'
-    reciprocal ``floor(2^24 / box) / 2^24`` (both exact in float64)."""
-    return ((1 << 24) // p.box) / (1 << 24) if p.box else 1.0 / _ONE
-
-
-def _upload_all(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list:
-    """``arrays`` on ``device`` as ``dtype``: one upload through the pinned ring while they
-    fit a slot together, else one each; the device tensors are views of what was uploaded."""
-    host = [np.ascontiguousarray(a, _NUMPY[dtype]) for a in arrays]
-    if sum(a.nbytes for a in host) > pinned.SLOT_BYTES:
-        return [upload(torch.from_numpy(a), dtype, device) for a in host]
-    flat = upload(torch.from_numpy(np.concatenate([a.ravel() for a in host])), dtype, device)
-    out, at = [], 0
-    for a in host:
-        out.append(flat[at : at + a.size].view(a.shape))
-        at += a.size
-    return out
-
-
-_NUMPY = {torch.int64: np.int64, torch.float32: np.float32, torch.float64: np.float64}
-
-
-_BIAS_LENGTH = 1 << 16  # the longest bias a product takes: 3 x a 21,845-pixel side
-
-
-def _bias(value: float, n: int, like: torch.Tensor) -> torch.Tensor:
-    """A [n] vector of ``value`` on ``like``'s device and dtype: the first ``n`` of one kept
-    vector per value (made once, not per image size)."""
-    if n > _BIAS_LENGTH:
-        return torch.full((n,), value, dtype=like.dtype, device=like.device)
-    key = ("bias", value, str(like.device), like.dtype)
-    with _MATRICES_LOCK:
-        found = _MATRICES.get(key)
-        if found is not None:
-            _MATRICES.move_to_end(key)
-            return found[:n]
-    bias = torch.full((_BIAS_LENGTH,), value, dtype=like.dtype, device=like.device)
-    _keep(key, bias)
-    return bias[:n]
-
-
-def _keep(key: tuple, tensor: torch.Tensor) -> None:
-    with _MATRICES_LOCK:
-        _MATRICES[key] = tensor
-        while sum(t.nbytes for t in _MATRICES.values()) > _MATRIX_BYTES and len(_MATRICES) > 1:
-            _MATRICES.popitem(last=False)
-
-
-# Images whose crops take every kind of pass: both axes grown, both shrunk, one of each, and
-# both box-shrunk first (the global crop of a 1600 x 2000 image).
-_PROBES = ((480, 640), (960, 1280), (700, 500), (1600, 2000))
-
-
-def device_disagrees(config: VisionConfig, device: torch.device | str) -> str | None:
-    """Why ``device`` cannot be trusted with crops (its bytes differ from this process's
-    libvips on a probe image), or None when they are the same for every probe."""
-    rng = np.random.default_rng(0)
-    for height, width in _PROBES:
-        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
-        plan = crop_plan(height, width, config)
-        made = make_crops(torch.from_numpy(pixels).to(device), plan).cpu().numpy()
-        expected = overlap_crops(pixels, config).crops
-        if made.shape != expected.shape or not np.array_equal(made, expected):
-            wrong = int((made != expected).sum()) if made.shape == expected.shape else -1
-            return (
-                f"a {height} x {width} image's crops differ from libvips' "
-                f"({wrong} of {expected.size} values)"
-            )
-    return None

@@ -5,7 +5,7 @@ What ``CropPool`` (``crop_pool.py``) runs for each image: the crops of ``crops.p
 shared memory (``crop_arenas.py``), else made on part threads here; staged in pinned memory
 for a CUDA model (``crop_staging.py``). Where the encoder's device makes the crops itself
 (``on_device``; ``crops_on_device`` decides at start-up) the image is staged instead and
-``resample.make_crops`` cuts it on the device: the same bytes, no host work but a copy.
+``device_crops.encoder_crops`` cuts it on the device: the same bytes, no host work but a copy.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from kestrel.moondream.crops import (
     vips_image,
     write_crops,
 )
-from kestrel.moondream.resample import CropPlan, crop_plan, device_disagrees
+from kestrel.moondream.device_crops import device_disagrees
+from kestrel.moondream.resample import CropPlan, crop_plan
 from kestrel.moondream.vision import pixel_table
 from kestrel.runtime.crop_arenas import ARENAS, one_off
 from kestrel.runtime.crop_procs import WORKERS, CropWorkerError, WorkerGone, processes_supported
@@ -49,7 +50,7 @@ def crops_on_device(
 ) -> bool:
     """Whether the encoder's device makes the crops: asked for (``wanted``), or by default
     where the host stages pinned memory (CUDA), and its bytes equal this process's libvips on
-    the probe images (``resample.device_disagrees``; if not, it says why in the log)."""
+    the probe images (``device_crops.device_disagrees``; if not, it says why in the log)."""
     if not (pins if wanted is None else wanted):
         return False
     why = device_disagrees(config, device)
@@ -109,7 +110,7 @@ class Cropper:
         return CropPixels(crops_hwc, (g.rows, g.cols))
 
     def _for_device(self, pixels: np.ndarray) -> CropPixels | None:
-        """The image itself, staged for crops on the device (``resample.make_crops``); None
+        """The image itself, staged for crops on the device (``device_crops.py``); None
         for an image larger than a staging slot (~1.86 million pixels; its crops are smaller)."""
         plan = _device_plan(pixels.shape[0], pixels.shape[1], self.config)
         if self.staging is None:  # a device that takes plain memory (a CPU: tests)

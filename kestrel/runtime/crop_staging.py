@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from kestrel.moondream.config import VisionConfig
-from kestrel.moondream.resample import CropPlan, encoder_crops
+from kestrel.moondream.device_crops import encoder_crops
+from kestrel.moondream.resample import CropPlan
 from kestrel.moondream.vision import normalize_pixels
 from kestrel_kernels import pinned
 
@@ -33,7 +34,7 @@ class CropPixels:
     normalized float32, or uint8 to be normalized on the device; ``tiling`` = (rows, cols).
     ``staging``: the slot of pinned memory ``pixels`` lies in (None: plain memory). With a
     ``plan`` ``pixels`` is the image itself (uint8 [H, W, 3]), cropped on the device
-    (``resample.make_crops``: the same bytes)."""
+    (``device_crops.encoder_crops``: the same bytes)."""
 
     pixels: torch.Tensor
     tiling: tuple[int, int]

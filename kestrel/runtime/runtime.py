@@ -108,7 +108,7 @@ class MoondreamRuntime(DecodeSteps):
     sized from the KV pool, 0: off; on CUDA an auto-sized pool gives those bytes up).
     ``host_kv_bytes``: pinned host memory for KV pages the cache evicts (CUDA; 0: off).
     ``device_crops``: a new image's crops made on the model's device from the uploaded image
-    (``moondream/resample.py``: libvips' bytes; None: on CUDA, if a start-up probe agrees). The
+    (``moondream/device_crops.py``: libvips' bytes; None: on CUDA, if a start-up probe agrees). The
     decode steps (a known token, or a look-ahead id on the device) are in ``decode_steps.py``.
     """
 

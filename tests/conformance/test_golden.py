@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from kestrel.images import load_image
+from kestrel.moondream.device_crops import make_crops
 from kestrel.moondream.region import encode_coordinate, encode_size, spatial_ref_tokens
-from kestrel.moondream.resample import crop_plan, make_crops
+from kestrel.moondream.resample import crop_plan
 from kestrel.moondream.vision import normalize_pixels, overlap_crops, select_tiling
 from kestrel.skills.prompts import token_ids
 from tests.conformance.cases import check_region_case, check_text_case, run_case
@@ -75,7 +76,7 @@ def test_image_crops(fx, name, golden, fp32):
 
 @pytest.mark.parametrize(("fx", "name"), IMAGES, **SESSION)
 def test_image_crops_made_as_tensors(fx, name, golden, fp32):
-    """The crops a device makes (``resample.make_crops``, here on the CPU) are the
+    """The crops a device makes (``device_crops.make_crops``, here on the CPU) are the
     reference's libvips bytes too."""
     pixels = load_image(golden.dir / golden.image(name)["file"], background=None)
     plan = crop_plan(pixels.shape[0], pixels.shape[1], fp32.model.config.vision)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kestrel.images import prepare_image
-from kestrel.moondream import resample
+from kestrel.moondream import device_crops
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.crops import overlap_crops
 from kestrel.moondream.vision import normalize_pixels
@@ -33,7 +33,7 @@ def test_uint8_crops_normalize_on_the_device() -> None:
 
 @pytest.mark.parametrize("size", [(480, 640), (600, 800), (640, 900), (960, 1280), (700, 500)])
 def test_crops_made_on_the_gpu_are_libvips_bytes(size) -> None:
-    """``resample.make_crops`` on CUDA: the host's libvips crops, byte for byte, from the
+    """``device_crops.encoder_crops`` on CUDA: the host's libvips crops, byte for byte, from the
     image staged in pinned memory (the default of a CUDA runtime)."""
     vision = MoondreamConfig().vision
     pool = CropPool(vision, normalize=False, pin_memory=True, on_device=True)
@@ -43,5 +43,5 @@ def test_crops_made_on_the_gpu_are_libvips_bytes(size) -> None:
     got = crops.encoder_input(torch.bfloat16, "cuda")
     want = normalize_pixels(overlap_crops(image.pixels, vision).crops, torch.bfloat16, "cuda")
     assert torch.equal(got, want)
-    assert resample.device_disagrees(vision, "cuda") is None
+    assert device_crops.device_disagrees(vision, "cuda") is None
     pool.close()

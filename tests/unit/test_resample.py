@@ -1,4 +1,5 @@
-"""libvips' resize copied as integer tensor arithmetic (``moondream/resample.py``): the bytes
+"""libvips' resize copied as integer weights (``moondream/resample.py``) run as tensor
+arithmetic (``moondream/device_crops.py``): the bytes
 of the installed pyvips for every kind of pass (grown, reduced, box-shrunk, mixed), the crops
 of ``overlap_crops``, the kernels a GPU launches for them, and the start-up probe that decides
 whether a device makes the crops."""
@@ -12,10 +13,11 @@ import pytest
 import pyvips
 import torch
 
-from kestrel.moondream import resample
+from kestrel.moondream import device_crops
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.crops import overlap_crops
-from kestrel.moondream.resample import crop_plan, encoder_crops, make_crops, resize, resize_plan
+from kestrel.moondream.device_crops import encoder_crops, make_crops, resize
+from kestrel.moondream.resample import crop_plan, resize_plan
 from kestrel.moondream.vision import normalize_pixels
 from kestrel.runtime.crop_maker import crops_on_device
 from kestrel_kernels.counting import LaunchCounter
@@ -134,27 +136,27 @@ def test_allowed_tf32_or_bf16_products_make_it_float64_and_still_exact() -> None
     try:
         for precision in ("high", "medium"):
             torch.set_float32_matmul_precision(precision)
-            assert resample._exact() is torch.float64
+            assert device_crops._exact() is torch.float64
             made = resize(torch.from_numpy(pixels), resize_plan(300, 400, 322, 588))
             assert np.array_equal(made.numpy(), _vips(pixels, 322, 588))
     finally:
         torch.set_float32_matmul_precision(before)
-    assert resample._exact() is torch.float32
+    assert device_crops._exact() is torch.float32
 
 
 def test_the_probe_trusts_equal_bytes_and_refuses_others(monkeypatch, caplog) -> None:
-    assert resample.device_disagrees(VISION, "cpu") is None
+    assert device_crops.device_disagrees(VISION, "cpu") is None
     assert crops_on_device(VISION, torch.device("cpu"), pins=False, wanted=True)
     assert not crops_on_device(VISION, torch.device("cpu"), pins=False, wanted=None)
-    real = resample.make_crops
+    real = device_crops.make_crops
 
     def off_by_one(pixels, plan):
         out = real(pixels, plan)
         out[0, 0, 0, 0] ^= 1
         return out
 
-    monkeypatch.setattr(resample, "make_crops", off_by_one)
-    why = resample.device_disagrees(VISION, "cpu")
+    monkeypatch.setattr(device_crops, "make_crops", off_by_one)
+    why = device_crops.device_disagrees(VISION, "cpu")
     assert why is not None and "1 of" in why
     with caplog.at_level(logging.WARNING, logger="kestrel.runtime"):
         assert not crops_on_device(VISION, torch.device("cpu"), pins=True, wanted=None)
