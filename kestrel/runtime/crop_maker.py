@@ -93,9 +93,11 @@ class Cropper:
             else None
         )
 
-    def crop(self, image: PreparedImage) -> CropPixels:
+    def crop(self, image: PreparedImage, lone: bool = True) -> CropPixels:
+        """``image``'s crops: on the device when it makes them and ``lone`` (no other image's
+        crops in the making), else here (worker processes, part threads)."""
         pixels = check_pixels(image.pixels)
-        if self.on_device:
+        if self.on_device and lone:
             staged = self._for_device(pixels)
             if staged is not None:
                 return staged

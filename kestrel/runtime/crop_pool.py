@@ -241,8 +241,11 @@ class CropPool:
                 started += 1
 
     def _submit(self, image: PreparedImage) -> Future | None:
-        """The crops of ``image`` started on the pool; None once it is closed."""
+        """The crops of ``image`` started on the pool; None once it is closed. With crops on
+        the device, an image is handed there only when no other image's crops are still being
+        made: under a backlog the host's workers make them beside the GPU's work instead."""
+        lone = not any(e.future is not None and not e.future.done() for e in self._entries.values())
         try:
-            return self._executor.submit(self._cropper.crop, image)
+            return self._executor.submit(self._cropper.crop, image, lone)
         except RuntimeError:
             return None

@@ -1,9 +1,12 @@
 """Crops made where the encoder runs (``CropPool(on_device=True)``, the CUDA default), proved on
 the CPU: the pool hands out the image itself with its plan, the encoder's input is the host
-crops' to the bit, images larger than a staging slot are cropped on the host, and a runtime that
+crops' to the bit, images larger than a staging slot, and images that arrive while others'
+crops are in the making, are cropped on the host, and a runtime that
 makes them so gives the same logits and answers as one that does not."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ import torch
 
 from kestrel.images import prepare_image
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.runtime import crop_staging
+from kestrel.runtime import crop_maker, crop_staging
 from kestrel.runtime.crop_pool import CropPool
 from tests.integration.conftest import text_tokens
 
@@ -79,5 +82,35 @@ def test_staged_images_take_a_slot_and_larger_ones_are_cropped_on_the_host(monke
             want = host.pixels(image).encoder_input(torch.float32, "cpu")
             assert torch.equal(crops.encoder_input(torch.float32, "cpu"), want)
     finally:
+        pool.close()
+        host.close()
+
+
+def test_under_a_backlog_the_host_makes_the_crops(monkeypatch) -> None:
+    """A lone image goes to the device; images submitted while another's crops are still in
+    the making are cut by the host's workers (beside the GPU's work), to the same bytes."""
+    release = threading.Event()
+    real = crop_maker.Cropper._for_device
+
+    def held_back(self, pixels):
+        release.wait(10)  # the first image's crops stay in the making
+        return real(self, pixels)
+
+    monkeypatch.setattr(crop_maker.Cropper, "_for_device", held_back)
+    pool = CropPool(VISION, normalize=False, on_device=True, processes=False, workers=3)
+    host = CropPool(VISION, normalize=False, processes=False)
+    rng = np.random.default_rng(4)
+    images = [prepare_image(rng.integers(0, 256, (480, 640, 3), np.uint8)) for _ in range(3)]
+    try:
+        # the later two are submitted while the first is held back
+        with pool.hold(images[:1]), pool.hold(images[1:]):
+            release.set()
+            made = [pool.pixels(image) for image in images]
+        assert [m.plan is not None for m in made] == [True, False, False]
+        for crops, image in zip(made, images, strict=True):
+            want = host.pixels(image).encoder_input(torch.float32, "cpu")
+            assert torch.equal(crops.encoder_input(torch.float32, "cpu"), want)
+    finally:
+        release.set()
         pool.close()
         host.close()
