@@ -280,6 +280,7 @@ def summary(engine: Engine, runs: dict, startup: tuple[int, int], device: str) -
         "startup_requests": sum(startup),
         "failed_captures": len(graphs.failures) if graphs is not None else 0,
         "captured": list(graphs.captured) if graphs is not None else [],
+        "crops_on_device": engine.runtime.crops.on_device,  # a lone new image's (kernels.md)
         "decode_kernels": {  # the start-up choice per bucket (decode_tune.py): ms fa / triton,
             # Triton's fastest launch (heads, block_n, num_warps, target_programs)
             t.batch: [t.choice, t.fa_ms, t.triton_ms, _launch(t.config)]

@@ -175,6 +175,7 @@ print(json.dumps({
     "failed_requests": bench["failed_requests"] if bench else None,
     "failed_captures": bench["failed_captures"] if bench else None,
     "captured": bench["captured"] if bench else None,
+    "crops_on_device": bench.get("crops_on_device") if bench else None,
     "decode_kernels": bench.get("decode_kernels") if bench else None,
     "decode_step_ms": {k: decode_ms(k) for k in ("auto", "fa", "triton")},
     "crops_ms": crops_ms(),

@@ -5,6 +5,7 @@ than the fixture tokenizer's, as Moondream 2's is) loads in the Engine and decod
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 
@@ -53,8 +54,10 @@ def test_chartqa_workload_through_the_engine(bench_gpu, tmp_path) -> None:
 
 def test_smoke_run_prints_the_table_and_the_published_figures(bench_gpu, capsys) -> None:
     bench_gpu.main(["--smoke", "--allow-busy", "--rounds", "1", "--batches", "1,2",
-                    "--requests", "2", "--sampling", "greedy"])  # fmt: skip
+                    "--requests", "2", "--sampling", "greedy", "--summary"])  # fmt: skip
     out = capsys.readouterr().out
     for row in ("direct, greedy, batch 1", "direct, greedy, batch 2", "cot, greedy, batch 2"):
         assert f"| {row} |" in out
     assert "| direct, greedy, batch 1 | " in out and "| 41.9 | 11.7 |" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["failed_requests"] == 0 and summary["crops_on_device"] is False  # a CPU
