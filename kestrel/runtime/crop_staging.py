@@ -7,7 +7,9 @@ and copies an image's crops in; the crops give the slot back when they are gone 
 collected), and the slot is reused once the upload queued from it (a CUDA event) has run.
 Nothing is pinned per image, so no crop thread ever calls into the driver while the scheduler
 thread might capture a CUDA graph. With every slot in use, the crops stay in plain memory and
-their upload waits for the copy (``misses`` counts those).
+their upload waits for the copy (``misses`` counts those). Where the GPU makes the crops
+(``moondream/device_crops.py``) a slot holds the image itself instead, when it fits (an image
+of up to a slot's bytes: ~1.86 million pixels for Moondream 2).
 """
 
 from __future__ import annotations
