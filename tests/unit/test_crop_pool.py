@@ -150,7 +150,7 @@ class Recorder:
         self.gate = threading.Event()
         self.gate.set()
 
-    def crop(self, image: PreparedImage) -> CropPixels:
+    def crop(self, image: PreparedImage, lone: bool = True) -> CropPixels:
         self.gate.wait(10)
         self.calls.append(image.digest)
         return CropPixels(torch.zeros(1), (1, 1))
