@@ -12,7 +12,11 @@ that shared memory, or, for a CUDA model, copied once into pinned staging taken 
 reused shared-memory arenas (``crop_arenas.py``: no fresh pages to allocate per image). The
 crops are channels last, as libvips makes them (the device reorders them for free). A lone
 image's crops spread over the host's cores: split into parts (bands of the resized copy) sent
-together to as many worker processes, each part made on its share of libvips threads.
+together to as many worker processes, each part made on its share of libvips threads. Where
+the model's GPU makes crops (``on_device``, a CUDA runtime's default; the making is in
+``crop_maker.py``) a lone image is only staged here and cut there, libvips' bytes exactly
+(``moondream/device_crops.py``); images that arrive while others' crops are in the making
+still go to the workers, which then run beside the GPU's work.
 
 - ``hold(images)``: the Engine calls it on the caller's thread when it submits a request; the
   crops start at once (up to ``prefetch`` images not yet taken; more wait their turn, first
