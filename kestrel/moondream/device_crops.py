@@ -220,12 +220,16 @@ _PROBES = ((480, 640), (960, 1280), (700, 500), (1600, 2000))
 
 def device_disagrees(config: VisionConfig, device: torch.device | str) -> str | None:
     """Why ``device`` cannot be trusted with crops (its bytes differ from this process's
-    libvips on a probe image), or None when they are the same for every probe."""
+    libvips on a probe image, or it cannot make them), or None when they are the same for
+    every probe."""
     rng = np.random.default_rng(0)
     for height, width in _PROBES:
         pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
         plan = crop_plan(height, width, config)
-        made = make_crops(torch.from_numpy(pixels).to(device), plan).cpu().numpy()
+        try:
+            made = make_crops(torch.from_numpy(pixels).to(device), plan).cpu().numpy()
+        except (RuntimeError, TypeError) as exc:  # a device without a dtype or an op we use
+            return f"the device cannot make a {height} x {width} image's crops: {exc}"
         expected = overlap_crops(pixels, config).crops
         if made.shape != expected.shape or not np.array_equal(made, expected):
             wrong = int((made != expected).sum()) if made.shape == expected.shape else -1

@@ -161,3 +161,13 @@ def test_the_probe_trusts_equal_bytes_and_refuses_others(monkeypatch, caplog) ->
     with caplog.at_level(logging.WARNING, logger="kestrel.runtime"):
         assert not crops_on_device(VISION, torch.device("cpu"), pins=True, wanted=None)
     assert "crops are made on the host" in caplog.text
+
+
+def test_a_device_that_cannot_make_the_crops_is_refused(monkeypatch) -> None:
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("addmm: float64 is not supported here")
+
+    monkeypatch.setattr(device_crops, "make_crops", unsupported)
+    why = device_crops.device_disagrees(VISION, "cpu")
+    assert why is not None and "cannot make" in why and "float64" in why
+    assert not crops_on_device(VISION, torch.device("cpu"), pins=True, wanted=None)
