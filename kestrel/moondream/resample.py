@@ -100,6 +100,28 @@ def _mask(taps: int, shrink: float, x: float) -> list[int]:
     return [int(v / total * _ONE) for v in c]
 
 
+def _masks(taps: int, shrink: float) -> np.ndarray:
+    """``_mask`` for each of the 65 sub-pixel offsets t / 64, int32 [65, taps], computed with
+    numpy: the same float64 expressions in the same order, but numpy's sine may differ from
+    libm's in the last bit, so a row with a weight within 1e-6 of a nonzero whole 1/4096th
+    (where a last-bit difference could move its truncation) is made again by ``_mask``."""
+    half = np.arange(_POSITIONS + 1) / _POSITIONS + taps / 2.0 - 1
+    x = (np.arange(taps)[None, :] - half[:, None]) / shrink
+    weights = np.where((x >= -3.0) & (x <= 3.0), _np_sinc(x) * _np_sinc(x / 3), 0.0)
+    scaled = weights / np.cumsum(weights, axis=1)[:, -1:] * _ONE  # sums added left to right
+    table = scaled.astype(np.int32)  # truncated, as a C cast
+    edge = (np.abs(scaled - np.round(scaled)) < 1e-6) & (np.abs(scaled) > 0.5)  # near 0: 0
+    for t in np.flatnonzero(edge.any(axis=1)):
+        table[t] = _mask(taps, shrink, t / _POSITIONS)
+    return table
+
+
+def _np_sinc(x: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        xp = x * math.pi
+        return np.where(x == 0.0, 1.0, np.sin(xp) / xp)
+
+
 def _catmull(x: float) -> list[int]:
     """libvips' Catmull-Rom coefficients for offset ``x``, truncated to 1/4096ths."""
     cr1 = 1.0 - x
@@ -156,7 +178,7 @@ def _reduce(n_in: int, shrink: float, across: bool) -> tuple[int, Tables | None,
         n_in, extra, shrink = n_mid, extra / box, shrink / box
     offset = (1 + extra) / 2.0 - 1
     taps = int(2 * np.rint(3 * shrink) + 1)
-    table = np.array([_mask(taps, shrink, t / _POSITIONS) for t in range(_POSITIONS + 1)], np.int32)
+    table = _masks(taps, shrink)
     direct = (np.arange(n_out) + 0.5) * shrink - 0.5 - offset
     pos = _positions(0.5 * shrink - 0.5 - offset, shrink, n_out, across, direct)
     return box, boxed, _tables(pos, math.ceil(taps / 2.0) - 1, taps, table, n_in)

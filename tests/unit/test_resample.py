@@ -13,7 +13,7 @@ import pytest
 import pyvips
 import torch
 
-from kestrel.moondream import device_crops
+from kestrel.moondream import device_crops, resample
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.crops import overlap_crops
 from kestrel.moondream.device_crops import encoder_crops, make_crops, resize
@@ -171,3 +171,14 @@ def test_a_device_that_cannot_make_the_crops_is_refused(monkeypatch) -> None:
     why = device_crops.device_disagrees(VISION, "cpu")
     assert why is not None and "cannot make" in why and "float64" in why
     assert not crops_on_device(VISION, torch.device("cpu"), pins=True, wanted=None)
+
+
+def test_the_vectorized_masks_are_the_scalar_ones() -> None:
+    """``_masks`` (numpy's sine) equals ``_mask`` (libm's, as libvips calls it) for every
+    offset of 300 shrinks, and for the shrinks of common sizes."""
+    rng = np.random.default_rng(0)
+    shrinks = [*rng.uniform(1.0001, 4.0, 300), 1.5, 2.0, 3.0, 600 / 378, 1512 / 378 / 2]
+    for shrink in shrinks:
+        taps = int(2 * np.rint(3 * shrink) + 1)
+        scalar = [resample._mask(taps, shrink, t / 64) for t in range(65)]
+        assert np.array_equal(resample._masks(taps, shrink), np.array(scalar)), shrink
