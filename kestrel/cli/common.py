@@ -88,6 +88,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     for flag, unit, text in _TIER_FLAGS:  # the cache tiers past the KV pool
         group.add_argument(flag, type=budget_number, default=None, metavar=unit, help=text)
+    group.add_argument(
+        "--host-crops", action="store_true",
+        help="make every image's crops on the host's crop workers (by default a CUDA model cuts "
+        "a lone new image's crops on the GPU, to libvips' bytes)",
+    )  # fmt: skip
     add_model_loading_options(group)
 
 
@@ -246,6 +251,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         **({"embedding_cache_mb": args.embedding_cache_mb}
            if args.embedding_cache_mb is not None else {}),
         **({"host_kv_gb": args.host_kv_gb} if args.host_kv_gb is not None else {}),
+        **({"device_crops": False} if args.host_crops else {}),
     }  # fmt: skip
 
 

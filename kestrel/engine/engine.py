@@ -59,7 +59,10 @@ class Engine(BlockingCalls, AsyncTwins):
     sized from the KV pool, see docs/prefix_cache.md; 0: off). ``host_kv_gb`` (CUDA only):
     pinned host memory that keeps the KV pages the prefix cache evicts, copied back when a
     later request matches through them (None or 0: off; refused on a CPU device, whose KV
-    pool already is host memory).
+    pool already is host memory). ``device_crops``: cut a lone new image's crops on the
+    model's device from the uploaded image, libvips' bytes exactly (docs/kernels.md); None
+    (default): on CUDA, if a start-up probe finds the same bytes; False: the host's crop
+    workers make every image's crops.
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -84,9 +87,11 @@ class Engine(BlockingCalls, AsyncTwins):
         lookahead: bool | None = None,
         embedding_cache_mb: float | None = None,
         host_kv_gb: float | None = None,
+        device_crops: bool | None = None,
     ) -> None:
-        if lookahead is not None and not isinstance(lookahead, bool):
-            raise InvalidInputError(f"lookahead must be True, False or None, got {lookahead!r}")
+        for name, value in (("lookahead", lookahead), ("device_crops", device_crops)):
+            if value is not None and not isinstance(value, bool):
+                raise InvalidInputError(f"{name} must be True, False or None, got {value!r}")
         self.runtime, self.model_path = load_runtime(
             model,
             device=device,
@@ -101,6 +106,7 @@ class Engine(BlockingCalls, AsyncTwins):
             compile=compile,
             embedding_cache_mb=embedding_cache_mb,
             host_kv_gb=host_kv_gb,
+            device_crops=device_crops,
         )
         self.config = self.runtime.config
         self.max_batch_size = max_batch_size

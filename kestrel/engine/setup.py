@@ -172,13 +172,15 @@ def load_runtime(
     compile: bool = False,
     embedding_cache_mb: float | None = None,
     host_kv_gb: float | None = None,
+    device_crops: bool | None = None,
 ) -> tuple[MoondreamRuntime, str]:
     """Load the checkpoint and build its runtime; returns (runtime, where it came from).
 
     ``compile``: run decode through ``torch.compile`` (``kestrel.runtime.compiled``); refused
     up front, with the reason, where inductor cannot compile for the device.
     ``embedding_cache_mb``: the image-embedding tier's budget (None: sized from the KV pool;
-    0: off); ``host_kv_gb``: pinned host memory for evicted KV pages (CUDA; None or 0: off)."""
+    0: off); ``host_kv_gb``: pinned host memory for evicted KV pages (CUDA; None or 0: off);
+    ``device_crops``: a lone new image's crops cut on the device (None: on CUDA, if probed)."""
     source = _model_source(model)
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     embedding_bytes = embedding_budget(embedding_cache_mb, dev)
@@ -215,6 +217,7 @@ def load_runtime(
             compile=compile,
             embedding_cache_bytes=embedding_bytes,
             host_kv_bytes=host_bytes,
+            device_crops=device_crops,
         )
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model {str(source)!r}: {exc}") from exc

@@ -48,14 +48,7 @@ from kestrel.runtime.crop_maker import Cropper, crops_on_device
 from kestrel.runtime.crop_procs import WORKERS, processes_supported
 from kestrel.runtime.crop_staging import CropPixels, CropStaging
 
-__all__ = [
-    "CropHold",
-    "CropPixels",
-    "CropPool",
-    "crops_on_device",
-    "processes_supported",
-    "start_workers",
-]
+__all__ = ["CropHold", "CropPixels", "CropPool", "processes_supported", "start_workers"]
 
 _WORKERS = WORKERS  # the process's crop workers (tests stop them)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kestrel import Engine
-from kestrel.cli import COMMANDS, main
+from kestrel.cli import COMMANDS, build_parser, main
+from kestrel.cli.common import engine_kwargs
 from kestrel.results import RequestMetrics
 from tests.conftest import fixture_dir
 
@@ -223,3 +224,13 @@ def test_cache_tier_options(capsys, engine):
     capsys.readouterr()
     code, out, err = cli(capsys, "query", IMAGE, "hi", "--host-kv-gb", "1")
     assert_one_line_error(code, out, err, "host memory")
+
+
+def test_host_crops_keeps_every_images_crops_on_the_host(capsys, engine):
+    """``--host-crops`` is ``Engine(device_crops=False)``; on a CPU the crops are the host's
+    anyway, and the answer is the engine's."""
+    args = build_parser().parse_args(["query", IMAGE, "hi", "--host-crops"])
+    assert engine_kwargs(args)["device_crops"] is False
+    assert "device_crops" not in engine_kwargs(build_parser().parse_args(["query", IMAGE, "hi"]))
+    obj = cli_json(capsys, "query", IMAGE, "What is this?", *GREEDY, "--host-crops")
+    assert obj["answer"] == engine.query(IMAGE, "What is this?", settings=GEN).answer

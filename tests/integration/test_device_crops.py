@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from kestrel import Engine
+from kestrel.errors import InvalidInputError
 from kestrel.images import prepare_image
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.runtime import crop_maker, crop_staging
 from kestrel.runtime.crop_pool import CropPool
-from tests.integration.conftest import text_tokens
+from tests.integration.conftest import FIXTURE_MODEL, GREEDY, assert_idle, text_tokens
 
 VISION = MoondreamConfig().vision
 
@@ -114,3 +116,16 @@ def test_under_a_backlog_the_host_makes_the_crops(monkeypatch) -> None:
         release.set()
         pool.close()
         host.close()
+
+
+def test_the_engine_takes_device_crops_and_answers_the_same(images) -> None:
+    with pytest.raises(InvalidInputError, match="device_crops"):
+        Engine(FIXTURE_MODEL, device="cpu", device_crops="yes")
+    answers = {}
+    for on in (None, True):
+        with Engine(FIXTURE_MODEL, device="cpu", dtype="float32", device_crops=on) as engine:
+            assert engine.runtime.crops.on_device is bool(on)  # a CPU: only when asked
+            answers[on] = [engine.query(images[name], "What is this?", settings=GREEDY).answer
+                           for name in ("scene_800x600", "tall_300x1000")]  # fmt: skip
+            assert_idle(engine)
+    assert answers[None] == answers[True]
