@@ -40,7 +40,8 @@ __all__ = ["device_disagrees", "encoder_crops", "make_crops", "resize"]
 def resize(pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
     """``pixels`` (uint8 [H, W, 3], any device) resized by ``plan``: uint8 [*plan.size, 3],
     byte for byte what libvips makes."""
-    resized = _resized(_planar(pixels), plan)
+    x = _planar(pixels)
+    resized = _resized(x, plan, _matrices(plan.passes, x.device, x.dtype))
     return resized.permute(0, 2, 1).to(torch.uint8, memory_format=torch.contiguous_format)
 
 
@@ -60,14 +61,14 @@ def _planar(pixels: torch.Tensor) -> torch.Tensor:
     return out.copy_(pixels.permute(0, 2, 1))
 
 
-def _resized(x: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
+def _resized(x: torch.Tensor, plan: ResizePlan, matrices: list[torch.Tensor]) -> torch.Tensor:
     """``x`` ([H, 3, W] floats) through ``plan``'s passes: [*plan.size] as [h, 3, w], whole
     numbers 0..255. Each pass is one matrix product with the pass's weights in a dense matrix
     and libvips' rounding added as its bias (exact: every product and partial sum is a whole
     number of 1/4096ths below 2^24), floored (``floor(y + 1/2)``: libvips' ``(sum + 2048) >>
     12``) and clipped where libvips clips; a box average in float64 (libvips multiplies by
     ~2^24 / box in 32 bits)."""
-    for p, m in zip(plan.passes, _matrices(plan.passes, x.device, x.dtype), strict=True):
+    for p, m in zip(plan.passes, matrices, strict=True):
         height, _, width = x.shape
         wide = x.to(torch.float64) if p.box else x
         rounding = (p.box // 2) * ((1 << 24) // p.box) / (1 << 24) if p.box else 0.5
@@ -93,9 +94,10 @@ def _crops(pixels: torch.Tensor, plan: CropPlan) -> tuple[torch.Tensor, torch.Te
     crop, crop] in the resized copy, both as whole-number floats."""
     g = plan.geometry
     x = _planar(pixels)
-    _matrices(plan.whole.passes + plan.local.passes, x.device, x.dtype)  # a new size: together
-    whole = _resized(x, plan.whole)
-    resized = _resized(x, plan.local)  # [h, 3, w]
+    n = len(plan.whole.passes)  # a new size's matrices built together
+    matrices = _matrices(plan.whole.passes + plan.local.passes, x.device, x.dtype)
+    whole = _resized(x, plan.whole, matrices[:n])
+    resized = _resized(x, plan.local, matrices[n:])  # [h, 3, w]
     s0, s1, s2 = resized.stride()
     windows = resized.as_strided(
         (g.rows, g.cols, 3, g.crop, g.crop), (g.window * s0, g.window * s2, s1, s0, s2)

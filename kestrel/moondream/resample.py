@@ -249,8 +249,9 @@ class CropPlan:
         return (self.geometry.rows, self.geometry.cols)
 
 
+@lru_cache(maxsize=1024)
 def crop_plan(height: int, width: int, config: VisionConfig) -> CropPlan:
-    """How a ``height`` x ``width`` image's crops are made on a device."""
+    """How a ``height`` x ``width`` image's crops are made on a device (kept per size)."""
     g = crop_geometry(height, width, config)
     return CropPlan(
         g, resize_plan(height, width, g.crop, g.crop), resize_plan(height, width, *g.resized)

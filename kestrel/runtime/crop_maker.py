@@ -15,7 +15,6 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ from kestrel.moondream.crops import (
     write_crops,
 )
 from kestrel.moondream.device_crops import device_disagrees
-from kestrel.moondream.resample import CropPlan, crop_plan
+from kestrel.moondream.resample import crop_plan
 from kestrel.moondream.vision import pixel_table
 from kestrel.runtime.crop_arenas import ARENAS, one_off
 from kestrel.runtime.crop_procs import WORKERS, CropWorkerError, WorkerGone, processes_supported
@@ -114,7 +113,7 @@ class Cropper:
     def _for_device(self, pixels: np.ndarray) -> CropPixels | None:
         """The image itself, staged for crops on the device (``device_crops.py``); None
         for an image larger than a staging slot (~1.86 million pixels; its crops are smaller)."""
-        plan = _device_plan(pixels.shape[0], pixels.shape[1], self.config)
+        plan = crop_plan(pixels.shape[0], pixels.shape[1], self.config)
         if self.staging is None:  # a device that takes plain memory (a CPU: tests)
             return CropPixels(torch.from_numpy(pixels.copy()), plan.tiling, plan=plan)
         if not self.staging.fits(pixels):
@@ -219,11 +218,6 @@ class Cropper:
         image = vips_image(pixels)  # libvips images are immutable: the parts share it
         self._each(lambda part: write_crops(image, g, out, lut, part), parts)
         return torch.from_numpy(out)
-
-
-@lru_cache(maxsize=1024)
-def _device_plan(height: int, width: int, config: VisionConfig) -> CropPlan:
-    return crop_plan(height, width, config)
 
 
 def _fields(g: CropGeometry) -> dict[str, int]:
