@@ -209,7 +209,9 @@ class Cropper:
         crops = self.staging.stage(crops_hwc, tiling) if self.staging is not None else None
         if crops is not None and (crops.staging is not None or not borrowed):
             return crops
-        return CropPixels(crops_hwc.clone() if borrowed else crops_hwc, tiling)
+        if borrowed:  # numpy's copy, one thread: no OpenMP threads left spinning (crop_staging)
+            crops_hwc = torch.from_numpy(crops_hwc.numpy().copy())
+        return CropPixels(crops_hwc, tiling)
 
     def _here(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> torch.Tensor:
         np_dtype, _ = self._dtypes()
