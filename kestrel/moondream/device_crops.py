@@ -25,11 +25,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kestrel.moondream.crop_stages import kernel_plan
 from kestrel.moondream.crops import overlap_crops
 from kestrel.moondream.resample import AxisPass, CropPlan, ResizePlan, crop_plan
-from kestrel.moondream.vision import normalize_planar
+from kestrel.moondream.vision import normalize_planar, pixel_table
 from kestrel_kernels import pinned
+from kestrel_kernels.fused import fused_backend
 from kestrel_kernels.transfer import upload
+from kestrel_kernels.triton_resample import resample_crops
 
 if TYPE_CHECKING:
     from kestrel.moondream.config import VisionConfig
@@ -110,24 +113,79 @@ def make_crops(pixels: torch.Tensor, plan: CropPlan) -> torch.Tensor:
     channels last, index 0 the global crop, then the local crops row-major; the bytes of
     ``crops.overlap_crops``."""
     g = plan.geometry
-    whole, windows = _crops(pixels, plan)
     out = torch.empty((g.n_crops, g.crop, g.crop, 3), dtype=torch.uint8, device=pixels.device)
+    if _kernel_runs(pixels.device):
+        return _kernel_crops(pixels, plan, out, None)
+    whole, windows = _crops(pixels, plan)
     out[0].copy_(whole.permute(0, 2, 1))
     out[1:].view(g.rows, g.cols, g.crop, g.crop, 3).copy_(windows.permute(0, 1, 3, 4, 2))
     return out
 
 
-def encoder_crops(pixels: torch.Tensor, plan: CropPlan, dtype: torch.dtype) -> torch.Tensor:
+def encoder_crops(
+    pixels: torch.Tensor, plan: CropPlan, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The vision encoder's input from ``pixels`` (uint8 [H, W, 3]) on its device: the crops of
     ``make_crops``, normalized as ``vision.normalize_pixels`` normalizes them, [N, 3, crop,
-    crop] in ``dtype``, written channel-major straight from the resized copies. An 800 x 600
-    chart's 9 crops are 17 kernel launches in bfloat16."""
+    crop] in ``dtype``, written into ``out`` when given (the encoder's own input buffer).
+    Where the Triton kernel runs (``kestrel_kernels.triton_resample``) that is one launch per
+    step of the resizes (2 for most images), else the torch matrix products below (an 800 x
+    600 chart's 9 crops: 17 launches in bfloat16)."""
     g = plan.geometry
+    shape = (g.n_crops, 3, g.crop, g.crop)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype
+                            or not out.is_contiguous()):  # fmt: skip
+        raise ValueError(f"the crops go to a contiguous {dtype} {shape}, not {out.dtype} "
+                         f"{tuple(out.shape)}")  # fmt: skip
+    if _kernel_runs(pixels.device):
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=pixels.device)
+        return _kernel_crops(pixels, plan, out, _pixel_lut(pixels.device))
     whole, windows = _crops(pixels, plan)
-    out = torch.empty((g.n_crops, 3, g.crop, g.crop), dtype=torch.bfloat16, device=pixels.device)
-    out[0].copy_(whole.permute(1, 0, 2))  # whole numbers 0..255: exact in bfloat16
-    out[1:].view(g.rows, g.cols, 3, g.crop, g.crop).copy_(windows)
-    return normalize_planar(out, dtype)
+    made = torch.empty(shape, dtype=torch.bfloat16, device=pixels.device)
+    made[0].copy_(whole.permute(1, 0, 2))  # whole numbers 0..255: exact in bfloat16
+    made[1:].view(g.rows, g.cols, 3, g.crop, g.crop).copy_(windows)
+    made = normalize_planar(made, dtype)
+    return made if out is None else out.copy_(made)
+
+
+def _kernel_runs(device: torch.device) -> bool:
+    """Whether the crops are cut by the Triton kernel: where the fused ops are Triton's."""
+    return fused_backend(device) == "triton"
+
+
+def _kernel_crops(
+    pixels: torch.Tensor, plan: CropPlan, out: torch.Tensor, lut: torch.Tensor | None
+) -> torch.Tensor:
+    """``out`` filled by ``triton_resample.resample_crops``: the image size's tables and
+    stage rows uploaded once (``_matrices``' keeping), then one launch per step."""
+    height, width, _ = pixels.shape
+    kp = kernel_plan(plan, height, width)
+    key = ("stages", height, width, plan.geometry, str(pixels.device))
+    with _MATRICES_LOCK:
+        tables = _MATRICES.get(key)
+    if tables is None:
+        tables = upload(torch.from_numpy(kp.array), torch.int32, pixels.device)
+        _keep(key, tables)
+    if kp.short:  # a resize ends short of its size: libvips' zeros there
+        out.fill_(0 if lut is None else float(_PIXEL_TABLE[0]))
+    image = pixels if pixels.is_contiguous() else pixels.contiguous()
+    resample_crops(image, tables, kp.desc_at, kp.steps, kp.scratch_size, out, lut)
+    return out
+
+
+_PIXEL_TABLE = pixel_table()
+
+
+def _pixel_lut(device: torch.device) -> torch.Tensor:
+    """``vision.pixel_table`` on ``device`` (uploaded once)."""
+    key = ("pixel table", str(device))
+    with _MATRICES_LOCK:
+        found = _MATRICES.get(key)
+    if found is None:
+        found = upload(torch.from_numpy(_PIXEL_TABLE), torch.float32, device)
+        _keep(key, found)
+    return found
 
 
 _MATRICES: OrderedDict[tuple, torch.Tensor] = OrderedDict()

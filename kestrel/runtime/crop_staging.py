@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,9 +44,16 @@ class CropPixels:
     staging: tuple[CropStaging, int] | None = None
     plan: CropPlan | None = None
 
-    def encoder_input(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    def encoder_input(
+        self,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        buffer: Callable[[int, torch.dtype], torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
         """The vision encoder's input: normalized, in ``dtype`` on ``device`` (uploaded without
-        a host sync when the crops are staged in pinned memory)."""
+        a host sync when the crops are staged in pinned memory). Crops made on the device are
+        written into ``buffer(n_crops, dtype)`` where that gives a tensor (the encoder's own
+        input: ``VisionGraphs.input_buffer``)."""
         device = torch.device(device)
         to_cuda = device.type == "cuda" and self.staging is not None
         pixels = self.pixels.to(device=device, non_blocking=to_cuda)
@@ -53,7 +61,10 @@ class CropPixels:
             staging, slot = self.staging
             staging.uploaded(slot)
         if self.plan is not None:  # the image: cut and normalized where it now is
-            return encoder_crops(pixels, self.plan, dtype)
+            out = buffer(self.plan.geometry.n_crops, dtype) if buffer is not None else None
+            if out is not None and out.device != pixels.device:
+                out = None
+            return encoder_crops(pixels, self.plan, dtype, out)
         if pixels.dtype == torch.uint8:  # the same arithmetic, on the device
             return normalize_pixels(pixels, dtype, device)
         # a view: the encoder's patch cut (``vision.patchify``) copies it into patches anyway

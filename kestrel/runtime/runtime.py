@@ -391,8 +391,8 @@ class MoondreamRuntime(DecodeSteps):
         """Vision encoder: the prepared pixels' crops (made off this thread) -> [image_tokens,
         dim]."""
         self.counters.encoder_runs += 1
-        crops = self.crops.pixels(image)
-        pixels = crops.encoder_input(self.dtype, self.device)
-        if self.vision_graphs is not None:
-            return self.vision_graphs.encode(pixels, crops.tiling)
+        crops, graphs = self.crops.pixels(image), self.vision_graphs
+        pixels = crops.encoder_input(self.dtype, self.device, graphs and graphs.input_buffer)
+        if graphs is not None:
+            return graphs.encode(pixels, crops.tiling)
         return encode_image(pixels, crops.tiling, self.model.vision, self.config.vision)

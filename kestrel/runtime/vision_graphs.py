@@ -72,15 +72,30 @@ class VisionGraphs:
                 self.failures[n] = str(exc)
                 log.warning("vision graph capture failed for %d crops (%s); eager", n, exc)
 
+    def input_buffer(self, n_crops: int, dtype: torch.dtype) -> Tensor | None:
+        """The encoder's own input for ``n_crops`` crops, where crops made on the device may be
+        written (``encode`` then copies nothing): the graph's buffer; None for a count without
+        one or another dtype."""
+        bucket = self._buckets.get(n_crops)
+        if bucket is None or bucket.pixels_NCHW.dtype != dtype:
+            return None
+        return bucket.pixels_NCHW
+
     def encode(self, pixels_NCHW: Tensor, tiling: tuple[int, int]) -> Tensor:
         """Normalized crops + tiling -> image embeddings [n_patches, proj_out_dim]."""
         cfg, w = self.model.config.vision, self.model.vision
         check_crops(pixels_NCHW, tiling, cfg)
         bucket = self._buckets.get(pixels_NCHW.shape[0])
+        written = bucket is not None and pixels_NCHW is bucket.pixels_NCHW
         if bucket is None or bucket.graph is None:
-            features = self._encoder(pixels_NCHW.to(w.pos_emb.device, w.pos_emb.dtype))
+            same = written or (pixels_NCHW.device == w.pos_emb.device
+                               and pixels_NCHW.dtype == w.pos_emb.dtype)  # fmt: skip
+            features = self._encoder(
+                pixels_NCHW if same else pixels_NCHW.to(w.pos_emb.device, w.pos_emb.dtype)
+            )
         else:
-            bucket.pixels_NCHW.copy_(pixels_NCHW)
+            if not written:
+                bucket.pixels_NCHW.copy_(pixels_NCHW)
             bucket.graph.replay()
             self.replays += 1
             features = bucket.features

@@ -45,3 +45,28 @@ def test_crops_made_on_the_gpu_are_libvips_bytes(size) -> None:
     assert torch.equal(got, want)
     assert device_crops.device_disagrees(vision, "cuda") is None
     pool.close()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("size", [(1, 1), (378, 378), (300, 1000), (1513, 757), (1600, 2000)])
+def test_both_device_paths_cut_libvips_bytes(backend, size) -> None:
+    """The Triton resample kernel (CUDA's default where Triton imports) and the matrix
+    products (without it) each give libvips' uint8 crops and normalized input on the GPU."""
+    from kestrel_kernels import fused
+
+    if backend == "triton" and not fused.triton_available():
+        pytest.skip("no triton package")
+    vision = MoondreamConfig().vision
+    pixels = np.random.default_rng(size[1]).integers(0, 256, (*size, 3), np.uint8)
+    plan = device_crops.crop_plan(*size, vision)
+    want = overlap_crops(pixels, vision).crops
+    before = fused.get_fused_backend()
+    fused.set_fused_backend(backend)
+    try:
+        image = torch.from_numpy(pixels).cuda()
+        made = device_crops.make_crops(image, plan).cpu().numpy()
+        got = device_crops.encoder_crops(image, plan, torch.bfloat16)
+    finally:
+        fused.set_fused_backend(before)
+    assert np.array_equal(made, want), int((made != want).sum())
+    assert torch.equal(got, normalize_pixels(want, torch.bfloat16, "cuda"))
