@@ -71,7 +71,7 @@ def store_crops(v, i, j, c, ok, out, lut, n0, rows, cols, window,
             tl.store(out + offs, val, mask=here)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["step_at", "programs_0"])  # one build per output form
 def resample_kernel(desc, tables, image, scratch, out, lut, step_at, programs_0,
                     CROP: tl.constexpr, OUT_U8: tl.constexpr, NF: tl.constexpr,
                     BO: tl.constexpr, BM: tl.constexpr):  # fmt: skip

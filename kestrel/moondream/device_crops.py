@@ -28,7 +28,7 @@ import torch
 from kestrel.moondream.crop_stages import kernel_plan
 from kestrel.moondream.crops import overlap_crops
 from kestrel.moondream.resample import AxisPass, CropPlan, ResizePlan, crop_plan
-from kestrel.moondream.vision import normalize_planar, pixel_table
+from kestrel.moondream.vision import normalize_pixels, normalize_planar, pixel_table
 from kestrel_kernels import pinned
 from kestrel_kernels.fused import fused_backend
 from kestrel_kernels.transfer import upload
@@ -281,13 +281,16 @@ _PROBES = ((480, 640), (960, 1280), (700, 500), (1600, 2000))
 def device_disagrees(config: VisionConfig, device: torch.device | str) -> str | None:
     """Why ``device`` cannot be trusted with crops (its bytes differ from this process's
     libvips on a probe image, or it cannot make them), or None when they are the same for
-    every probe."""
+    every probe. The first probe's encoder input (bfloat16) is checked too, which also
+    builds the Triton kernel's forms before the first request."""
     rng = np.random.default_rng(0)
-    for height, width in _PROBES:
+    for i, (height, width) in enumerate(_PROBES):
         pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
         plan = crop_plan(height, width, config)
         try:
-            made = make_crops(torch.from_numpy(pixels).to(device), plan).cpu().numpy()
+            image = torch.from_numpy(pixels).to(device)
+            made = make_crops(image, plan).cpu().numpy()
+            normalized = encoder_crops(image, plan, torch.bfloat16) if i == 0 else None
         except (RuntimeError, TypeError) as exc:  # a device without a dtype or an op we use
             return f"the device cannot make a {height} x {width} image's crops: {exc}"
         expected = overlap_crops(pixels, config).crops
@@ -297,4 +300,8 @@ def device_disagrees(config: VisionConfig, device: torch.device | str) -> str | 
                 f"a {height} x {width} image's crops differ from libvips' "
                 f"({wrong} of {expected.size} values)"
             )
+        if normalized is not None and not torch.equal(
+            normalized.cpu(), normalize_pixels(expected, torch.bfloat16, "cpu")
+        ):
+            return f"a {height} x {width} image's encoder input differs from the host's"
     return None
