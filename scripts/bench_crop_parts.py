@@ -17,16 +17,19 @@ GPU machine's cores.
 ``--device cuda`` (or ``cpu``) times each variant up to the encoder's input on that device
 (``CropPixels.encoder_input``: the upload and normalization, synchronized) and adds ``on the
 device``: the image itself staged and cropped there (``device_crops.py``, a CUDA runtime's
-default), the same bytes.
+default), the same bytes: by the Triton resample kernel where the fused ops are Triton's, and
+then also ``on the device, matrix products`` (the torch path: the fused ops set to "torch"
+while it runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import harness
 import numpy as np
@@ -36,6 +39,7 @@ from kestrel.images import PreparedImage, prepare_image
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.crops import crop_geometry
 from kestrel.runtime.crop_pool import CropPool
+from kestrel_kernels import fused
 
 
 def images(height: int, width: int, count: int) -> list[PreparedImage]:
@@ -54,16 +58,30 @@ def made(pool: CropPool, image: PreparedImage, device: str | None) -> torch.Tens
     return out
 
 
+@contextlib.contextmanager
+def fused_as(backend: str | None) -> Iterator[None]:
+    """The fused ops' backend meanwhile (None: as it is): on a device it picks the way the
+    crops are cut there, the Triton kernel ("auto" on CUDA) or the matrix products ("torch")."""
+    before = fused.get_fused_backend()
+    if backend is not None:
+        fused.set_fused_backend(backend)
+    try:
+        yield
+    finally:
+        fused.set_fused_backend(before)
+
+
 def variant(
-    pool: CropPool, shots: list[PreparedImage], device: str | None
+    pool: CropPool, shots: list[PreparedImage], device: str | None, backend: str | None = None
 ) -> Callable[[], dict[str, float]]:
     def run() -> dict[str, float]:
         times = []
-        for image in shots:
-            t = time.perf_counter()
-            crops = made(pool, image, device)
-            times.append(time.perf_counter() - t)
-            del crops  # its staging slot back
+        with fused_as(backend):
+            for image in shots:
+                t = time.perf_counter()
+                crops = made(pool, image, device)
+                times.append(time.perf_counter() - t)
+                del crops  # its staging slot back
         return {"ms": statistics.median(times) * 1e3}
 
     return run
@@ -94,12 +112,17 @@ def main(argv: list[str] | None = None) -> None:
     if (cores or 1) > 1:
         pools["1 part, libvips threads"] = pool(1)
     pools |= {f"{n} parts": pool(n) for n in parts if n > 1}
+    backends: dict[str, str] = {}
     if args.device is not None:
         pools["on the device"] = CropPool(config, normalize=False, pin_memory=pin, on_device=True)
+        if fused.fused_backend(torch.device(args.device)) == "triton":  # the kernel; and:
+            pools["on the device, matrix products"] = pools["on the device"]
+            backends["on the device, matrix products"] = "torch"
     shots = images(height, width, args.repeats)
     want = None
     for name, pooled in pools.items():  # start the workers; every variant makes the same crops
-        got = [made(pooled, image, args.device).clone() for image in shots[:2]]
+        with fused_as(backends.get(name)):
+            got = [made(pooled, image, args.device).clone() for image in shots[:2]]
         want = want or got
         if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
             raise SystemExit(f"{name}: the crops differ from serial")
@@ -107,9 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     g = crop_geometry(height, width, config)
     bench.emit(f"{width} x {height}: {g.n_crops} crops uint8, {cores} cores, staging: {pin}; "
                f"worker processes: {next(iter(pools.values())).uses_processes}")  # fmt: skip
-    runs = bench.run({name: variant(pooled, shots, args.device) for name, pooled in pools.items()})
+    runs = bench.run({name: variant(pooled, shots, args.device, backends.get(name))
+                      for name, pooled in pools.items()})  # fmt: skip
     bench.table(runs, {"ms": "ms per image"}, baseline="serial", fmt=".2f")
-    for pooled in pools.values():
+    for pooled in set(pools.values()):
         pooled.close()
     bench.finish()
 

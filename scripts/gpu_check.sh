@@ -85,7 +85,7 @@ echo "== host: one image's crops serially, on libvips threads, in 2-8 parts" >&2
 # the bench's charts are 640-900 x 480-640: their crops are enlarged, libvips's costliest path
 timeout "$(cap 45)" "$PY" scripts/bench_crop_parts.py --parts 2,4,8 --rounds 3 --repeats 10 \
   --size 600x800 --device cuda --allow-busy > "$OUT/crops.log" 2>&1
-grep -E '^(BUSY )?\| (serial|1 part,|[0-9]+ parts|on the device) ' "$OUT/crops.log" >&2
+grep -E '^(BUSY )?\| (serial|1 part,|[0-9]+ parts|on the device)[ ,]' "$OUT/crops.log" >&2
 
 echo "== vision encoder: attention kernels, the CUDA graph, the matrix products alone" >&2
 runs vision && timeout "$(cap 60)" "$PY" scripts/bench_vision.py --crops 10 --rounds 5 \
@@ -159,7 +159,8 @@ def crops_ms() -> dict | None:
     """One image's crops, ms by variant (bench_crop_parts' table; None if it did not run)."""
     path = out / "crops.log"
     text = path.read_text(errors="replace") if path.exists() else ""
-    variant = r"serial|1 part, libvips threads|\d+ parts|on the device"
+    variant = (r"serial|1 part, libvips threads|\d+ parts|on the device, matrix products"
+               r"|on the device")
     rows = re.findall(rf"^(?:BUSY )?\| ({variant}) \| ([\d.]+)", text, re.M)
     size = re.findall(r"^(?:BUSY )?(\d+ x \d+): \d+ crops", text, re.M)
     if not rows:
