@@ -9,11 +9,6 @@ differ by an ulp or two (2**-7 relative) per rounding of the values compared.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -21,6 +16,7 @@ triton = pytest.importorskip("triton")
 
 from kestrel_kernels import fused  # noqa: E402
 from kestrel_kernels.counting import LaunchCounter  # noqa: E402
+from tests.sm90 import assert_built, sm90_builds  # noqa: E402
 from tests.tolerance import assert_close  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -163,14 +159,8 @@ def test_kernels_compile_for_sm90(kernel, tmp_path) -> None:
         "import json, sys; from kestrel_kernels.triton_fused import sm90_build; "
         f"print(json.dumps(sm90_build({kernel!r}, sys.argv[1])))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["target"] and got["cubin_bytes"] > 0
-    assert got["spill_bytes"] == 0, got["report"]
-    assert 0 < got["registers"] <= 128, got["report"]
+    (got,) = sm90_builds(code, tmp_path)
+    assert_built(got, max_registers=128)
 
 
 def test_fused_ops_trace_whole_under_torch_compile(interpreted) -> None:

@@ -11,7 +11,6 @@ online softmax merged over splits sums in another order than SDPA).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from kestrel_kernels.torch_backend import (  # noqa: E402
     paged_attention_torch,
 )
 from kestrel_kernels.triton_decode import DecodeConfig, paged_decode, plan_decode  # noqa: E402
+from tests.sm90 import assert_built, sm90_builds  # noqa: E402
 from tests.tolerance import assert_close  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -364,16 +364,9 @@ def test_kernels_compile_for_sm90(tmp_path) -> None:
         "    r = sm90_build('split', sys.argv[1], c); r.pop('report')\n"
         "    print(json.dumps({f'split {c}': r}))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
     builds = {}
-    for line in out.stdout.strip().splitlines():
-        builds.update(json.loads(line))
+    for line in sm90_builds(code, tmp_path, timeout=600):
+        builds.update(line)
     assert {"split", "split_fp8", "combine"} <= set(builds) and len(builds) == 7
-    for name, got in builds.items():
-        assert got["target"] and got["cubin_bytes"] > 0, name
-        assert got["spill_bytes"] == 0, (name, got)
-        assert 0 < got["registers"] <= 128, (name, got)
+    for got in builds.values():
+        assert_built(got, max_registers=128)

@@ -10,24 +10,20 @@ Moondream's geometry. Skipped without the ``triton`` package.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kestrel.moondream import device_crops  # noqa: E402
-from kestrel.moondream.config import MoondreamConfig, VisionConfig  # noqa: E402
-from kestrel.moondream.crop_stages import _stages, kernel_plan  # noqa: E402
-from kestrel.moondream.crops import overlap_crops  # noqa: E402
-from kestrel.moondream.resample import crop_plan  # noqa: E402
-from kestrel_kernels import fused  # noqa: E402
-from kestrel_kernels.counting import LaunchCounter  # noqa: E402
+from kestrel.moondream import device_crops
+from kestrel.moondream.config import MoondreamConfig, VisionConfig
+from kestrel.moondream.crop_stages import _stages, kernel_plan
+from kestrel.moondream.crops import overlap_crops
+from kestrel.moondream.resample import crop_plan
+from kestrel_kernels import fused
+from kestrel_kernels.counting import LaunchCounter
+from tests.sm90 import assert_built, sm90_builds
 
 SMALL = VisionConfig(enc_dim=32, enc_n_heads=2, crop_size=56, overlap_margin=1, max_crops=12)
 # (height, width): the passes each size's two resizes take with SMALL
@@ -90,7 +86,8 @@ def test_one_launch_per_step(kernel) -> None:
     size: the launches alone. Two steps where both axes shrink or both grow (a box shrink is
     fused into the reduce after it, a reduce into the blend after it), three where the rows
     shrink and the columns grow (reduce down, blend across, blend down)."""
-    for size, steps in (((90, 130), 2), ((230, 300), 2), ((1, 1), 2), ((20, 200), 2), ((200, 20), 3)):
+    cases = (((90, 130), 2), ((230, 300), 2), ((1, 1), 2), ((20, 200), 2), ((200, 20), 3))
+    for size, steps in cases:
         plan = crop_plan(*size, SMALL)
         assert len(kernel_plan(plan, *size).steps) == steps, size
         image = torch.from_numpy(_pixels(*size))
@@ -118,16 +115,9 @@ def test_passes_along_one_axis_fuse_in_pairs() -> None:
 
 @pytest.mark.parametrize("out_u8", [False, True], ids=["encoder-input", "uint8-crops"])
 def test_the_kernel_builds_for_sm90(out_u8, tmp_path) -> None:
-    """In a fresh process: the compiler cannot run where the interpreter is switched on."""
     code = (
         "import json, sys; from kestrel_kernels.triton_resample import sm90_build; "
         f"r = sm90_build(sys.argv[1], {out_u8}); print(json.dumps(r))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["target"] and got["cubin_bytes"] > 0
-    assert got["spill_bytes"] == 0, got["report"]
-    assert 0 < got["registers"] <= 192, got["report"]
+    (got,) = sm90_builds(code, tmp_path)
+    assert_built(got, max_registers=192)
