@@ -1,8 +1,9 @@
 """Crops made where the encoder runs (``CropPool(on_device=True)``, the CUDA default), proved on
 the CPU: the pool hands out the image itself with its plan, the encoder's input is the host
 crops' to the bit, images larger than a staging slot, and images that arrive while others'
-crops are in the making, are cropped on the host, and a runtime that
-makes them so gives the same logits and answers as one that does not."""
+crops are in the making, are cropped on the host, a runtime that
+makes them so gives the same logits and answers as one that does not, and writes them into
+the vision encoder's own input buffer."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import torch
 from kestrel import Engine
 from kestrel.errors import InvalidInputError
 from kestrel.images import prepare_image
+from kestrel.moondream import device_crops
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.runtime import crop_maker, crop_staging
 from kestrel.runtime.crop_pool import CropPool
+from kestrel.runtime.vision_graphs import VisionGraphs
 from tests.integration.conftest import FIXTURE_MODEL, GREEDY, assert_idle, text_tokens
 
 VISION = MoondreamConfig().vision
@@ -65,6 +68,60 @@ def test_a_runtime_with_device_crops_answers_as_one_without(make_runtime, model,
     for name in ("scene_800x600", "shapes_378"):
         (a, ids_a), (b, ids_b) = answers[False, name], answers[True, name]
         assert torch.equal(a, b) and ids_a == ids_b  # the same pixels: the same floats
+
+
+@pytest.mark.parametrize(("backend", "writes"), [("torch", 1), ("triton", 0)],
+                         ids=["matrix-products", "kernel"])  # fmt: skip
+def test_device_crops_land_in_the_encoders_own_buffer(make_runtime, model, images, backend,
+                                                      writes, monkeypatch) -> None:  # fmt: skip
+    """With the vision graphs (a stand-in replay for the captured encoder), crops cut on the
+    device go into the crop count's input buffer and the encoder reads them there:
+    the kernel writes it itself (no copy at all), the matrix products' path with one copy (its
+    own); the encoder copies nothing. The embedding is the host crops'."""
+    if backend == "triton":  # the kernel, interpreted; the encoder's fused ops stay torch's
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(device_crops, "_kernel_runs", lambda device: True)
+        monkeypatch.setattr(crop_maker, "device_disagrees", lambda *args: None)  # tested apart
+    image = prepare_image(images["shapes_378"])  # 2 crops: quick to interpret
+    embeddings, copies = {}, []
+    real_copy = torch.Tensor.copy_
+    for on in (False, True):
+        rt = make_runtime(device_crops=on, enable_prefix_cache=False)
+        rt.vision_graphs = graphs = VisionGraphs(model, capture=False)
+        bucket = graphs._buckets[2]
+        bucket.graph = _Replay(graphs, bucket)  # the replay path, as if captured
+        buffer = graphs.input_buffer(2, rt.dtype)
+        copies.clear()
+        monkeypatch.setattr(torch.Tensor, "copy_", _watching(real_copy, buffer, copies))
+        with torch.inference_mode():
+            embeddings[on] = rt._encode_image(image)
+        monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+        if on:
+            want = rt.crops.pixels(image).encoder_input(rt.dtype, "cpu")
+            assert torch.equal(buffer, want) and sum(copies) == writes, copies
+        assert graphs.replays == 1
+    assert torch.equal(embeddings[False], embeddings[True])
+
+
+class _Replay:
+    """A captured encoder's stand-in: a replay runs it on the bucket's input buffer."""
+
+    def __init__(self, graphs: VisionGraphs, bucket) -> None:
+        self.graphs, self.bucket = graphs, bucket
+
+    def replay(self) -> None:
+        self.bucket.features = self.graphs._encoder(self.bucket.pixels_NCHW)
+
+
+def _watching(real_copy, buffer: torch.Tensor, copies: list[bool]):
+    """``Tensor.copy_`` that notes whether each copy writes ``buffer``."""
+
+    def copy_(t, src, *args, **kwargs):
+        copies.append(t.data_ptr() == buffer.data_ptr())
+        return real_copy(t, src, *args, **kwargs)
+
+    return copy_
 
 
 def test_staged_images_take_a_slot_and_larger_ones_are_cropped_on_the_host(monkeypatch) -> None:
