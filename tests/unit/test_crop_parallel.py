@@ -92,9 +92,9 @@ def _alternately(pools: dict[str, CropPool], size: tuple[int, int], crops: int) 
     times: dict[str, list[float]] = {name: [] for name in pools}
     for pool in pools.values():  # warm: the worker processes started outside the timing
         pool.pixels(_image(*size, seed=99))
+    shots = [_image(*size, seed) for seed in range(5)]  # made before: no gaps in the timing
     for _ in range(3):
-        for seed in range(5):
-            image = _image(*size, seed)
+        for image in shots:
             made = {name: _timed(pool, image) for name, pool in pools.items()}
             want = next(iter(made.values()))[1]
             assert want.shape == (crops, 378, 378, 3)
