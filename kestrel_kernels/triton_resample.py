@@ -29,7 +29,8 @@ from kestrel_kernels.counting import opaque
 
 __all__ = ["FIELDS", "blocks", "resample_crops"]
 
-# One stage of one job, as the kernel reads it (int32 each).
+# One stage of one job, as the kernel reads it (int32 each; field i at row + i, which
+# ``_resample_jit`` checks against its own reads when it is imported).
 FIELDS = (
     "from_image",  # 1: reads the uint8 image; 0: the int32 scratch at src_at
     "src_at", "s_axis", "s_other",  # source offset (scratch) and strides; channels stride 1
@@ -39,7 +40,6 @@ FIELDS = (
     "final", "dst_at", "d_axis", "d_other",  # 0: to the scratch at dst_at (strides), 1: crops
     "axis", "n0", "rows", "cols", "window",  # the crops: first index, tiling, their stride
 )  # fmt: skip
-F = {name: i for i, name in enumerate(FIELDS)}
 
 
 def blocks(interpret: bool, jobs: tuple = ()) -> tuple[int, int]:

@@ -91,16 +91,15 @@ def _job_rows(
     rows, cols, window) its last stage writes."""
     rows, shapes = [], []
     h, w = image
-    src: tuple[int, int] | None = None  # (scratch offset, width) of the last stage's output
+    src: int | None = None  # the scratch offset of the last stage's output ([h, w, 3])
     stages = _stages(plan, h)
     for s, (pre, main) in enumerate(stages):
         row = np.zeros(len(FIELDS), np.int64)
         axis = main.axis
-        width = w if src is None else src[1]
-        s_axis, s_other = (3 * width, 3) if axis == 0 else (3, 3 * width)
+        s_axis, s_other = (3 * w, 3) if axis == 0 else (3, 3 * w)
         n_out, n_other = len(main.index), (w if axis == 0 else h)
         row[[_ROW[k] for k in ("from_image", "src_at", "s_axis", "s_other")]] = (
-            int(src is None), 0 if src is None else src[0], s_axis, s_other)  # fmt: skip
+            int(src is None), src or 0, s_axis, s_other)  # fmt: skip
         row[_ROW["n_out"]], row[_ROW["n_other"]] = n_out, n_other
         row[_ROW["taps"]] = main.index.shape[1]
         row[_ROW["idx_at"]], row[_ROW["w_at"]] = lay.table(main.index), lay.table(main.weight)
@@ -120,7 +119,7 @@ def _job_rows(
             at = lay.region(h * w * 3)
             row[_ROW["dst_at"]] = at
             row[_ROW["d_axis"]], row[_ROW["d_other"]] = (3 * w, 3) if axis == 0 else (3, 3 * w)
-            src = (at, w)
+            src = at
         rows.append(row)
         shapes.append((n_out, n_other))
     return rows, shapes
