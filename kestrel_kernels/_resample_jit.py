@@ -31,7 +31,7 @@ def load_src(image, scratch, from_image, offs, ok):
     if from_image != 0:
         x = tl.load(image + offs, mask=ok, other=0).to(tl.int32)
     else:
-        x = tl.load(scratch + offs, mask=ok, other=0)
+        x = tl.load(scratch + offs, mask=ok, other=0).to(tl.int32)
     return x
 
 
@@ -126,7 +126,7 @@ def resample_kernel(desc, tables, image, scratch, out, lut, step_at, programs_0,
     if tl.load(d + 20) == 0:
         offs = (tl.load(d + 21) + o[:, None].to(tl.int64) * tl.load(d + 22)
                 + (a * tl.load(d + 23) + c)[None, :])  # fmt: skip
-        tl.store(scratch + offs, v, mask=ok)
+        tl.store(scratch + offs, v.to(tl.int16), mask=ok)
     else:
         along = tl.load(d + 24) == 0  # axis 0: o is the row, a the column
         i = tl.where(along, o[:, None], a[None, :])

@@ -32,7 +32,7 @@ __all__ = ["FIELDS", "blocks", "resample_crops"]
 # One stage of one job, as the kernel reads it (int32 each; field i at row + i, which
 # ``_resample_jit`` checks against its own reads when it is imported).
 FIELDS = (
-    "from_image",  # 1: reads the uint8 image; 0: the int32 scratch at src_at
+    "from_image",  # 1: reads the uint8 image; 0: the int16 scratch at src_at
     "src_at", "s_axis", "s_other",  # source offset (scratch) and strides; channels stride 1
     "n_out", "n_other",  # output pixels along the axis, and across it (times 3 channels)
     "taps", "idx_at", "w_at", "add", "mul", "shift", "clip",  # the pass (tables' offsets)
@@ -84,7 +84,9 @@ def resample_crops(
 
     interpret = interpreting()
     crop = out.shape[-1] if lut is not None else out.shape[-2]
-    scratch = torch.empty(max(1, scratch_size), dtype=torch.int32, device=image.device)
+    # a first stage's output: 0..255, or a little past either end before the bicubic blend's
+    # clip (its Catmull-Rom lobes): int16 holds it
+    scratch = torch.empty(max(1, scratch_size), dtype=torch.int16, device=image.device)
     table = lut if lut is not None else scratch  # unused for uint8 crops
     for s, jobs in enumerate(steps):
         bo, bm = blocks(interpret, jobs)
@@ -107,7 +109,7 @@ def sm90_build(workdir: str, out_u8: bool = False) -> dict[str, object]:
     from kestrel_kernels._resample_jit import resample_kernel
 
     bo, bm = blocks(False)
-    signature = {"desc": "*i32", "tables": "*i32", "image": "*u8", "scratch": "*i32",
+    signature = {"desc": "*i32", "tables": "*i32", "image": "*u8", "scratch": "*i16",
                  "out": "*u8" if out_u8 else "*bf16", "lut": "*fp32", "step_at": "i32",
                  "programs_0": "i32", "CROP": "constexpr", "OUT_U8": "constexpr",
                  "NF": "constexpr", "BO": "constexpr", "BM": "constexpr"}  # fmt: skip

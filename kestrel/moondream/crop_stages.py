@@ -26,7 +26,7 @@ _ROW = {name: i for i, name in enumerate(FIELDS)}
 class KernelPlan:
     """What ``triton_resample.resample_crops`` takes for one image size: ``array`` (the
     tables, then the stage rows from ``desc_at``), each step's (n_out, n_other) per job, the
-    int32 scratch the stages between need, and whether a resize ends short of its size (its
+    int16 scratch the stages between need, and whether a resize ends short of its size (its
     crops' missing edge is then filled with pixel value 0 first)."""
 
     array: np.ndarray

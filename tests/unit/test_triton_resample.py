@@ -23,6 +23,7 @@ from kestrel.moondream.crops import overlap_crops
 from kestrel.moondream.resample import crop_plan
 from kestrel_kernels import fused
 from kestrel_kernels.counting import LaunchCounter
+from kestrel_kernels.triton_resample import FIELDS
 from tests.sm90 import assert_built, sm90_builds
 
 SMALL = VisionConfig(enc_dim=32, enc_n_heads=2, crop_size=56, overlap_margin=1, max_crops=12)
@@ -121,3 +122,26 @@ def test_the_kernel_builds_for_sm90(out_u8, tmp_path) -> None:
     )
     (got,) = sm90_builds(code, tmp_path)
     assert_built(got, max_registers=192)
+
+
+def test_what_waits_in_the_scratch_fits_int16() -> None:
+    """A stage that hands its output to the next one (int16 scratch) writes values whose
+    bound (the largest sum of |weights| over 255 levels, rounded as the kernel rounds, for a
+    fused stage the first pass clipped to 0..255 first) fits int16, for every image size in a
+    sweep of both geometries."""
+    at = {name: i for i, name in enumerate(FIELDS)}
+    for config, sides in ((SMALL, range(1, 400, 23)), (MoondreamConfig().vision,
+                                                       range(1, 2200, 157))):  # fmt: skip
+        for h in sides:
+            for w in sides:
+                kp = kernel_plan(crop_plan(h, w, config), h, w)
+                rows = kp.array[kp.desc_at :].reshape(-1, len(FIELDS))
+                for row in rows[rows[:, at["final"]] == 0]:
+                    if row[at["n_out"]] == 0:
+                        continue  # a job with no stage at this step
+                    n, taps = int(row[at["n_out"]]), int(row[at["taps"]])
+                    w_at = int(row[at["w_at"]])
+                    weights = np.abs(kp.array[w_at : w_at + n * taps].reshape(n, taps))
+                    top = 255 * int(weights.sum(axis=1).max()) + int(row[at["add"]])
+                    bound = (top * int(row[at["mul"]])) >> int(row[at["shift"]])
+                    assert bound < 2**15, ((h, w), bound)
