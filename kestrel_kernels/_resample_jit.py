@@ -11,19 +11,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kestrel_kernels.triton_resample import FIELDS
+__all__ = ["READS", "resample_kernel"]
 
-__all__ = ["resample_kernel"]
-
-# What ``resample_kernel`` reads at ``d + i`` (a stage row), in order: it must be FIELDS.
-_READS = (
+# What ``resample_kernel`` reads at ``d + i`` (a stage row), in order: ``triton_resample``
+# checks it is its FIELDS before it launches the kernel.
+READS = (
     "from_image", "src_at", "s_axis", "s_other", "n_out", "n_other", "taps", "idx_at", "w_at",
     "add", "mul", "shift", "clip", "pre_taps", "pre_idx_at", "pre_w_at", "pre_add", "pre_mul",
     "pre_shift", "pre_clip", "final", "dst_at", "d_axis", "d_other", "axis", "n0", "rows",
     "cols", "window",
 )  # fmt: skip
-if _READS != FIELDS:
-    raise ImportError("triton_resample.FIELDS and the kernel's reads of a stage row differ")
 
 
 @triton.jit

@@ -29,8 +29,8 @@ from kestrel_kernels.counting import opaque
 
 __all__ = ["FIELDS", "blocks", "resample_crops"]
 
-# One stage of one job, as the kernel reads it (int32 each; field i at row + i, which
-# ``_resample_jit`` checks against its own reads when it is imported).
+# One stage of one job, as the kernel reads it (int32 each; field i at row + i: ``_jit``
+# checks the kernel's own list of its reads against it).
 FIELDS = (
     "from_image",  # 1: reads the uint8 image; 0: the int16 scratch at src_at
     "src_at", "s_axis", "s_other",  # source offset (scratch) and strides; channels stride 1
@@ -65,6 +65,16 @@ def programs(n_out: int, n_other: int, tiles: tuple[int, int]) -> int:
     return -(-n_out // bo) * -(-(n_other * 3) // bm)
 
 
+def _jit():
+    """The jitted kernel, imported on first use (``_resample_jit``), after checking that it
+    reads a stage row's fields where ``FIELDS`` puts them."""
+    from kestrel_kernels import _resample_jit
+
+    if _resample_jit.READS != FIELDS:
+        raise RuntimeError("triton_resample.FIELDS and the kernel's reads of a stage row differ")
+    return _resample_jit.resample_kernel
+
+
 def resample_crops(
     image: Tensor,
     tables: Tensor,
@@ -79,10 +89,9 @@ def resample_crops(
     ``steps[s]`` each job's (n_out, n_other) at step ``s`` (None: that job is done);
     ``out`` the crops: [N, 3, crop, crop] written through ``lut`` (float32 [256]), or with
     ``lut`` None uint8 [N, crop, crop, 3]. One launch per step."""
-    from kestrel_kernels._resample_jit import resample_kernel as kernel
     from kestrel_kernels.triton_fused import interpreting
 
-    interpret = interpreting()
+    kernel, interpret = _jit(), interpreting()
     crop = out.shape[-1] if lut is not None else out.shape[-2]
     # a first stage's output: 0..255, or a little past either end before the bicubic blend's
     # clip (its Catmull-Rom lobes): int16 holds it
@@ -106,8 +115,7 @@ def sm90_build(workdir: str, out_u8: bool = False) -> dict[str, object]:
 
     if interpreting():
         raise RuntimeError("sm90_build needs a process without TRITON_INTERPRET=1")
-    from kestrel_kernels._resample_jit import resample_kernel
-
+    resample_kernel = _jit()
     bo, bm = blocks(False)
     signature = {"desc": "*i32", "tables": "*i32", "image": "*u8", "scratch": "*i16",
                  "out": "*u8" if out_u8 else "*bf16", "lut": "*fp32", "step_at": "i32",
