@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -161,12 +162,10 @@ def _kernel_crops(
     stage rows uploaded once (``_matrices``' keeping), then one launch per step."""
     height, width, _ = pixels.shape
     kp = kernel_plan(plan, height, width)
-    key = ("stages", height, width, plan.geometry, str(pixels.device))
-    with _MATRICES_LOCK:
-        tables = _MATRICES.get(key)
-    if tables is None:
-        tables = upload(torch.from_numpy(kp.array), torch.int32, pixels.device)
-        _keep(key, tables)
+    tables = _kept(
+        ("stages", height, width, plan.geometry, str(pixels.device)),
+        lambda: upload(torch.from_numpy(kp.array), torch.int32, pixels.device),
+    )
     if kp.short:  # a resize ends short of its size: libvips' zeros there
         out.fill_(0 if lut is None else float(_PIXEL_TABLE[0]))
     image = pixels if pixels.is_contiguous() else pixels.contiguous()
@@ -179,13 +178,10 @@ _PIXEL_TABLE = pixel_table()
 
 def _pixel_lut(device: torch.device) -> torch.Tensor:
     """``vision.pixel_table`` on ``device`` (uploaded once)."""
-    key = ("pixel table", str(device))
-    with _MATRICES_LOCK:
-        found = _MATRICES.get(key)
-    if found is None:
-        found = upload(torch.from_numpy(_PIXEL_TABLE), torch.float32, device)
-        _keep(key, found)
-    return found
+    return _kept(
+        ("pixel table", str(device)),
+        lambda: upload(torch.from_numpy(_PIXEL_TABLE), torch.float32, device),
+    )
 
 
 _MATRICES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -256,14 +252,21 @@ def _bias(value: float, n: int, like: torch.Tensor) -> torch.Tensor:
     if n > _BIAS_LENGTH:
         return torch.full((n,), value, dtype=like.dtype, device=like.device)
     key = ("bias", value, str(like.device), like.dtype)
+    full = _kept(key, lambda: torch.full((_BIAS_LENGTH,), value, dtype=like.dtype,
+                                         device=like.device))  # fmt: skip
+    return full[:n]
+
+
+def _kept(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The tensor kept under ``key`` (marked lately used), else ``make()``'s, kept."""
     with _MATRICES_LOCK:
         found = _MATRICES.get(key)
         if found is not None:
             _MATRICES.move_to_end(key)
-            return found[:n]
-    bias = torch.full((_BIAS_LENGTH,), value, dtype=like.dtype, device=like.device)
-    _keep(key, bias)
-    return bias[:n]
+            return found
+    made = make()
+    _keep(key, made)
+    return made
 
 
 def _keep(key: tuple, tensor: torch.Tensor) -> None:

@@ -86,15 +86,13 @@ class VisionGraphs:
         cfg, w = self.model.config.vision, self.model.vision
         check_crops(pixels_NCHW, tiling, cfg)
         bucket = self._buckets.get(pixels_NCHW.shape[0])
-        written = bucket is not None and pixels_NCHW is bucket.pixels_NCHW
         if bucket is None or bucket.graph is None:
-            same = written or (pixels_NCHW.device == w.pos_emb.device
-                               and pixels_NCHW.dtype == w.pos_emb.dtype)  # fmt: skip
+            same = pixels_NCHW.device == w.pos_emb.device and pixels_NCHW.dtype == w.pos_emb.dtype
             features = self._encoder(
                 pixels_NCHW if same else pixels_NCHW.to(w.pos_emb.device, w.pos_emb.dtype)
             )
         else:
-            if not written:
+            if pixels_NCHW is not bucket.pixels_NCHW:  # not already written there
                 bucket.pixels_NCHW.copy_(pixels_NCHW)
             bucket.graph.replay()
             self.replays += 1
