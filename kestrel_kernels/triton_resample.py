@@ -22,6 +22,8 @@ image size by ``kestrel/moondream/crop_stages.py``, uploaded with the weight tab
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -65,9 +67,10 @@ def programs(n_out: int, n_other: int, tiles: tuple[int, int]) -> int:
     return -(-n_out // bo) * -(-(n_other * 3) // bm)
 
 
+@functools.cache
 def _jit():
     """The jitted kernel, imported on first use (``_resample_jit``), after checking that it
-    reads a stage row's fields where ``FIELDS`` puts them."""
+    reads a stage row's fields where ``FIELDS`` puts them (once)."""
     from kestrel_kernels import _resample_jit
 
     if _resample_jit.READS != FIELDS:
