@@ -30,14 +30,17 @@ __all__ = [
     "CropGeometry",
     "CropPart",
     "OverlapCrops",
+    "PartRenders",
     "check_pixels",
     "crop_geometry",
     "crop_parts",
     "lut_image",
     "overlap_crops",
+    "part_renders",
     "select_tiling",
     "vips_image",
     "write_crops",
+    "write_part",
 ]
 
 
@@ -110,19 +113,18 @@ class CropPart:
 
 # What a part costs, in units of one band pixel made by shrinking (resampling a pixel of the
 # resized copy and copying it into its crops). Measured with libvips 8.18 on an AMD EPYC, one
-# thread (``scripts/bench_crop_parts.py``): a band pixel costs ~4.6 ns when the copy shrinks the
-# source, ~20 ns when it enlarges it in either direction (libvips then resamples through an
-# affine transform: a 700 x 700 image's 910 x 910 copy takes 17 ms, a 1280 x 960 one's 3.8 ms).
-# The global crop (always a shrink but for tiny images) costs ~0.16 of a unit per source pixel
-# and ~1.3 per crop pixel: 1.7 ms for a 1280 x 960 source. Every render also costs a fixed
-# ~0.5 ms before its first pixel (libvips builds its resize: a band of one row takes 0.52 ms).
-# Each part pays that for its band; the part that also makes the global crop pays it twice, so
-# its band is shortened by ~100,000 units more (measured on one thread, a 1280 x 960 image's two
-# parts: 3.71 / 3.20 ms without it, 3.47 / 3.53 ms with it; enlarged images barely move).
+# thread, the crop worker's pipelines kept across images (``scripts/bench_crop_parts.py``): a
+# band pixel costs ~4.4 ns when the copy shrinks the source, ~20 ns when it enlarges it in
+# either direction (libvips then resamples through an affine transform: a 700 x 700 image's
+# 910 x 910 copy takes 16 ms, a 1280 x 960 one's 3.2 ms). The global crop (always a shrink but
+# for tiny images) costs ~0.15 of a unit per source pixel and ~1.0 per crop pixel: 1.3-1.4 ms
+# for a 1280 x 960 source. Fitted so that a 1280 x 960 image's two parts, each timed alone in
+# a worker, come out equal (2.5 ms each; 4.7 ms whole). A pipeline built for a new image size
+# adds ~0.35 ms of libvips set-up per render, so the first part (two renders) runs ~0.35 ms
+# longer on an image size its worker has not seen.
 ENLARGED_BAND_PIXEL = 4.4
-GLOBAL_PER_SOURCE_PIXEL = 0.16
-GLOBAL_PER_CROP_PIXEL = 1.3
-GLOBAL_RENDER_SETUP = 100_000
+GLOBAL_PER_SOURCE_PIXEL = 0.15
+GLOBAL_PER_CROP_PIXEL = 1.0
 
 
 def crop_parts(g: CropGeometry, n: int, source: tuple[int, int] = (0, 0)) -> list[CropPart]:
@@ -133,8 +135,7 @@ def crop_parts(g: CropGeometry, n: int, source: tuple[int, int] = (0, 0)) -> lis
     k = max(1, min(n, height))
     enlarged = height > source[0] or width > source[1]
     per_row = width * (ENLARGED_BAND_PIXEL if enlarged else 1.0)
-    whole = (GLOBAL_PER_SOURCE_PIXEL * source[0] * source[1] + GLOBAL_PER_CROP_PIXEL * g.crop**2
-             + GLOBAL_RENDER_SETUP)  # fmt: skip
+    whole = GLOBAL_PER_SOURCE_PIXEL * source[0] * source[1] + GLOBAL_PER_CROP_PIXEL * g.crop**2
     total = whole + height * per_row
     edges = [0]
     for i in range(1, k):  # band i ends where i / k of the work is done
@@ -205,17 +206,17 @@ def lut_image(lut: np.ndarray) -> pyvips.Image:
     return pyvips.Image.new_from_memory(table.tobytes(), 256, 1, 1, "float")
 
 
-def _fit(
+def _resized(
     image: pyvips.Image,
     height: int,
     width: int,
     lut: pyvips.Image | None,
     area: tuple[int, int, int, int] | None = None,
-) -> np.ndarray:
-    """``image`` resized to ``height`` x ``width`` (independent scales, lanczos3), through
-    ``lut`` if given, rendered in one libvips call: [height, width, 3] uint8 (float32 with a
-    table). ``area`` = (top, left, h, w) renders only that rectangle of the result (libvips
-    computes what it is asked for; the pixels are those of the whole render)."""
+) -> pyvips.Image:
+    """The libvips image of ``image`` resized to ``height`` x ``width`` (independent scales,
+    lanczos3), through ``lut`` if given; nothing is computed until it is rendered. ``area`` =
+    (top, left, h, w) keeps only that rectangle of the result (libvips computes what it is
+    asked for; the pixels are those of the whole render)."""
     out = image.resize(width / image.width, vscale=height / image.height)
     if out.width != width or out.height != height:
         # libvips hits the requested size for every geometry we tried; should it ever miss,
@@ -224,10 +225,13 @@ def _fit(
     if area is not None:
         top, left, height, width = area
         out = out.crop(left, top, width, height)
-    if lut is not None:
-        out = out.maplut(lut)
-    dtype = np.float32 if lut is not None else np.uint8
-    return np.frombuffer(out.write_to_memory(), dtype).reshape(height, width, 3)
+    return out.maplut(lut) if lut is not None else out
+
+
+def _rendered(out: pyvips.Image, floats: bool) -> np.ndarray:
+    """``out`` rendered in one libvips call: [height, width, 3] uint8 (float32: ``floats``)."""
+    dtype = np.float32 if floats else np.uint8
+    return np.frombuffer(out.write_to_memory(), dtype).reshape(out.height, out.width, 3)
 
 
 def _windows(resized: np.ndarray, g: CropGeometry) -> np.ndarray:
@@ -248,38 +252,60 @@ def overlap_crops(
     vips = vips_image(image)
     g = crop_geometry(vips.height, vips.width, config, max_crops)
     crops = np.empty((g.n_crops, g.crop, g.crop, 3), dtype=np.uint8)
-    crops[0] = _fit(vips, g.crop, g.crop, None)
+    crops[0] = _rendered(_resized(vips, g.crop, g.crop, None), False)
     local = crops[1:].reshape(g.rows, g.cols, g.crop, g.crop, 3)
-    np.copyto(local, _windows(_fit(vips, *g.resized, None), g))
+    np.copyto(local, _windows(_rendered(_resized(vips, *g.resized, None), False), g))
     crops.flags.writeable = False
     return OverlapCrops(crops=crops, tiling=(g.rows, g.cols))
 
 
-def write_crops(
-    image: pyvips.Image,
-    g: CropGeometry,
-    out: np.ndarray,
-    lut: pyvips.Image | None = None,
+@dataclass(frozen=True, slots=True, eq=False)
+class PartRenders:
+    """What renders one part's crops (``part_renders``): the libvips images of its global crop
+    (``whole``) and of its band of the resized copy (``band``), None where the part has none,
+    both built on ``source``. Building them is ~0.35 ms of libvips set-up each, rendering a
+    one-row band ~0.1 ms more; they can be rendered again, by one thread at a time, after
+    the pixels in ``source``'s memory change: ``source.invalidate()`` first (the crop worker
+    keeps them for its reused shared memory, ``runtime/crop_worker.py``)."""
+
+    source: pyvips.Image
+    part: CropPart
+    whole: pyvips.Image | None
+    band: pyvips.Image | None
+    floats: bool
+
+
+def part_renders(
+    image: pyvips.Image, g: CropGeometry, lut: pyvips.Image | None = None,
     part: CropPart | None = None,
-) -> None:
-    """Write the crops of ``image`` into ``out`` [N, crop, crop, 3], channels last as libvips
-    makes them (the device, or the encoder's patch cut, reorders them for free): uint8, or
-    float32 mapped through ``lut`` (256 entries, one per pixel value). ``part``: only those
-    crops (``crop_parts``); the others are left as they are. Every copy here moves whole
-    crop rows (``crop * 3`` contiguous values), not single channels."""
+) -> PartRenders:  # fmt: skip
+    """The libvips images that make ``part`` of ``image``'s crops (all of them when None),
+    uint8, or float32 through ``lut`` (256 entries, one per pixel value)."""
+    height, width = g.resized
+    part = part or CropPart(True, 0, height)
+    whole = _resized(image, g.crop, g.crop, lut) if part.whole else None
+    area = (part.top, 0, part.bottom - part.top, width)
+    band = _resized(image, height, width, lut, area) if part.bottom > part.top else None
+    return PartRenders(image, part, whole, band, lut is not None)
+
+
+def write_part(renders: PartRenders, g: CropGeometry, out: np.ndarray) -> None:
+    """Render ``renders`` into ``out`` [N, crop, crop, 3], channels last as libvips makes
+    them (the device, or the encoder's patch cut, reorders them for free): the part's crops,
+    the others left as they are. Every copy here moves whole crop rows (``crop * 3``
+    contiguous values), not single channels."""
     want = (g.n_crops, g.crop, g.crop, 3)
-    dtype = np.dtype(np.float32 if lut is not None else np.uint8)
+    dtype = np.dtype(np.float32 if renders.floats else np.uint8)
     if out.shape != want or out.dtype != dtype or not out.flags.c_contiguous:
         raise CropError(
             f"crops need a C-contiguous {dtype} {want} array, got {out.dtype} {out.shape}"
         )
-    height, width = g.resized
-    part = part or CropPart(True, 0, height)
-    if part.whole:
-        np.copyto(out[0], _fit(image, g.crop, g.crop, lut))
-    if part.bottom <= part.top:
+    part = renders.part
+    if renders.whole is not None:
+        np.copyto(out[0], _rendered(renders.whole, renders.floats))
+    if renders.band is None:
         return
-    band = _fit(image, height, width, lut, (part.top, 0, part.bottom - part.top, width))
+    band = _rendered(renders.band, renders.floats)
     local = out[1:].reshape(g.rows, g.cols, g.crop, g.crop, 3)
     for r in range(g.rows):  # the rows of tile row r inside the band
         a, b = max(part.top, r * g.window), min(part.bottom, r * g.window + g.crop)
@@ -289,3 +315,15 @@ def write_crops(
         for c in range(g.cols):
             x = c * g.window
             local[r, c, a - r * g.window : b - r * g.window] = rows[:, x : x + g.crop]
+
+
+def write_crops(
+    image: pyvips.Image,
+    g: CropGeometry,
+    out: np.ndarray,
+    lut: pyvips.Image | None = None,
+    part: CropPart | None = None,
+) -> None:
+    """Write the crops of ``image`` into ``out`` [N, crop, crop, 3] (``write_part``): uint8,
+    or float32 mapped through ``lut``. ``part``: only those crops (``crop_parts``)."""
+    write_part(part_renders(image, g, lut, part), g, out)

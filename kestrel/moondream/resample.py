@@ -69,7 +69,7 @@ class AxisPass:
 @dataclass(frozen=True, slots=True, eq=False)
 class ResizePlan:
     """The passes that resize an image to ``size`` (height, width); ``natural``: the size
-    libvips' operations end at (cut or padded with zeros to ``size``, as ``crops._fit``)."""
+    libvips' operations end at (cut or padded with zeros to ``size``, as ``crops._resized``)."""
 
     passes: tuple[AxisPass, ...]
     size: tuple[int, int]

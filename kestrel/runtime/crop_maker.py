@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
@@ -34,7 +35,7 @@ from kestrel.moondream.crops import (
 from kestrel.moondream.device_crops import device_disagrees
 from kestrel.moondream.resample import crop_plan
 from kestrel.moondream.vision import pixel_table
-from kestrel.runtime.crop_arenas import ARENAS, one_off
+from kestrel.runtime.crop_arenas import ARENAS, Arena, one_off
 from kestrel.runtime.crop_procs import WORKERS, CropWorkerError, WorkerGone, processes_supported
 from kestrel.runtime.crop_staging import CropPixels, CropStaging
 
@@ -170,16 +171,18 @@ class Cropper:
 
     def _shipped(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> CropPixels:
         """The worker processes make the crops in shared memory: in a reused arena
-        (``crop_arenas.py``) they are copied out of (into pinned staging where there is some),
-        or, when no arena is free, in a file of this image's own, which they stay in. A fresh
-        file's pages cost more than the copy, float32 crops' too: a 1280 x 960 image's took
-        17 ms through a file of their own, 8 ms through an arena and a copy (2 cores)."""
-        n_in, (np_dtype, dtype) = pixels.size, self._dtypes()
+        (``crop_arenas.py``), copied into pinned staging where there is some, else lent with
+        the crops (``_handed_out``), or, when no arena is free, in a file of this image's own,
+        which they stay in. A fresh file's pages cost more than a copy, float32 crops' too: a
+        1280 x 960 image's took 17 ms through a file of their own, 8 ms through an arena and a
+        copy (2 cores)."""
+        n_in, np_dtype = pixels.size, self._dtypes()[0]
         count = g.n_crops * 3 * g.crop * g.crop
         out_at = _aligned(n_in)
         size = out_at + count * np_dtype.itemsize
         arena = ARENAS.take(size)
         shared = arena if arena is not None else one_off(size)
+        lent = False
         try:
             np.frombuffer(shared.memory, np.uint8, count=n_in)[:] = pixels.reshape(-1)
             head = {"size": shared.size, "height": pixels.shape[0], "width": pixels.shape[1],
@@ -189,29 +192,44 @@ class Cropper:
             table = self.table.tobytes() if self.table is not None else b""
             key = None if arena is None else arena.key
 
-            def job(part: CropPart) -> tuple[bytes, int, tuple[int, int] | None]:
+            shares = core_shares(len(parts))
+
+            def job(i: int, part: CropPart) -> tuple[bytes, int, tuple[int, int] | None]:
                 spec = {**head, "part": [part.whole, part.top, part.bottom]}
+                if shares is not None:
+                    spec["cpus"] = shares[i]
                 return json.dumps(spec).encode() + b"\n" + table, shared.fd, key
 
-            WORKERS.run_all([job(part) for part in parts])  # all at once, none on a thread
-            crops_hwc = torch.frombuffer(shared.memory, dtype=dtype, count=count, offset=out_at)
-            return self._kept(crops_hwc.view(g.n_crops, g.crop, g.crop, 3), g, arena is not None)
-        finally:
-            if arena is not None:
-                ARENAS.give(arena)
-            else:
-                os.close(shared.fd)  # the mapping lives on in the crops' tensor
-
-    def _kept(self, crops_hwc: torch.Tensor, g: CropGeometry, borrowed: bool) -> CropPixels:
-        """``crops_hwc`` as the crops handed out: staged, or as they are, or (``borrowed``: in
-        memory that is reused) copied when no staging slot is free."""
-        tiling = (g.rows, g.cols)
-        crops = self.staging.stage(crops_hwc, tiling) if self.staging is not None else None
-        if crops is not None and (crops.staging is not None or not borrowed):
+            WORKERS.run_all([job(*p) for p in enumerate(parts)])  # at once, none on a thread
+            crops, lent = self._handed_out(shared, arena is not None, g, out_at)
             return crops
-        if borrowed:  # numpy's copy, one thread: no OpenMP threads left spinning (crop_staging)
-            crops_hwc = torch.from_numpy(crops_hwc.numpy().copy())
-        return CropPixels(crops_hwc, tiling)
+        finally:
+            if arena is None:
+                os.close(shared.fd)  # the mapping lives on in the crops' tensor
+            elif not lent:
+                ARENAS.give(arena)
+
+    def _handed_out(
+        self, shared: Arena, borrowed: bool, g: CropGeometry, out_at: int
+    ) -> tuple[CropPixels, bool]:
+        """The crops the workers wrote at ``out_at`` in ``shared``, as handed out, and whether
+        the arena went with them: copied into pinned staging where a slot is free, else left
+        where they are. A ``borrowed`` arena is then lent with them: given back when the last
+        tensor over its memory is gone (the memoryview that memory is read through lives as
+        long as any tensor or view of it), not copied out (a CPU model's float32 crops of a
+        1280 x 960 image are 17 MB)."""
+        np_dtype, dtype = self._dtypes()
+        nbytes = g.n_crops * 3 * g.crop * g.crop * np_dtype.itemsize
+        memory = memoryview(shared.memory)[out_at : out_at + nbytes]
+        crops_hwc = torch.frombuffer(memory, dtype=dtype).view(g.n_crops, g.crop, g.crop, 3)
+        tiling = (g.rows, g.cols)
+        if self.staging is not None:
+            crops = self.staging.stage(crops_hwc, tiling)
+            if crops.staging is not None:
+                return crops, False
+        if borrowed:
+            weakref.finalize(memory, ARENAS.give, shared)
+        return CropPixels(crops_hwc, tiling), borrowed
 
     def _here(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> torch.Tensor:
         np_dtype, _ = self._dtypes()
@@ -220,6 +238,16 @@ class Cropper:
         image = vips_image(pixels)  # libvips images are immutable: the parts share it
         self._each(lambda part: write_crops(image, g, out, lut, part), parts)
         return torch.from_numpy(out)
+
+
+def core_shares(n: int) -> list[list[int]] | None:
+    """The cores this process may run on, dealt out to ``n`` parts of one image in contiguous
+    shares (each part's worker runs on its own share: ``crop_worker._Cores``); None for one
+    part, or more parts than cores (then the kernel places them)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if n < 2 or len(cores) < n:
+        return None
+    return [cores[i * len(cores) // n : (i + 1) * len(cores) // n] for i in range(n)]
 
 
 def _fields(g: CropGeometry) -> dict[str, int]:

@@ -5,6 +5,7 @@ the same crops through them as in-process, sending each worker an arena's descri
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
@@ -120,10 +121,11 @@ def test_staged_pool_crops_through_arenas(monkeypatch) -> None:
 
 
 @needs_memfd
-def test_float_crops_go_through_an_arena_and_are_copied_out(monkeypatch) -> None:
-    """A CPU model's float32 crops use the arenas too (a file per image costs more in fresh
-    pages than the copy): no file of their own, and crops handed out never change when the
-    arena is reused for the next image."""
+def test_crops_are_lent_with_their_arena_until_the_last_view_is_gone(monkeypatch) -> None:
+    """A CPU model's float32 crops (and uint8 crops with no staging) are not copied out of
+    their arena: it is lent with them and comes back only when no tensor or view over that
+    memory is left, so crops handed out never change while anything reads them. With every
+    arena lent, an image gets a file of its own; once the crops go, the arenas are reused."""
     arenas = crop_arenas.Arenas(slots=2)
     monkeypatch.setattr(crop_maker, "ARENAS", arenas)
     files: list[int] = []
@@ -133,19 +135,145 @@ def test_float_crops_go_through_an_arena_and_are_copied_out(monkeypatch) -> None
     )
     pool = CropPool(VISION, normalize=True, workers=1)
     rng = np.random.default_rng(2)
+    table = crops_mod.lut_image(crop_maker.pixel_table())
     try:
         made = []
         for h, w in [(960, 1280), (600, 800), (960, 1280)]:
             image = prepare_image(rng.integers(0, 256, (h, w, 3), np.uint8))
             got = pool.pixels(image)
-            made.append((got, got.pixels.clone(), image))
-        for got, copy, image in made:
-            assert torch.equal(got.pixels, copy)  # not overwritten by a later image
+            made.append((got.pixels[1:], got.pixels.clone(), image))  # a view, kept
+            del got
+        assert len(files) == 1 and arenas.made == 2  # two lent, the third in a file
+        for view, copy, image in made:
+            assert torch.equal(view, copy[1:])  # not overwritten by a later image
             g = crops_mod.crop_geometry(*image.pixels.shape[:2], VISION)
             want = np.empty((g.n_crops, g.crop, g.crop, 3), np.float32)
-            table = crops_mod.lut_image(crop_maker.pixel_table())
             crops_mod.write_crops(crops_mod.vips_image(image.pixels), g, want, table)
-            assert torch.equal(got.pixels, torch.from_numpy(want))
+            assert torch.equal(copy, torch.from_numpy(want))
+        assert arenas.take(1) is None  # both still lent: the views read them
+        del made, view
+        gc.collect()
+        for h, w in [(600, 800), (960, 1280)]:
+            image = prepare_image(rng.integers(0, 256, (h, w, 3), np.uint8))
+            pool.pixels(image)  # dropped at once: its arena back before the next image
+        assert len(files) == 1 and arenas.made == 2  # the lent arenas came back and served
     finally:
         pool.close()
-    assert files == [] and arenas.made == 1
+
+
+class _Served:
+    """``serve`` on a thread of this process, over one arena (slot 5), counting the libvips
+    pipelines it builds."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.built: list[crops_mod.CropPart | None] = []
+        real = crops_mod.part_renders
+
+        def counted(image, g, lut=None, part=None):
+            if threading.current_thread() is self.thread:  # the worker's, not the test's
+                self.built.append(part)
+            return real(image, g, lut, part)
+
+        monkeypatch.setattr(crops_mod, "part_renders", counted)
+        self.ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.thread = threading.Thread(target=serve, args=(theirs, crops_mod))
+        self.thread.start()
+        self.arena = crop_arenas.one_off(32 << 20, slot=5)
+        self.generation = 1
+        self.mapped = False
+
+    def crops(self, pixels: np.ndarray, table: np.ndarray | None = None, part=None) -> np.ndarray:
+        """The worker's crops of ``pixels`` (the whole, or ``part`` of them, the rest zero)."""
+        h, w = pixels.shape[:2]
+        g = crops_mod.crop_geometry(h, w, VISION)
+        np.frombuffer(self.arena.memory, np.uint8, count=pixels.size)[:] = pixels.reshape(-1)
+        out = (pixels.size + 63) // 64 * 64
+        dtype = np.float32 if table is not None else np.uint8
+        made = np.frombuffer(self.arena.memory, dtype, count=g.n_crops * 3 * g.crop**2, offset=out)
+        made[:] = 0
+        fields = {k: getattr(g, k) for k in ("crop", "margin", "window", "rows", "cols")}
+        spec = {"size": self.arena.size, "height": h, "width": w, "out": out, "geometry": fields,
+                "arena": [5, self.generation]}  # fmt: skip
+        if part is not None:
+            spec["part"] = [part.whole, part.top, part.bottom]
+        message = (
+            json.dumps(spec).encode() + b"\n" + (table.tobytes() if table is not None else b"")
+        )
+        if self.mapped:
+            self.ours.sendall(message)
+        else:
+            socket.send_fds(self.ours, [message], [self.arena.fd])
+            self.mapped = True
+        reply = self.ours.recv(4096)
+        assert reply == b"ok", reply
+        return made.reshape(g.n_crops, g.crop, g.crop, 3).copy()
+
+    def close(self) -> None:
+        self.ours.close()
+        self.thread.join(timeout=10)
+        self.arena.close()
+        assert not self.thread.is_alive()
+
+
+def _want(pixels: np.ndarray, table: np.ndarray | None = None, part=None) -> np.ndarray:
+    g = crops_mod.crop_geometry(*pixels.shape[:2], VISION)
+    want = np.zeros((g.n_crops, g.crop, g.crop, 3), np.float32 if table is not None else np.uint8)
+    lut = crops_mod.lut_image(table) if table is not None else None
+    crops_mod.write_crops(crops_mod.vips_image(pixels), g, want, lut, part)
+    return want
+
+
+@needs_memfd
+def test_worker_renders_its_kept_pipelines_over_each_new_image(monkeypatch) -> None:
+    """A worker builds an image size's libvips pipelines once per arena and renders them again
+    over every later image of that size there: each image's crops exactly libvips' own (uint8
+    and float32, whole and in parts), never an earlier image's. A new size, a pixel table or a
+    part builds its own; the arena mapped again (its next generation) builds them anew."""
+    served = _Served(monkeypatch)
+    rng = np.random.default_rng(3)
+    table = np.linspace(-1, 1, 256, dtype=np.float32)
+    try:
+        shots = [rng.integers(0, 256, (600, 800, 3), np.uint8) for _ in range(3)]
+        for pixels in shots:
+            assert np.array_equal(served.crops(pixels), _want(pixels))
+        assert len(served.built) == 1  # built for the first image, rendered for all three
+        for pixels in shots[:2]:
+            assert np.array_equal(served.crops(pixels, table), _want(pixels, table))
+        g = crops_mod.crop_geometry(600, 800, VISION)
+        for part in crops_mod.crop_parts(g, 2, (600, 800)):
+            for pixels in shots[1:]:
+                got = served.crops(pixels, part=part)
+                assert np.array_equal(got, _want(pixels, part=part))
+        assert len(served.built) == 1 + 1 + 2  # the table's, each part's: once each
+        other = rng.integers(0, 256, (960, 1280, 3), np.uint8)
+        assert np.array_equal(served.crops(other), _want(other))  # a new size: built
+        assert np.array_equal(served.crops(shots[0]), _want(shots[0]))  # kept still
+        assert len(served.built) == 5
+        served.generation, served.mapped = 2, False  # the slot's file replaced
+        assert np.array_equal(served.crops(shots[2]), _want(shots[2]))
+        assert len(served.built) == 6
+    finally:
+        served.close()
+
+
+@needs_memfd
+def test_a_render_that_fails_is_not_kept(monkeypatch) -> None:
+    served = _Served(monkeypatch)
+    pixels = np.random.default_rng(4).integers(0, 256, (300, 400, 3), np.uint8)
+    real = crops_mod.write_part
+    fail = [True]
+
+    def failing(renders, g, out):
+        if fail.pop() if fail else False:
+            raise RuntimeError("libvips failed")
+        return real(renders, g, out)
+
+    monkeypatch.setattr(crops_mod, "write_part", failing)
+    try:
+        with pytest.raises(AssertionError, match="libvips failed"):
+            served.crops(pixels)
+        assert np.array_equal(served.crops(pixels), _want(pixels))  # built again, not reused
+        assert np.array_equal(served.crops(pixels), _want(pixels))  # now kept
+        assert len(served.built) == 2
+    finally:
+        served.close()
