@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-shot GPU check, about 6 minutes on an H200 by default, 8 with SKIP="" (docs/benchmarks.md;
+# One-shot GPU check, about 6.5 minutes on an H200 by default (390 s at 6b74b07), 8 with
+# SKIP="" (docs/benchmarks.md;
 # the first engine start also compiles the Triton decode kernel's launch configurations it
 # measures):
 #   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend,
