@@ -48,7 +48,7 @@ import numpy as np
 if TYPE_CHECKING:  # the worker loads crops.py by its path (load_crops), not this one
     from kestrel.moondream.crops import PartRenders
 
-__all__ = ["CROPS_SOURCE", "NOT_MAPPED", "load_crops", "serve"]
+__all__ = ["CROPS_SOURCE", "NOT_MAPPED", "batch_policy", "load_crops", "serve"]
 
 CROPS_SOURCE = Path(__file__).resolve().parents[1] / "moondream" / "crops.py"
 _MAX_MESSAGE = 1 << 16
@@ -240,7 +240,25 @@ def serve(sock: socket.socket, crops: ModuleType, pin: bool = False) -> None:
         sock.sendall(reply)
 
 
+def batch_policy() -> None:
+    """Put this process's threads under Linux's ``SCHED_BATCH`` (those there now, numpy's
+    among them, and, before libvips starts its own, every later one: they inherit it): a
+    worker woken by a request no longer preempts the thread that sent
+    it, so the serving thread sends an image's every part and waits before any part starts
+    on its core. Under the normal policy a part's worker, waking on the sender's core, could
+    preempt it before it sent the next part: in the crop test's loop the second part's start
+    lagged the first's by 0.83-0.85 ms at the 90th percentile, 0.24-0.25 ms under this policy
+    (a 1280 x 960 image's two parts: 3.63-3.71 ms, then 3.17-3.22 ms). It also
+    keeps crop work from preempting the scheduler thread. A worker still gets its fair share
+    of the cores. A tuning knob: without the policy the worker runs as it is."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # one that just ended
+                os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+
+
 def main(argv: list[str]) -> None:
+    batch_policy()
     sock = socket.socket(fileno=int(argv[-1]))
     serve(sock, load_crops(), pin=True)
 

@@ -358,8 +358,9 @@ def test_core_shares_deal_the_cores_out_to_the_parts(monkeypatch) -> None:
 def test_each_part_runs_on_its_own_cores_and_a_whole_image_on_all() -> None:
     """A lone image's parts are made by workers pinned, every thread of them, to disjoint
     shares of the cores (placed by the kernel, two parts sometimes shared a core after a
-    two-thread render: 0.76-0.79x serial against 0.59-0.63x pinned); a worker that then makes
-    a whole image runs on every core again."""
+    two-thread render: 0.76-0.79x serial against 0.59-0.63x pinned), under SCHED_BATCH
+    (``crop_worker.batch_policy``); a worker that then makes a whole image runs on every core
+    again."""
     every = os.sched_getaffinity(0)
     parts = CropPool(VISION, normalize=False, workers=2, parallel=2)
     whole = CropPool(VISION, normalize=False, workers=1, parallel=1)
@@ -375,6 +376,9 @@ def test_each_part_runs_on_its_own_cores_and_a_whole_image_on_all() -> None:
             crop_maker.core_shares(2)[1]
         )
         assert not pinned[0][0] & pinned[1][0]
+        for worker in workers:  # and under SCHED_BATCH: waking, none preempts its sender
+            tids = os.listdir(f"/proc/{worker.proc.pid}/task")
+            assert {os.sched_getscheduler(int(t)) for t in tids} == {os.SCHED_BATCH}
         whole.pixels(image)  # the last worker given back serves it
         assert any(_thread_cores(w.proc.pid) == [every] for w in workers)
     finally:
