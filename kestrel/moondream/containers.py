@@ -1,13 +1,17 @@
 """The weight containers of Moondream 2 and 3: frozen dataclasses of tensors, no behaviour.
 
+Fields made with ``init=False`` are derived from the others when a container is built (never
+read from or written to a checkpoint: ``model.state_dict`` skips them).
+
 ``model.py`` builds them from a state dict (and re-exports them); ``vision.py``, ``text.py``,
 ``region.py`` and ``moe.py`` take them as arguments.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 __all__ = [
@@ -64,6 +68,11 @@ class TauWeights:
     wq: Tensor  # [n_heads, qkv_dim]
     wv: Tensor  # [n_heads, qkv_dim]
     alpha: Tensor  # [n_heads]
+    # derived, not in the checkpoint: [wq; wv], so both logits are one matmul
+    wqv: Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wqv", torch.cat([self.wq, self.wv]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +86,13 @@ class MoeWeights:
     # per-output-row scales [num_experts, 2 * inner] / [num_experts, dim]; None: plain floats.
     up_scale: Tensor | None = None
     down_scale: Tensor | None = None
+    # derived, not in the checkpoint: arange(num_experts) on the router's device (int64), the
+    # ids the grouped MoE finds each expert's offset for, made once here rather than per call
+    expert_ids: Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        ids = torch.arange(self.up.shape[0], device=self.router.weight.device)
+        object.__setattr__(self, "expert_ids", ids)
 
     @property
     def fp8(self) -> bool:

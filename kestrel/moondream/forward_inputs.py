@@ -2,10 +2,9 @@
 
 ``ForwardInputs`` is the attention half, a ``kestrel_kernels.AttentionBatch`` (positions, K/V
 slots, page table, key and query counts, bidirectional blocks, the plan's host facts and the
-backend), plus the per-forward options of the model itself: the rows' LoRA adapters and
-whether Moondream 3's MoE layers run in their static, sync-free form. Prefill, decode, the
-prefill and decode graphs, the compiled steps, the KV-pool warm-up and the reference path all
-build one and hand it to ``text_forward``.
+backend), plus the per-forward option of the model itself: the rows' LoRA adapters. Prefill,
+decode, the prefill and decode graphs, the compiled steps, the KV-pool warm-up and the
+reference path all build one and hand it to ``text_forward``.
 """
 
 from __future__ import annotations
@@ -22,12 +21,10 @@ __all__ = ["ForwardInputs"]
 @dataclass(frozen=True, slots=True, eq=False)
 class ForwardInputs:
     """``attention``: the forward's ``AttentionBatch``; ``lora``: None, or one adapter (or
-    None) per row with at least one adapter (``of`` drops an all-None list); ``moe_static``:
-    the MoE layers' static form (``moe.moe_mlp_static``) instead of grouped by expert."""
+    None) per row with at least one adapter (``of`` drops an all-None list)."""
 
     attention: AttentionBatch
     lora: tuple[LoraAdapter | None, ...] | None = None
-    moe_static: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, AttentionBatch):
@@ -50,8 +47,6 @@ class ForwardInputs:
         cls,
         attention: AttentionBatch,
         adapters: Sequence[LoraAdapter | None] | None = None,
-        *,
-        moe_static: bool = False,
     ) -> ForwardInputs:
         """The inputs with ``adapters`` (one per row) as ``lora``, None where no row has one."""
         if adapters is not None and all(a is None for a in adapters):
@@ -61,4 +56,4 @@ class ForwardInputs:
                 )
             adapters = None
         lora = None if adapters is None else tuple(adapters)
-        return cls(attention, lora, moe_static)
+        return cls(attention, lora)

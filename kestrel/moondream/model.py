@@ -14,7 +14,7 @@ it): ``vision.blocks.{i}.attn.qkv.weight``, ``text.wte``, ``region.coord_feature
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -193,7 +193,7 @@ def _count(obj: object) -> int:
         return sum(_count(o) for o in obj)
     if obj is None:
         return 0
-    return sum(_count(getattr(obj, s)) for s in obj.__slots__)  # type: ignore[attr-defined]
+    return sum(_count(getattr(obj, f.name)) for f in fields(obj) if f.init)  # type: ignore[arg-type]
 
 
 def _default_dtype(device: torch.device, checkpoint_dtype: torch.dtype) -> torch.dtype:
@@ -342,5 +342,6 @@ def _flatten_into(out: dict[str, Tensor], prefix: str, obj: object) -> None:
         for i, o in enumerate(obj):
             _flatten_into(out, f"{prefix}.{i}", o)
         return
-    for s in obj.__slots__:  # type: ignore[attr-defined]
-        _flatten_into(out, f"{prefix}.{_NATIVE.get(s, s)}", getattr(obj, s))
+    for f in fields(obj):  # type: ignore[arg-type]
+        if f.init:  # derived fields are not weights of the checkpoint
+            _flatten_into(out, f"{prefix}.{_NATIVE.get(f.name, f.name)}", getattr(obj, f.name))

@@ -25,7 +25,7 @@ from kestrel.moondream.config import TextConfig
 from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.lora_batch import LoraBatch
 from kestrel.moondream.model import LayerNorm, Linear, TextBlock, TextWeights
-from kestrel.moondream.moe import Routing, moe_mlp, moe_mlp_static, tau_factors
+from kestrel.moondream.moe import Routing, moe_mlp, tau_factors
 from kestrel.moondream.rope import rope_cos_sin
 from kestrel_kernels.fused import add_layer_norm, linear_gelu, rope_write_kv
 
@@ -74,12 +74,10 @@ class RoutingSink(Protocol):
     def __call__(self, layer: int, routing: Routing) -> None: ...
 
 
-def _mlp(
-    h, blk: TextBlock, cfg: TextConfig, plan, i: int, sink: RoutingSink | None, moe_static: bool
-) -> Tensor:
+def _mlp(h, blk: TextBlock, cfg: TextConfig, plan, i: int, sink: RoutingSink | None) -> Tensor:
     if blk.moe is not None:
         assert cfg.moe is not None
-        out, routing = (moe_mlp_static if moe_static else moe_mlp)(h, blk.moe, cfg.moe)
+        out, routing = moe_mlp(h, blk.moe, cfg.moe)
         if sink is not None:
             sink(i, routing)
         return out
@@ -105,7 +103,7 @@ def text_forward(
     x_BTC: input embeddings [B, T, dim]. ``inputs`` (``forward_inputs.ForwardInputs``): the
     attention batch -- positions (RoPE), the page each position's K/V is written to, page
     table, key / query counts, bidirectional blocks, the plan's host facts, the backend --
-    plus the rows' LoRA adapters and the MoE form. K/V of every layer are written to ``kv``.
+    plus the rows' LoRA adapters. K/V of every layer are written to ``kv``.
     routing_sink: called with (layer, Routing) for each MoE layer (Moondream 3), or None.
     Padding query rows' hidden states are meaningless (the caller drops them).
     """
@@ -136,7 +134,7 @@ def text_forward(
         attn = kestrel_kernels.attend(q, kv.k[i], kv.v[i], attn_plan, kv_scales=scales)
         # proj LoRA reads the LN output h, not the attention output (reference quirk).
         attn_out = _add_lora(linear(attn.reshape(B, T, C), blk.proj), h, plan, i, "proj")
-        mlp_out = _mlp(h, blk, cfg, plan, i, routing_sink, inputs.moe_static)
+        mlp_out = _mlp(h, blk, cfg, plan, i, routing_sink)
         if i + 1 < len(blocks):  # the residual add runs with the next block's LayerNorm
             ln = blocks[i + 1].ln
             x, h = add_layer_norm(x, (attn_out, mlp_out), ln.weight, ln.bias, LN_EPS)

@@ -5,8 +5,8 @@ of work. ``decode.decode_static`` is the whole step, token embedding included, a
 of static buffers with no host synchronisation; it is captured once per batch-size bucket (1, 2,
 4, ... up to ``max_batch_size``) and replayed. A batch of ``n`` uses the smallest bucket
 ``>= n``; its extra rows point at the reserved padding row 0, write no page and are dropped.
-Moondream 3's MoE layers run inside the step in their static form (``moe.moe_mlp_static``: no
-host synchronisation, the branch fixed by the bucket size), which is what lets them be captured.
+Moondream 3's MoE layers run inside the step as grouped GEMMs over the chosen experts
+(``moe.moe_mlp``: no host synchronisation, shapes fixed by the bucket size).
 
 Per step the host writes rows, lengths, token ids and an override flag into one pinned buffer and
 copies it without blocking, replays, and clones the outputs (the next replay overwrites them).

@@ -8,12 +8,9 @@ Two forms of the same step:
   synchronisation (embedding, full-width page-table rows, slots and key counts computed on the
   device), the form ``cuda_graphs.DecodeGraphs`` captures.
 
-Moondream 3's MoE layers run in their static form (``moe.moe_mlp_static``: no host
-synchronisation, shapes fixed by the batch size) in ``decode_static`` always -- capture needs
-it -- and in ``decode_eager`` on CUDA: the grouped form would stop the host once per MoE layer
-per step to read the expert counts, and a decode step's few rows gain nothing from grouping.
-On CPU, and in every prefill, the grouped form runs: it computes only the chosen experts
-without copying their weights, and a host round trip costs nothing there.
+Moondream 3's MoE layers take one form in both (``moe.moe_mlp``: the chosen experts as grouped
+GEMMs, shapes fixed by the batch size, no host synchronisation), which is what lets the step
+be captured.
 """
 
 from __future__ import annotations
@@ -53,8 +50,7 @@ def decode_eager(
     ``page_table_RP``: the runtime's device page table ``[max_batch + 1, max_seq_len]``.
     """
     attention = AttentionBatch.decode_host(page_table_RP, rows, lengths, backend=backend)
-    static = x_BC.is_cuda  # see the module doc
-    return _one_step(model, kv, x_BC, ForwardInputs.of(attention, adapters, moe_static=static))
+    return _one_step(model, kv, x_BC, ForwardInputs.of(attention, adapters))
 
 
 def decode_static(
@@ -80,5 +76,5 @@ def decode_static(
     x_BC = torch.where(override_B[:, None], override_BC, x_BC)
     pages_BP = page_table_RP.index_select(0, rows_B)  # [B, max_seq_len]
     attention = AttentionBatch.decode(pages_BP, lengths_B, live_B=rows_B > 0, backend=backend)
-    hidden_BC = _one_step(model, kv, x_BC, ForwardInputs(attention, moe_static=True))
+    hidden_BC = _one_step(model, kv, x_BC, ForwardInputs(attention))
     return hidden_BC, lm_head(hidden_BC, model.text)

@@ -137,7 +137,7 @@ def test_graph_buffers_give_the_eager_rows_in_the_same_type() -> None:
     batch = ForwardBatch.allocate((4, 8, False, None), 4, torch.float32, torch.device("cpu"))
     batch.meta.copy_(batch.host_meta(items))
     got = batch.inputs(table, "torch")
-    assert isinstance(got, ForwardInputs) and got.lora is None and not got.moe_static
+    assert isinstance(got, ForwardInputs) and got.lora is None
     att = got.attention
     layout = RowsLayout(2, 8, 0)
     eager_meta = layout.views(torch.tensor(layout.encode([it.span for it in items]), dtype=I32))
