@@ -54,6 +54,7 @@ __all__ = [
     "scaled_grouped_reference",
     "scaled_grouped_supported",
     "tau_scales",
+    "widens_per_expert",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn  # the published experts
@@ -170,12 +171,19 @@ def grouped_linear(rows: Rows, w_ENK: Tensor, offs_E: Tensor, scale_EN: Tensor |
         return _scaled_grouped(x, rows.scale, w_ENK, scale_EN, offs_E)
     if scale_EN is None and _aligned(x, w_ENK):
         return torch._grouped_mm(x, w_ENK.transpose(1, 2), offs=offs_E)
-    if scale_EN is not None and x.is_cuda:  # widened in one cast: static, no host sync
+    if scale_EN is not None and not widens_per_expert(x):  # one cast: static, no host sync
         wide = (w_ENK.float() * scale_EN.float()[..., None]).to(x.dtype)
         if _aligned(x, wide):
             return torch._grouped_mm(x, wide.transpose(1, 2), offs=offs_E)
         w_ENK, scale_EN = wide, None
     return _each_expert(x, w_ENK, offs_E, scale_EN)
+
+
+def widens_per_expert(x: Tensor) -> bool:
+    """Whether FP8 experts (off the scaled GEMM) are widened one routed expert at a time, the
+    offsets read on the host: on a CPU, where the host is the device and a whole stack widened
+    per call would cost far more; on a GPU the stack is widened in one cast (graph-safe)."""
+    return x.device.type == "cpu"
 
 
 def _each_expert(x_MK: Tensor, w_ENK: Tensor, offs_E: Tensor, scale_EN: Tensor | None) -> Tensor:

@@ -9,10 +9,12 @@ bucket (``kestrel_kernels.decode_tune``, under ``KESTREL_DECODE_KERNEL=auto``), 
 bucket's graph holds the faster one; over FP8 pages it checks the Triton kernel against the
 scaled reference, and only a kernel that agrees serves them (and lets FP8 decode be captured).
 The vision encoder (``vision_graphs``) is captured alongside whenever nothing is compiled: it
-touches no KV and no MoE. Prefill (``prefill_graphs``) is captured too when the model has no
-MoE layers (Moondream 3's grouped MoE synchronises in prefill) and the pages are not FP8
-(scaled prefill attention reads lengths on the host). ``capture_all`` captures every one of
-them; the runtime calls it once, before it serves.
+touches no KV. Prefill (``prefill_graphs``) is captured too, for both families (Moondream 3's
+MoE layers are grouped GEMMs with static shapes and no host sync, ``moe.moe_mlp``), unless the
+pages are FP8: scaled prefill attention gathers and widens each row's pages up to the longest
+row, a length it reads on the host; a graph would have to widen every row's whole page-table
+width instead (4,096 positions per row and layer, ~60x a hit's keys), so FP8-page prefill stays
+eager. ``capture_all`` captures every one of them; the runtime calls it once, before it serves.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class GraphSet:
         if not (capture and graphs) or compile:
             return cls(decode)
         prefill = None
-        if model.config.text.moe is None and not fp8_kv:
+        if not fp8_kv:
             prefill = PrefillGraphs(
                 model, kv, page_table_RP, max_batch_size=max_batch_size, backend=backend
             )

@@ -16,8 +16,9 @@ eager padded prefill (``prefill.py``), whose arithmetic per row this is.
 Every bucket is captured at start-up (``capture_all``, like the decode graphs: never while
 serving). ``run_all`` splits a wave of prefills that fits no single bucket (each image miss
 alone, the hits in groups); what fits no bucket -- LoRA adapters, several image blocks in one
-row, more positions than the largest bucket -- runs eagerly, in one batched forward. Moondream
-3's MoE layers and FP8 KV pages get no prefill graphs at all (``graph_set.py``).
+row, more positions than the largest bucket -- runs eagerly, in one batched forward. Both
+families are captured (Moondream 3's MoE layers are static grouped GEMMs); FP8 KV pages get no
+prefill graphs (``graph_set.py`` says why).
 """
 
 from __future__ import annotations

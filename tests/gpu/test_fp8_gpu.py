@@ -1,11 +1,12 @@
 """FP8 experts on a CUDA GPU (md3-tiny-a-fp8 in bfloat16).
 
-On an SM 9.0+ GPU the experts go through the row-scaled FP8 GEMM (``torch._scaled_mm``); on an
-older one they are dequantised on use. Checked here: the FP8 GEMM against the dequantised
-matmul, the static MoE with FP8 experts inside a captured CUDA graph (replay equals the eager
-call, no host synchronisation), the grouped and static forms within FP8 error of the MoE over
-the dequantised experts, and decode through the runtime's CUDA graphs on md3-tiny-a-fp8 equal to
-eager decode. Without CUDA everything skips (tests/conftest.py).
+On an SM 9.0+ GPU the experts go through the row-scaled FP8 grouped GEMM
+(``torch._scaled_grouped_mm``); on an older one the stack is widened on use. Checked here: the
+FP8 grouped GEMM against its float32 model (``scaled_grouped_reference``), the MoE with FP8
+experts inside a captured CUDA graph (replay equals the eager call, no host synchronisation),
+within FP8 error of the MoE over the dequantised experts, and decode through the runtime's
+CUDA graphs on md3-tiny-a-fp8 equal to eager decode. Without CUDA everything skips
+(tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 from PIL import Image
 
 from kestrel.moondream.config import TextMoeConfig
-from kestrel.moondream.fp8 import FP8_DTYPE, dequantize_rows, fp8_gemm_supported, quantize_rows
-from kestrel.moondream.fp8 import scaled_linear as fp8_scaled_linear
+from kestrel.moondream.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows
 from kestrel.moondream.model import Linear, MoeWeights, MoondreamModel
-from kestrel.moondream.moe import moe_mlp, moe_mlp_static
+from kestrel.moondream.moe import moe_mlp
+from kestrel_kernels import moe as kernels_moe
 from tests.conftest import FIXTURES
 from tests.gpu.test_md3_gpu import STEPS, fa_ready, run, syncs_raise  # noqa: F401
 from tests.tolerance import assert_close
@@ -32,7 +33,7 @@ DIM = 128
 
 
 def hopper() -> bool:
-    return fp8_gemm_supported(torch.device("cuda"), torch.bfloat16)
+    return kernels_moe.scaled_grouped_supported(torch.device("cuda"), torch.bfloat16)
 
 
 def fp8_weights(seed: int) -> tuple[MoeWeights, MoeWeights]:
@@ -49,43 +50,47 @@ def fp8_weights(seed: int) -> tuple[MoeWeights, MoeWeights]:
     return q, deq
 
 
-def test_scaled_gemm_on_device() -> None:
+def test_scaled_grouped_gemm_on_device() -> None:
+    """``torch._scaled_grouped_mm`` against its float32 model: uneven groups, an empty one."""
     if not hopper():
-        pytest.skip("the row-scaled FP8 GEMM needs an SM 9.0+ GPU")
+        pytest.skip("the row-scaled FP8 grouped GEMM needs an SM 9.0+ GPU")
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 128, generator=gen).cuda().bfloat16()
-    q, s = quantize_rows(torch.randn(256, 128, generator=gen))
-    got = fp8_scaled_linear(x, q.cuda(), s.cuda()).float()
-    want = (x @ dequantize_rows(q.cuda(), s.cuda(), torch.bfloat16).T).float()
-    assert float((got - want).norm() / want.norm()) < 0.05
+    x = torch.randn(40, 128, generator=gen).cuda().bfloat16()
+    q, s = quantize_rows(torch.randn(4, 256, 128, generator=gen))
+    q, s = q.cuda(), s.cuda()
+    offs = torch.tensor([3, 3, 20, 40], dtype=torch.int32, device="cuda")
+    xq, xs = kernels_moe.quantize_activations(x)
+    rows = kernels_moe.Rows(xq, xs)
+    got = kernels_moe.grouped_linear(rows, q, offs, s).float()
+    want = kernels_moe.scaled_grouped_reference(xq, xs, q, s, offs).float()
+    assert_close(got, want, rel=0.01)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 8, 16])
+@pytest.mark.parametrize("rows", [1, 7, 8, 16, 300])
 def test_fp8_moe_within_fp8_error(rows: int) -> None:
-    """Grouped and static FP8 MoE against the MoE over the dequantised experts (both bf16)."""
+    """The FP8 MoE against the MoE over the dequantised experts (both bf16)."""
     q, deq = fp8_weights(rows)
     x = torch.randn(rows, 1, DIM, generator=torch.Generator().manual_seed(9)).cuda().bfloat16()
-    for fn in (moe_mlp, moe_mlp_static):
-        got, r = fn(x, q, CFG)
-        want, r_want = fn(x, deq, CFG)
-        assert torch.equal(r.experts, r_want.experts)
-        rel = float((got.float() - want.float()).norm() / want.float().norm())
-        assert rel < (0.12 if hopper() else 0.02), (fn.__name__, rel)
+    got, r = moe_mlp(x, q, CFG)
+    want, r_want = moe_mlp(x, deq, CFG)
+    assert torch.equal(r.experts, r_want.experts)
+    rel = float((got.float() - want.float()).norm() / want.float().norm())
+    assert rel < (0.12 if hopper() else 0.02), rel
 
 
-@pytest.mark.parametrize("rows", [1, 16], ids=["gather", "all-experts"])
-def test_static_fp8_moe_in_a_cuda_graph(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 16])
+def test_fp8_moe_in_a_cuda_graph(rows: int) -> None:
     q, _ = fp8_weights(3)
     x = torch.randn(rows, 1, DIM, generator=torch.Generator().manual_seed(4)).cuda().bfloat16()
-    eager, _ = moe_mlp_static(x, q, CFG)
+    eager, _ = moe_mlp(x, q, CFG)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        moe_mlp_static(x, q, CFG)  # warm-up on the side stream
+        moe_mlp(x, q, CFG)  # warm-up on the side stream
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, _ = moe_mlp_static(x, q, CFG)
+        out, _ = moe_mlp(x, q, CFG)
     with syncs_raise():
         graph.replay()
     torch.cuda.synchronize()

@@ -1,11 +1,13 @@
 """Moondream 3 decode on a CUDA GPU: the md3-tiny-a fixture in bfloat16 with the fa backend.
 
-The MoE layers run in their static, sync-free form on CUDA (``moe.moe_mlp_static``), so a
-decode step captures into a CUDA graph. Checked here: graph replay equals the uncaptured step
-for one row (the gather branch: 1 x top-2 < 8 experts) and three rows (bucket 4: every expert),
-a graph-replayed step makes no host synchronisation, and the static MoE equals the grouped one
-on the device (same routing: one router, one input). Without CUDA
-everything skips (tests/conftest.py); without an sm90 GPU or flash-attn-4 the fa tests skip.
+The MoE layers are grouped GEMMs with static shapes and no host sync (``moe.moe_mlp``), so
+decode and prefill capture into CUDA graphs at start-up. Checked here: graph replay equals the
+uncaptured decode step for one row and three (bucket 4: a padding row routes too), a
+graph-replayed step makes no host synchronisation, every prefill bucket captures and a prefill
+from its graph equals the eager one, and the grouped MoE on the device (Moondream 3's routing,
+64 experts top 8) equals a per-token loop in float64, inside a CUDA graph too, without a sync.
+Without CUDA everything skips (tests/conftest.py); without an sm90 GPU or flash-attn-4 the fa
+tests skip.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from PIL import Image
 
 from kestrel.moondream.config import TextMoeConfig
 from kestrel.moondream.model import Linear, MoeWeights, MoondreamModel
-from kestrel.moondream.moe import gathers_experts, moe_mlp, moe_mlp_static
+from kestrel.moondream.moe import moe_mlp
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
@@ -72,13 +74,11 @@ def run(model, image, n: int, **kw) -> tuple[list[torch.Tensor], MoondreamRuntim
     return out, rt
 
 
-@pytest.mark.parametrize("n", [1, 3], ids=["B1-gather", "B3-all-experts"])
+@pytest.mark.parametrize("n", [1, 3], ids=["B1", "B3-padded"])
 def test_md3_graph_decode_matches_eager(fa_ready, model, image, n) -> None:
     captured, rt = run(model, image, n, attention_backend="fa", cuda_graphs=True)
-    bucket = 1 if n == 1 else 4
     assert rt.decode_graphs is not None and rt.decode_graphs.captured == (1, 2, 4)
     assert rt.decode_graphs.replays == STEPS
-    assert gathers_experts(bucket, model.config.text.moe) == (n == 1)
     eager, _ = run(model, image, n, attention_backend="fa", cuda_graphs=False)
     for g, e in zip(captured, eager, strict=True):
         assert_close(g, e, rel=0.01)
@@ -107,20 +107,69 @@ def syncs_raise() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("rows", [1, 7, 8, 64])
-def test_static_moe_equals_grouped_on_cuda(rows: int) -> None:
-    """Moondream 3's production routing (64 experts, top 8) at reduced widths, bf16."""
-    cfg = TextMoeConfig(expert_inner_dim=64)
-    gen = torch.Generator().manual_seed(rows)
-    e, dim, inner = cfg.num_experts, 128, cfg.expert_inner_dim
+def test_md3_prefill_graphs_capture_and_match_eager(fa_ready, model, image) -> None:
+    """Every prefill bucket captures at start-up; the image miss and a hit replay their graphs
+    and give the logits of the eager prefill."""
+    captured, rt = run(model, image, 2, attention_backend="fa", cuda_graphs=True)
+    graphs = rt.prefill_graphs
+    assert graphs is not None and not graphs.failures
+    assert graphs.captured == graphs.shapes and graphs.replays >= 1
+    eager, _ = run(model, image, 2, attention_backend="fa", cuda_graphs=False)
+    for g, e in zip(captured, eager, strict=True):
+        assert_close(g, e, rel=0.01)
+
+
+def moe_weights(cfg: TextMoeConfig, dim: int, seed: int) -> MoeWeights:
+    gen = torch.Generator().manual_seed(seed)
+    e, inner = cfg.num_experts, cfg.expert_inner_dim
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * scale).to("cuda", torch.bfloat16)
 
-    w = MoeWeights(Linear(rand(e, dim), rand(e)), rand(e, 2 * inner, dim, scale=dim**-0.5),
-                   rand(e, dim, inner, scale=inner**-0.5))  # fmt: skip
-    x = rand(rows, 1, dim)
-    want, r_want = moe_mlp(x, w, cfg)
-    got, r_got = moe_mlp_static(x, w, cfg)
-    assert torch.equal(r_got.experts, r_want.experts)
-    assert_close(got, want, rel=0.03)
+    return MoeWeights(Linear(rand(e, dim), rand(e)), rand(e, 2 * inner, dim, scale=dim**-0.5),
+                      rand(e, dim, inner, scale=inner**-0.5))  # fmt: skip
+
+
+def per_token(x: torch.Tensor, w: MoeWeights, experts, weights) -> torch.Tensor:
+    """The MoE of the routing taken, one token and expert at a time, in float64."""
+    from kestrel.moondream.moe import expert_activation
+
+    xs = x.reshape(-1, x.shape[-1]).double()
+    out = torch.zeros_like(xs)
+    for n in range(xs.shape[0]):
+        for e, wk in zip(experts[n].tolist(), weights[n].bfloat16().double(), strict=True):
+            h, g = (w.up[e].double() @ xs[n]).chunk(2)
+            out[n] += wk * (w.down[e].double() @ expert_activation(h, g))
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 64, 300])
+def test_grouped_moe_on_cuda(rows: int) -> None:
+    """Moondream 3's production routing (64 experts, top 8) at reduced widths, bf16: equal to
+    the per-token loop, and no host synchronisation (decode rows and a prefill's)."""
+    cfg = TextMoeConfig(expert_inner_dim=64)
+    w = moe_weights(cfg, 128, seed=rows)
+    x = torch.randn(rows, 1, 128, generator=torch.Generator().manual_seed(2)).cuda().bfloat16()
+    with syncs_raise():
+        got, r = moe_mlp(x, w, cfg)
+    assert_close(got.double(), per_token(x, w, r.experts, r.weights), rel=0.03)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_grouped_moe_in_a_cuda_graph(rows: int) -> None:
+    cfg = TextMoeConfig(expert_inner_dim=64)
+    w = moe_weights(cfg, 128, seed=5)
+    x = torch.randn(rows, 1, 128, generator=torch.Generator().manual_seed(4)).cuda().bfloat16()
+    eager, _ = moe_mlp(x, w, cfg)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe_mlp(x, w, cfg)  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = moe_mlp(x, w, cfg)
+    with syncs_raise():
+        graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, eager, rel=0.01)

@@ -1,6 +1,6 @@
 """Which CUDA graphs a runtime builds (``graph_set.GraphSet.build``), decided on a CPU with
 CUDA's support standing in: the vision encoder's whenever nothing is compiled (Moondream 3
-and FP8 pages included), prefill's only for dense models over 16-bit pages, and FP8 decode only
+and FP8 pages included), prefill's for both families over 16-bit pages, and FP8 decode only
 with the Triton decode kernel, whose static decode step over FP8 pages reads nothing back and
 equals the eager step."""
 
@@ -14,6 +14,7 @@ from kestrel.runtime import graph_set
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
 from kestrel_kernels import contract, dispatch
+from kestrel_kernels import moe as kernels_moe
 from kestrel_kernels.contract import KvScales
 from kestrel_kernels.counting import LaunchCounter
 from tests.conftest import FIXTURES
@@ -45,7 +46,8 @@ def _built(monkeypatch, fixture: str, *, fp8: bool, compile: bool = False):
         ("md2-tiny-a", False, "fa", (True, True, True)),
         ("md2-tiny-a", True, "fa", (False, False, True)),  # scaled decode reads the host
         ("md2-tiny-a", True, "triton", (True, False, True)),
-        ("md3-tiny-a", False, "fa", (True, False, True)),  # MoE prefill synchronises
+        ("md3-tiny-a", False, "fa", (True, True, True)),  # grouped MoE: static, no sync
+        ("md3-tiny-a", True, "triton", (True, False, True)),  # scaled prefill reads the host
     ],
 )
 def test_which_graphs_are_built(monkeypatch, switch, fixture, fp8, kernel, want) -> None:
@@ -68,6 +70,8 @@ def test_fp8_static_decode_reads_nothing_back(monkeypatch, switch) -> None:
     # the contract's value checks read CPU tensors back; on CUDA they never run (as in
     # scripts/count_kernels.py, they are left out of what is counted)
     monkeypatch.setattr(contract, "_check_values", lambda *args, **kwargs: None)
+    # FP8 experts as a GPU without the FP8 grouped GEMM widens them: the stack in one cast
+    monkeypatch.setattr(kernels_moe, "widens_per_expert", lambda x: False)
     model = MoondreamModel.from_pretrained(FIXTURES / "md3-tiny-a-fp8")
     layers = model.config.text.n_layers
     scales = [KvScales(torch.tensor([0.5]), torch.tensor([0.3])) for _ in range(layers)]
