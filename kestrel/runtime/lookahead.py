@@ -13,13 +13,22 @@ the host has the ids, and the next ``decode`` call settles the guess row by row
 (``settle``): a row fed exactly that text token keeps the look-ahead position and its
 outputs; any other row (the skill stopped, fed a coordinate instead, finished its budget, or
 was retired) rolls the position back, and a row still running is computed again with its real
-token. On a GPU a wasted look-ahead row costs nothing extra (the batch shares the forward); a
-retired row's pending write lands in its own private page before anything reuses that page
-(one stream orders them).
+token. On a GPU a wasted look-ahead row costs nothing extra (the batch shares the forward).
+
+A row that ends does not feed its last token (``Skill`` returns None: the scheduler retires it
+in the same step). Where the end is known before the ids are read -- the draw is ``final``: the
+token is an answer's ``max_tokens``-th -- the row is left out of step t+1 (``BatchExecutor``
+gathers the other rows' ids on the device), so it is fed exactly once per kept token. A row
+whose device-chosen id is its stop token cannot be told apart before the read (that is what
+the read is for), so it is queued, fed its stop token, and rolled back. Nothing of it leaks:
+its write lands at its own next position, a private page past everything it may retain (the
+cache-owned pages all lie before it); the release rolls the position back before the fed tokens
+are inserted into the tree, so only positions fed by a real, confirmed step are cached; the
+erase then frees the page, and one stream orders the pending write before any reuse.
 
 The runner looks ahead only when every row of the step samples its next token from the logits
-(``Skill.next_draw``) and has a page left, and not every row's draw is ``final`` (its token
-ends the answer unfed: at batch 1, the step after an answer's last token would be computed for
+(``Skill.next_draw``) and the rows it queues have a page left; with every draw ``final`` there
+is nothing to queue (at batch 1, the step after an answer's last token would be computed for
 nothing). The scheduler asks for it only when no admission is due: a prefill between two steps
 would leave its new rows out of the queued step, costing a second forward.
 """

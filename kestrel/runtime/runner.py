@@ -12,7 +12,7 @@ import torch
 
 from kestrel.kv.page_table import BatchSlotsExhausted, PagePoolExhausted
 from kestrel.prefix_cache.node import token_kv_length
-from kestrel.runtime.heads import RowLogits, batch_rows, choose
+from kestrel.runtime.heads import BatchChoice, RowLogits, batch_rows, choose
 from kestrel.runtime.lookahead import AheadStep, LookaheadCounters, settle
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.runtime.sequence import SequenceState
@@ -185,21 +185,18 @@ class BatchExecutor:
 
         ``lookahead``: the caller plans no admission before the next step, so this one may
         queue the next step before reading its tokens (``lookahead.py``; only if the runner
-        looks ahead at all)."""
+        looks ahead at all), for every row whose draw is not ``final``."""
         next_draw = self._next_draw
         draws = [next_draw[h.batch_idx]() if h.batch_idx in next_draw else None for h in handles]
         with torch.inference_mode():
             logits_BV, hidden = self._forward(handles, tokens)
             choice = choose(logits_BV, draws)
-            ahead = None
-            if lookahead and self.lookahead and self._may_look_ahead(handles, draws):
-                h_BC, l_BV = self.runtime.decode_ahead(handles, choice.chosen_B)
-                ahead = AheadStep(list(handles), h_BC, l_BV, [])
-                self.lookahead_counters.steps += 1
-                self.lookahead_counters.rows += len(handles)
+            keep = self._ahead_rows(handles, draws) if lookahead and self.lookahead else None
+            ahead = None if keep is None else self._queue_ahead(handles, choice, keep)
             rows = choice.rows()  # the one read (deferred when a look-ahead step is queued)
-        if ahead is not None:
-            ahead.fed_ids = choice.picks
+        if ahead is not None and keep is not None:
+            picks = choice.picks
+            ahead.fed_ids = picks if len(keep) == len(picks) else [picks[b] for b in keep]
             self._ahead = ahead
         return rows, hidden
 
@@ -224,13 +221,34 @@ class BatchExecutor:
         return torch.cat(parts).index_select(0, index), [h.last_hidden for h in handles]
 
     @staticmethod
-    def _may_look_ahead(handles: Sequence[SequenceState], draws: Sequence[Draw | None]) -> bool:
-        """Every row samples its next token from the logits and has a page left for it, and
-        some row will feed it (a ``final`` draw's token ends its output: a step queued for
-        such rows alone would be computed for nothing)."""
+    def _ahead_rows(
+        handles: Sequence[SequenceState], draws: Sequence[Draw | None]
+    ) -> list[int] | None:
+        """The rows a look-ahead step may feed, or None when none is queued.
+
+        Every row must sample its next token from the logits (a region skill reads the hidden
+        state). A row whose draw is ``final`` is left out: its token ends its output unfed,
+        so it will retire without another forward (queued, it would be computed and rolled
+        back for nothing). The rest must have a page left, and at least one must remain."""
         if not all(d is not None for d in draws):
-            return False
-        return all(h.length < h.max_length for h in handles) and not all(d.final for d in draws)
+            return None
+        keep = [b for b, d in enumerate(draws) if d is not None and not d.final]
+        if not keep or not all(handles[b].length < handles[b].max_length for b in keep):
+            return None
+        return keep
+
+    def _queue_ahead(
+        self, handles: Sequence[SequenceState], choice: BatchChoice, keep: list[int]
+    ) -> AheadStep:
+        """Queue the look-ahead step for the rows ``keep``, fed the ids the device chose."""
+        ids_B = choice.chosen_B
+        if len(keep) < len(handles):  # a gather on the device: nothing is read back
+            ids_B = ids_B.index_select(0, upload(keep, torch.int64, ids_B.device))
+        states = [handles[b] for b in keep] if len(keep) < len(handles) else list(handles)
+        h_BC, l_BV = self.runtime.decode_ahead(states, ids_B)
+        self.lookahead_counters.steps += 1
+        self.lookahead_counters.rows += len(states)
+        return AheadStep(states, h_BC, l_BV, [])
 
     def release(self, handle: SequenceState) -> None:
         self._next_draw.pop(handle.batch_idx, None)
