@@ -30,8 +30,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 
 
 @functools.cache
-def _build(interpret: bool):
-    """(gather, geglu, combine, tau) jitted for one interpreter mode."""
+def _build_gather(interpret: bool):
     del interpret  # part of the cache key: triton.jit reads the knob when it decorates
     import triton
     import triton.language as tl
@@ -55,6 +54,15 @@ def _build(interpret: bool):
             tl.store(scale_out + i, scale, mask=live)
         tl.store(out + i * C + c, v.to(out.dtype.element_ty), mask=ok)
 
+    return gather_kernel
+
+
+@functools.cache
+def _build_geglu(interpret: bool):
+    del interpret  # part of the cache key: triton.jit reads the knob when it decorates
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def geglu_kernel(
         hg, out, scale_out, M, INNER: tl.constexpr, ROWS: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -73,6 +81,15 @@ def _build(interpret: bool):
             tl.store(scale_out + r, scale, mask=r < M)
         tl.store(out + r * INNER + c, v.to(out.dtype.element_ty), mask=ok)
 
+    return geglu_kernel
+
+
+@functools.cache
+def _build_combine(interpret: bool):
+    del interpret  # part of the cache key: triton.jit reads the knob when it decorates
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def combine_kernel(
         y, inv, w, out, N, C: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
@@ -89,6 +106,15 @@ def _build(interpret: bool):
             wj = tl.load(w + n * K + j, mask=live, other=0.0).to(ty).to(tl.float32)
             acc += wj * tl.load(y + row * C + c, mask=ok, other=0.0).to(tl.float32)
         tl.store(out + n * C + c, acc.to(ty), mask=ok)
+
+    return combine_kernel
+
+
+@functools.cache
+def _build_tau(interpret: bool):
+    del interpret  # part of the cache key: triton.jit reads the knob when it decorates
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def tau_kernel(
@@ -107,7 +133,12 @@ def _build(interpret: bool):
         tl.store(tq + n * H + h, (2.0 * tl.sigmoid(2.0 * q) - 1.0 + tau_pos).to(ty), mask=ok)
         tl.store(tv + n * H + h, (2.0 * tl.sigmoid(2.0 * v) - 1.0 + tau_pos).to(ty), mask=ok)
 
-    return gather_kernel, geglu_kernel, combine_kernel, tau_kernel
+    return tau_kernel
+
+
+def _build(interpret: bool):
+    """(gather, geglu, combine, tau) jitted for one interpreter mode."""
+    return tuple(b(interpret) for b in (_build_gather, _build_geglu, _build_combine, _build_tau))
 
 
 def kernels():

@@ -25,7 +25,10 @@ every variant interleaved through the harness (``harness.py``), median (min-max)
    16-bit stacks), then decode tokens/s at batch 1 and 16 with the experts kept FP8
    (dequantised on use) against dequantised once at load (``moe_weights``).
 
-``--tables`` picks the tables (default all: decode,prefill,ttft,fp8).
+5. ``forms`` (``bench_moe_forms.py``): one MoE layer at these widths, the grouped form (two
+   grouped GEMMs, no host sync) against the forms it replaced, at 1, 8, 64 and 512 rows.
+
+``--tables`` picks the tables (default all: decode,prefill,ttft,fp8,forms).
 """
 
 from __future__ import annotations
@@ -216,7 +219,7 @@ def parse_args() -> argparse.Namespace:
     work.add_argument("--batches", default="1,2,4,8,16")
     work.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     work.add_argument("--prompt", type=int, default=740, help="prefill prompt tokens")
-    work.add_argument("--tables", default="decode,prefill,ttft,fp8")
+    work.add_argument("--tables", default="decode,prefill,ttft,fp8,forms")
     work.add_argument("--fp8-batches", default="1,16", help="batch sizes of the FP8 decode table")
     harness.add_arguments(p, rounds=3)
     return p.parse_args()
@@ -360,6 +363,14 @@ def main() -> None:
             fp8_path = write_fp8_checkpoint(models["moe"], Path(tmp) / "moe-fp8").parent
             memory_table(bench, fp8_path)
             fp8_decode_table(bench, fp8_path, args, dtype)
+    if "forms" in tables:
+        import bench_moe_forms
+
+        forms = argparse.Namespace(
+            dim=args.dim, inner=args.expert_inner, experts=args.experts, top_k=args.top_k,
+            rows="1,8,64,512", dtype=args.dtype,
+        )  # fmt: skip
+        bench_moe_forms.run_table(bench, forms)
     bench.finish()
 
 

@@ -62,3 +62,16 @@ def test_decode_accounting(bench, tmp_path: Path) -> None:
     from kestrel.moondream.moe import moe_mlp
 
     assert text_module.moe_mlp is moe_mlp
+
+
+def test_forms_table_runs_every_form_and_checks_them_equal(capsys) -> None:
+    """``bench_moe_forms.py`` at toy widths: every old form agrees with the grouped one (the
+    script asserts it before timing) and each gets a row, with its ratio to ``grouped``."""
+    with on_path():
+        forms = importlib.import_module("bench_moe_forms")
+    forms.main(["--dim", "32", "--inner", "16", "--experts", "8", "--top-k", "2",
+                "--rows", "1,8", "--rounds", "1", "--allow-busy"])  # fmt: skip
+    out = capsys.readouterr().out
+    for name in forms.FORMS:
+        assert out.count(f"| {name} |") == 2, out
+    assert out.count("N = ") == 2

@@ -1,0 +1,298 @@
+"""What ``scripts/count_kernels.py`` runs: a runtime of either family on the branches a GPU takes,
+run on a CPU, and the decode / prefill rows it counts (launches, syncs, uploads).
+
+The model is the family's structure (24 text layers, 27 vision layers, 729 patches per crop,
+the 730-position BOS + image block; Moondream 3: tau attention and 64 experts, top 8, from
+layer 4, FP8 experts as published) at small widths, with random bf16 weights: launch, sync and
+upload counts depend on the structure, not on the widths. ``gpu_branches`` swaps in what a GPU
+would run: the ``fa`` backend with FlashAttention's torch model (one launch a call), the
+Triton kernels under ``TRITON_INTERPRET=1`` (one launch each), and for FP8 experts Hopper's
+scaled grouped GEMM (its float32 model, one launch). A row's setup (its prefills and first
+decode steps, never counted) runs the torch forms: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import time
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kestrel.engine.requests import RequestFactory
+from kestrel.images import prepare_image
+from kestrel.moondream import moe as moe_module
+from kestrel.moondream.config import MoondreamConfig, TextMoeConfig
+from kestrel.moondream.fp8 import quantize_rows
+from kestrel.moondream.model import MoondreamModel
+from kestrel.moondream.tokenizer import MoondreamTokenizer
+from kestrel.runtime.cuda_graphs import DecodeGraphs
+from kestrel.runtime.heads import ModelHeads
+from kestrel.runtime.prefill_graphs import PrefillGraphs
+from kestrel.runtime.runner import BatchExecutor
+from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.runtime.vision_graphs import VisionGraphs
+from kestrel.scheduler import Request, Scheduler
+from kestrel.testing.random_weights import random_model
+from kestrel_kernels import contract, fa_backend, fused
+from kestrel_kernels.counting import LaunchCounter
+from kestrel_kernels.torch_backend import varlen_paged_attention_torch
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = {"md2": REPO / "tests" / "fixtures" / "md2-tiny-a",
+            "md3": REPO / "tests" / "fixtures" / "md3-tiny-a"}  # fmt: skip
+MD3_MOE = TextMoeConfig(num_experts=64, start_layer=4, experts_per_token=8, expert_inner_dim=32)
+SAMPLED = {"temperature": 0.5, "top_p": 0.3, "max_tokens": 48}
+GREEDY = {"temperature": 0.0, "max_tokens": 48}
+
+
+def fake_binding(
+    q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k, page_table, softmax_scale, causal, **unused
+):
+    """FlashAttention's varlen paged call, computed by its torch model (one launch)."""
+    from kestrel_kernels.counting import opaque
+
+    with opaque("flash_attn"):
+        args = (page_table, 1, seqused_k, cu_seqlens_q, max_seqlen_q, causal, softmax_scale)
+        out = varlen_paged_attention_torch(q, k[:, 0], v[:, 0], *args)
+    return out, None
+
+
+@contextlib.contextmanager
+def gpu_branches():
+    """The ``fa`` backend with the stand-in binding; host-side value checks (CPU only) paused."""
+    saved = (
+        fa_backend.probe,
+        fa_backend.load_binding,
+        contract._check_values,
+        contract._check_regions,
+    )
+    fa_backend.probe = lambda device=None: fa_backend.FaProbe(True, "counting stand-in")
+    fa_backend.load_binding = lambda: fake_binding
+    contract._check_values = lambda *a, **k: None  # runs on CPU tensors only
+    contract._check_regions = lambda *a, **k: None
+    hopper = moe_module.scaled_grouped_supported
+    moe_module.scaled_grouped_supported = lambda device, dtype: True  # FP8 experts: Hopper's GEMM
+    fused_before = fused.get_fused_backend()
+    if importlib.util.find_spec("triton") is not None:
+        fused.set_fused_backend("triton")  # the Triton kernels, interpreted: one launch each
+    try:
+        yield
+    finally:
+        fused.set_fused_backend(fused_before)
+        moe_module.scaled_grouped_supported = hopper
+        (
+            fa_backend.probe,
+            fa_backend.load_binding,
+            contract._check_values,
+            contract._check_regions,
+        ) = saved
+
+
+def fp8_experts(model: MoondreamModel) -> MoondreamModel:
+    """The model with its expert stacks in the published FP8 form (row-scaled e4m3)."""
+    sd = model.state_dict()
+    for name in [n for n in sd if n.endswith(("mlp.fc1.weight", "mlp.fc2.weight"))]:
+        if sd[name].dim() == 3:  # an expert stack [E, out, in]
+            sd[name], sd[name.removesuffix("weight") + "scale"] = quantize_rows(sd[name])
+    return MoondreamModel.from_state_dict(sd, model.config)
+
+
+def family_model(family: str) -> MoondreamModel:
+    base = MoondreamConfig.from_json_file(FIXTURES[family] / "config.json")
+    text = replace(base.text, n_layers=24)
+    if family == "md3":
+        text = replace(text, moe=MD3_MOE)
+    model = random_model(replace(base, text=text), device="cpu", dtype=torch.bfloat16, seed=0)
+    # random weights may end an answer at once: the end-of-text logit is pushed far down, so
+    # every counted row keeps decoding (the counts do not depend on the logits' values)
+    model.text.lm_head.bias[base.tokenizer.eos_id] = -1e4
+    return fp8_experts(model) if family == "md3" else model
+
+
+def build(max_batch: int, family: str = "md2"):
+    model = family_model(family)
+    cfg = model.config
+    rt = MoondreamRuntime(
+        model,
+        MoondreamTokenizer.for_checkpoint(FIXTURES[family]),
+        kv_cache_pages=max_batch * 900 + 4000,
+        max_batch_size=max_batch,
+        attention_backend="fa",
+        device_crops=True,  # as on CUDA: the image's crops cut where the encoder runs
+    )
+    rt.decode_graphs = DecodeGraphs(
+        model,
+        rt.kv,
+        rt.page_table.page_table,
+        max_batch_size=max_batch,
+        backend="fa",
+        capture=False,
+    )
+    # the prefill and vision graphs, uncaptured: their launches are the graph bodies
+    rt.prefill_graphs = PrefillGraphs(
+        model, rt.kv, rt.page_table.page_table, max_batch_size=max_batch, backend="fa",
+        capture=False,
+    )  # fmt: skip
+    rt.vision_graphs = VisionGraphs(model, capture=False)
+    runner = BatchExecutor(rt, lookahead=True)  # as on CUDA
+    factory = RequestFactory(ModelHeads(model, rt.tokenizer), cfg)
+    return rt, runner, Scheduler(runner), factory
+
+
+_ids = iter(range(1, 1 << 30))
+
+
+def submit(sched: Scheduler, factory: RequestFactory, image, question: str, settings) -> Future:
+    d = factory.query(image, question, settings, None, reasoning=False, spatial_refs=None)
+    fut: Future = Future()
+    sched.submit(
+        Request(
+            request_id=next(_ids),
+            skill=d.skill,
+            image=d.image,
+            adapter=None,
+            cache_salt=None,
+            prompt_positions=d.prompt_positions,
+            max_new_tokens=d.max_new_tokens,
+            future=fut,
+            build_result=d.build_result,
+            submitted_at=time.perf_counter(),
+        )
+    )
+    return fut
+
+
+def picture(seed: int, h: int = 756, w: int = 1512):
+    rng = np.random.default_rng(seed)
+    return prepare_image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+QUESTION = "What is the total revenue shown for the third quarter of the year in this chart?"
+
+
+def counted(fn, sites: bool) -> tuple[LaunchCounter, object]:
+    with LaunchCounter(sites=sites) as c:
+        out = fn()
+    return c, out
+
+
+def graph_body_launches(rt: MoondreamRuntime, counter_box: list) -> None:
+    """Wrap the static step so the launches of the (would-be captured) body are known."""
+    graphs = rt.decode_graphs
+    original = graphs._forward
+
+    def forward(bucket):
+        c = counter_box[0]
+        before = c.launches if c is not None else 0
+        original(bucket)
+        if c is not None:
+            c.graph_body = c.launches - before
+            c.replays += 1
+
+    graphs._forward = forward
+
+
+@contextlib.contextmanager
+def torch_forms():
+    """The torch forms of the fused ops for a row's setup (not counted), then the Triton ones."""
+    before = fused.get_fused_backend()
+    fused.set_fused_backend("torch")
+    try:
+        yield
+    finally:
+        fused.set_fused_backend(before)
+
+
+def decode_rows(batch: int, settings: dict, sites: bool, family: str = "md2") -> dict:
+    rt, _runner, sched, factory = build(max(batch, 1), family)
+    image = picture(1)
+    futures = [submit(sched, factory, image, f"{QUESTION} {i}", settings) for i in range(batch)]
+    with torch_forms():
+        while sched.waiting or len(sched.running) < batch:
+            sched.step()
+        sched.step()  # warm: every row decoding
+    box: list = [None]
+    graph_body_launches(rt, box)
+    sched.step()
+    with LaunchCounter(sites=sites) as c:
+        box[0] = c
+        c.graph_body = 0
+        sched._decode()
+    box[0] = None
+    running = len(sched.running)
+    for f in futures:
+        f.cancel()
+    return {
+        "rows": running,
+        "graph_body": c.graph_body,
+        "outside": c.launches - c.graph_body,
+        "syncs": c.syncs,
+        "deferred": c.deferred_reads,
+        "uploads_blocking": c.uploads_blocking,
+        "uploads_nonblocking": c.uploads_nonblocking,
+        "replays": c.replays,
+        "sites": c.sites,
+    }
+
+
+def bodies(obj, name: str, box: list) -> None:
+    """Count the launches of ``obj.name`` (a graph's body, run uncaptured) into the counter in
+    ``box``: ``graph_body`` and ``replays`` (each body run stands for one graph launch)."""
+    original = getattr(obj, name)
+
+    def body(*args, **kwargs):
+        c = box[0]
+        before = c.launches if c is not None else 0
+        out = original(*args, **kwargs)
+        if c is not None:
+            c.graph_body += c.launches - before
+            c.replays += 1
+        return out
+
+    setattr(obj, name, body)
+
+
+def counted_graphs(box: list, sites: bool) -> LaunchCounter:
+    c = LaunchCounter(sites=sites)
+    c.graph_body = c.replays = 0
+    box[0] = c
+    return c
+
+
+def prefill_rows(sites: bool, family: str = "md2") -> dict:
+    rt, _runner, sched, factory = build(4, family)
+    box: list = [None]
+    bodies(rt.prefill_graphs, "_step", box)
+    bodies(rt.vision_graphs, "_encoder", box)
+    out = {}
+    with counted_graphs(box, sites) as c:
+        submit(sched, factory, picture(2), QUESTION, GREEDY)
+        sched._prefill(sched._schedule())
+    out["prefill_miss"] = c
+    before = {id(r) for r in sched.running}
+    with counted_graphs(box, sites) as c:
+        submit(sched, factory, picture(2), "How many bars are there?", GREEDY)
+        sched._prefill(sched._schedule())
+    out["prefill_hit"] = c
+    state = next(r for r in sched.running if id(r) not in before).handle
+    out["hit_positions"] = state.prompt_length - state.reused_page_count
+    img = picture(3)
+    with torch.inference_mode(), counted_graphs(box, sites) as c:
+        rt._encode_image(img)
+    out["vision_9"] = c
+    for key, seed in (("crops_new_size", 4), ("crops_seen_size", 5)):  # 757 x 1513, 9 crops
+        with torch.inference_mode(), counted_graphs(box, sites) as c:
+            rt.crops.pixels(picture(seed, 757, 1513)).encoder_input(rt.dtype, rt.device)
+        out[key] = c
+    box[0] = None
+    return out
+
+
+def eager(c: LaunchCounter) -> int:
+    """Launches outside any graph, each graph launch counted as one."""
+    return c.launches - c.graph_body + c.replays
