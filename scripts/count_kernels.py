@@ -54,9 +54,11 @@ from kernel_counts import (  # noqa: E402
     build,
     decode_rows,
     eager,
+    forward_syncs,
     gpu_branches,
     picture,
     prefill_rows,
+    readbacks,
     submit,
 )
 
@@ -167,7 +169,8 @@ def md3_summary(by: dict, pre: dict) -> dict:
         "md3_prefill_hit_eager": eager(hit),
         "md3_prefill_miss_eager": eager(miss),
         "md3_syncs_per_decode_step": max(b1["syncs"], b64["syncs"]),
-        "md3_syncs_per_prefill": max(hit.syncs, miss.syncs),
+        "md3_syncs_per_prefill": max(forward_syncs(hit), forward_syncs(miss)),
+        "md3_prefill_token_reads": max(readbacks(hit), readbacks(miss)),
         "md3_uploads_per_prefill": max(hit.uploads_blocking, miss.uploads_blocking),
     }
 

@@ -8,12 +8,14 @@ upload counts depend on the structure, not on the widths. ``gpu_branches`` swaps
 would run: the ``fa`` backend with FlashAttention's torch model (one launch a call), the
 Triton kernels under ``TRITON_INTERPRET=1`` (one launch each), and for FP8 experts Hopper's
 scaled grouped GEMM (its float32 model, one launch). A row's setup (its prefills and first
-decode steps, never counted) runs the torch forms: the interpreter is slow.
+decode steps, never counted) runs the torch forms, and the crops' device probe that every
+runtime's start-up runs is run once per process: the interpreter is slow.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import time
 from concurrent.futures import Future
@@ -27,9 +29,11 @@ from kestrel.engine.requests import RequestFactory
 from kestrel.images import prepare_image
 from kestrel.moondream import moe as moe_module
 from kestrel.moondream.config import MoondreamConfig, TextMoeConfig
+from kestrel.moondream.device_crops import device_disagrees
 from kestrel.moondream.fp8 import quantize_rows
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
+from kestrel.runtime import crop_maker
 from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.heads import ModelHeads
 from kestrel.runtime.prefill_graphs import PrefillGraphs
@@ -62,6 +66,11 @@ def fake_binding(
     return out, None
 
 
+@functools.cache
+def _probe_once(config, device: str) -> str | None:
+    return device_disagrees(config, device)
+
+
 @contextlib.contextmanager
 def gpu_branches():
     """The ``fa`` backend with the stand-in binding; host-side value checks (CPU only) paused."""
@@ -75,6 +84,8 @@ def gpu_branches():
     fa_backend.load_binding = lambda: fake_binding
     contract._check_values = lambda *a, **k: None  # runs on CPU tensors only
     contract._check_regions = lambda *a, **k: None
+    probe = crop_maker.device_disagrees  # the crops' device probe (~35 s interpreted): once
+    crop_maker.device_disagrees = lambda config, device: _probe_once(config, str(device))
     hopper = moe_module.scaled_grouped_supported
     moe_module.scaled_grouped_supported = lambda device, dtype: True  # FP8 experts: Hopper's GEMM
     fused_before = fused.get_fused_backend()
@@ -85,6 +96,7 @@ def gpu_branches():
     finally:
         fused.set_fused_backend(fused_before)
         moe_module.scaled_grouped_supported = hopper
+        crop_maker.device_disagrees = probe
         (
             fa_backend.probe,
             fa_backend.load_binding,
@@ -102,11 +114,11 @@ def fp8_experts(model: MoondreamModel) -> MoondreamModel:
     return MoondreamModel.from_state_dict(sd, model.config)
 
 
-def family_model(family: str) -> MoondreamModel:
+def family_model(family: str, layers: int = 24) -> MoondreamModel:
     base = MoondreamConfig.from_json_file(FIXTURES[family] / "config.json")
-    text = replace(base.text, n_layers=24)
-    if family == "md3":
-        text = replace(text, moe=MD3_MOE)
+    text = replace(base.text, n_layers=layers)
+    if family == "md3":  # MoE from layer 4 (at 24 layers; from layers // 3 below 12)
+        text = replace(text, moe=replace(MD3_MOE, start_layer=min(4, layers // 3)))
     model = random_model(replace(base, text=text), device="cpu", dtype=torch.bfloat16, seed=0)
     # random weights may end an answer at once: the end-of-text logit is pushed far down, so
     # every counted row keeps decoding (the counts do not depend on the logits' values)
@@ -114,8 +126,8 @@ def family_model(family: str) -> MoondreamModel:
     return fp8_experts(model) if family == "md3" else model
 
 
-def build(max_batch: int, family: str = "md2"):
-    model = family_model(family)
+def build(max_batch: int, family: str = "md2", layers: int = 24):
+    model = family_model(family, layers)
     cfg = model.config
     rt = MoondreamRuntime(
         model,
@@ -208,8 +220,10 @@ def torch_forms():
         fused.set_fused_backend(before)
 
 
-def decode_rows(batch: int, settings: dict, sites: bool, family: str = "md2") -> dict:
-    rt, _runner, sched, factory = build(max(batch, 1), family)
+def decode_rows(
+    batch: int, settings: dict, sites: bool, family: str = "md2", layers: int = 24
+) -> dict:
+    rt, _runner, sched, factory = build(max(batch, 1), family, layers)
     image = picture(1)
     futures = [submit(sched, factory, image, f"{QUESTION} {i}", settings) for i in range(batch)]
     with torch_forms():
@@ -257,6 +271,17 @@ def bodies(obj, name: str, box: list) -> None:
     setattr(obj, name, body)
 
 
+def readbacks(c: LaunchCounter) -> int:
+    """The reads of the chosen tokens (one ends every prefill: its first token for the skill;
+    counted with the syncs, as the host waits for them), from a counter that kept its sites."""
+    return sum(n for (kind, _site), n in c.sites.items() if kind == "sync readback")
+
+
+def forward_syncs(c: LaunchCounter) -> int:
+    """Host synchronisations inside the forward: every sync but the token reads."""
+    return c.syncs - readbacks(c)
+
+
 def counted_graphs(box: list, sites: bool) -> LaunchCounter:
     c = LaunchCounter(sites=sites)
     c.graph_body = c.replays = 0
@@ -264,12 +289,18 @@ def counted_graphs(box: list, sites: bool) -> LaunchCounter:
     return c
 
 
-def prefill_rows(sites: bool, family: str = "md2") -> dict:
-    rt, _runner, sched, factory = build(4, family)
+def prefill_rows(sites: bool, family: str = "md2", layers: int = 24) -> dict:
+    """The miss and hit prefill counts (sites always kept: ``readbacks`` reads them), and
+    for Moondream 2 the vision encoder's and the crops'."""
+    del sites
+    sites = True
+    rt, _runner, sched, factory = build(4, family, layers)
     box: list = [None]
     bodies(rt.prefill_graphs, "_step", box)
     bodies(rt.vision_graphs, "_encoder", box)
     out = {}
+    with torch.inference_mode():  # the image size seen before (a new one: ``crops_new_size``)
+        rt.crops.pixels(picture(9)).encoder_input(rt.dtype, rt.device)
     with counted_graphs(box, sites) as c:
         submit(sched, factory, picture(2), QUESTION, GREEDY)
         sched._prefill(sched._schedule())
@@ -281,6 +312,14 @@ def prefill_rows(sites: bool, family: str = "md2") -> dict:
     out["prefill_hit"] = c
     state = next(r for r in sched.running if id(r) not in before).handle
     out["hit_positions"] = state.prompt_length - state.reused_page_count
+    if family == "md2":  # the vision tower and crops are the same in both families
+        out.update(vision_rows(rt, box, sites))
+    box[0] = None
+    return out
+
+
+def vision_rows(rt: MoondreamRuntime, box: list, sites: bool) -> dict:
+    out = {}
     img = picture(3)
     with torch.inference_mode(), counted_graphs(box, sites) as c:
         rt._encode_image(img)
@@ -289,7 +328,6 @@ def prefill_rows(sites: bool, family: str = "md2") -> dict:
         with torch.inference_mode(), counted_graphs(box, sites) as c:
             rt.crops.pixels(picture(seed, 757, 1513)).encoder_input(rt.dtype, rt.device)
         out[key] = c
-    box[0] = None
     return out
 
 
