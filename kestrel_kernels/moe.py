@@ -164,8 +164,11 @@ def _aligned(x_MK: Tensor, w_ENK: Tensor) -> bool:
 def grouped_linear(rows: Rows, w_ENK: Tensor, offs_E: Tensor, scale_EN: Tensor | None) -> Tensor:
     """Row block e (``offs``) times expert e's matrix transposed: [M, N], in the activations'
     dtype (bf16 when the rows are quantised). ``w_ENK``: the [E, N, K] stack (``Linear``
-    layout), float8_e4m3 with ``scale_EN`` float32 [E, N], or plain with None."""
+    layout), float8_e4m3 with ``scale_EN`` float32 [E, N], or plain with None. Under
+    ``torch.compile`` other activations than bf16 take a per-row gather (``_gathered``)."""
     x = rows.x
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return _gathered(x, w_ENK, offs_E, scale_EN)  # the grouped GEMM traces in bf16 only
     if rows.scale is not None:  # quantised rows: the row-scaled FP8 grouped GEMM
         assert scale_EN is not None
         return _scaled_grouped(x, rows.scale, w_ENK, scale_EN, offs_E)
@@ -177,6 +180,18 @@ def grouped_linear(rows: Rows, w_ENK: Tensor, offs_E: Tensor, scale_EN: Tensor |
             return torch._grouped_mm(x, wide.transpose(1, 2), offs=offs_E)
         w_ENK, scale_EN = wide, None
     return _each_expert(x, w_ENK, offs_E, scale_EN)
+
+
+def _gathered(x_MK: Tensor, w_ENK: Tensor, offs_E: Tensor, scale_EN: Tensor | None) -> Tensor:
+    """Each row times its own expert's matrix, gathered per row: static and sync-free like the
+    grouped GEMM, but a copy of M matrices. What ``torch.compile`` traces for activations the
+    grouped GEMM's tracing refuses (it takes bf16 only); nothing else runs it."""
+    rows = torch.arange(x_MK.shape[0], device=x_MK.device, dtype=offs_E.dtype)
+    expert = torch.searchsorted(offs_E, rows, right=True)  # [M]
+    w = w_ENK.index_select(0, expert)  # [M, N, K]
+    if scale_EN is not None:
+        w = (w.float() * scale_EN.index_select(0, expert).float()[..., None]).to(x_MK.dtype)
+    return torch.bmm(w, x_MK[:, :, None])[:, :, 0]
 
 
 def widens_per_expert(x: Tensor) -> bool:

@@ -112,8 +112,8 @@ def test_compiled_decode_equals_eager(make_runtime, model, monkeypatch) -> None:
 
 @pytest.mark.parametrize("fixture", ["md2-tiny-a", "md3-tiny-a"])
 def test_decode_step_is_one_graph_with_one_attention_op_per_layer(fixture, make_runtime) -> None:
-    """fullgraph=True: any graph break raises. Moondream 3's MoE layers trace in their static
-    form; the KV write stays in the graph and reaches the pages."""
+    """fullgraph=True: any graph break raises. Moondream 3's MoE layers trace (float32: the
+    experts as per-row gathers); the KV write stays in the graph and reaches the pages."""
     model = MoondreamModel.from_pretrained(FIXTURES / fixture, device="cpu", dtype=torch.float32)
     rt = runtime_mod.MoondreamRuntime(
         model, kv_cache_pages=300, max_batch_size=2, attention_backend="torch"

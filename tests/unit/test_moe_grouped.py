@@ -12,11 +12,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kestrel.moondream.config import TextMoeConfig
+from kestrel.moondream.fp8 import quantize_rows
 from kestrel.moondream.model import Linear, MoeWeights, MoondreamModel
 from kestrel.moondream.moe import expert_activation, moe_mlp
 from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
+from kestrel_kernels import moe as kernels_moe
 from kestrel_kernels.moe import plan_experts
 from tests.conftest import FIXTURES
 from tests.tolerance import assert_close
@@ -137,6 +139,20 @@ def test_shapes_the_grouped_gemm_refuses_take_the_loop() -> None:
     x = torch.randn(3, 2, 6, generator=torch.Generator().manual_seed(9))
     got, r = moe_mlp(x, w, cfg)
     assert_close(got.double(), per_token_loop(x, w, r.experts, r.weights), rel=REL[torch.float32])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_compile_form_equals_the_grouped_gemm(fp8: bool) -> None:
+    """The per-row gather ``torch.compile`` traces outside bf16: the grouped GEMM's rows."""
+    gen = torch.Generator().manual_seed(12)
+    w, scale = torch.randn(4, 24, 16, generator=gen), None
+    if fp8:
+        w, scale = quantize_rows(w)
+    x = torch.randn(11, 16, generator=gen)
+    offs = torch.tensor([3, 3, 9, 11], dtype=torch.int32)  # an expert with no rows
+    want = kernels_moe.grouped_linear(kernels_moe.Rows(x), w, offs, scale)
+    got = kernels_moe._gathered(x, w, offs, scale)
+    assert_close(got, want, rel=REL[torch.float32])
 
 
 # ---------------------------------------------------------------------------- through the runtime
