@@ -16,7 +16,10 @@ Variants, every one over the same weights and inputs, interleaved through the ha
 - ``all-experts``: the old decode form for N * k >= E -- every expert over every row, the
   routing weights zeroed outside each row's top k (E / k times the FLOPs).
 
-Printed: ms per layer call (median, min-max over rounds) and the ratio to ``grouped``, per N.
+Each N runs ``grouped``, ``host-grouped`` and the old static form the old code took at that N
+(``gather`` below E / k rows, ``all-experts`` from there: the gather at 512 rows would copy
+4,096 expert matrices). Printed: ms per layer call (median, min-max over rounds) and the ratio
+to ``grouped``, per N.
 The old forms live here only, as comparators; the package has one form.
 """
 
@@ -104,14 +107,16 @@ def run_table(bench, args: argparse.Namespace) -> None:
     w, cfg = weights(args, dtype)
     for n in [int(v) for v in args.rows.split(",")]:
         x = torch.randn(n, args.dim, generator=torch.Generator().manual_seed(n)).to(dtype)
+        old_static = "gather" if n * cfg.experts_per_token < cfg.num_experts else "all-experts"
+        forms = {k: FORMS[k] for k in ("grouped", "host-grouped", old_static)}
         want = grouped(x, w, cfg).float()
-        for name, fn in FORMS.items():
+        for name, fn in forms.items():
             err = float((fn(x, w, cfg).float() - want).abs().max() / want.abs().max())
             assert err < (3e-2 if dtype == torch.bfloat16 else 1e-4), (name, n, err)
         repeats = max(1, 64 // n)
         with torch.inference_mode():
             runs = bench.run({name: lambda fn=fn, x=x, r=repeats: timed(fn, x, w, cfg, r)
-                              for name, fn in FORMS.items()})  # fmt: skip
+                              for name, fn in forms.items()})  # fmt: skip
         pairs = f"{n * cfg.experts_per_token} pairs over {cfg.num_experts} experts"
         bench.emit(f"\nN = {n} rows ({pairs}), {args.dtype}, {args.dim} wide, "
                    f"experts of {args.inner}:")  # fmt: skip
