@@ -3,6 +3,7 @@
     python scripts/bench_gpu.py [--model DIR] [--batches 1,4,16,64] [--requests N] [--json]
     python scripts/bench_gpu.py --smoke [--allow-busy]       # CPU proof: kestrel-tiny, tiny counts
     python scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 --summary  # gpu_check
+    python scripts/bench_gpu.py --family md3 --modes direct,cot,cot30   # Moondream 3 (or both)
 
 The workload is shaped like ChartQA: generated charts (bar and line charts with a title, axes
 and labels, 640-900 x 480-640 PNGs, sent as encoded bytes the way a client sends them), about
@@ -15,6 +16,16 @@ requests/s = requests / wall time; latency = submit (the image decoded and hashe
 caller's thread included) to result. Every run uses charts never seen before, so cache hits
 come only from a chart's own questions. Variants run interleaved through the harness
 (``harness.py``): median (min-max) over the rounds.
+
+``cot30`` asks the same way as ``cot`` with 14 thinking and 14 answer tokens: ~30 tokens out,
+the length of Kestrel's published CoT answers (~28 for Moondream 2, ~31 for Moondream 3; its
+direct answers average ~3), where CoT-64's 130 steps compare with nothing. ``--family``:
+``md2`` (below), ``md3`` -- a random Moondream 3 of the published dimensions (24 layers of
+2048, 64 experts of 1024, top 8, from layer 4, FP8 experts as published), its weights made on
+the device while the Engine loads (``bench_gpu_models.py``: a ~10 GB checkpoint would not fit
+the GPU check's budget), the same tokenizer widening; on ``--smoke`` the md3-tiny-a fixture's
+widths -- or ``both``, one Engine after the other (the first closed and its memory freed).
+Kestrel's published figures for the family's direct and cot30 rows are printed beside them.
 
 The model: ``--model DIR`` (a Moondream 2 checkpoint), else a random-weight checkpoint of
 Moondream 2's dimensions (1.9 B parameters, 729 image tokens), written once to ``--model-dir``
@@ -44,6 +55,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+import bench_gpu_models as models
 import harness
 import numpy as np
 import torch
@@ -61,6 +73,17 @@ from kestrel_kernels import fused
 
 PUBLISHED_REQ_S = {1: 41.9, 64: 57.0}  # Kestrel, Moondream 2, ChartQA, one H100
 OURS_BEFORE_REQ_S = {1: 11.7, 64: 17.2}  # bench_gpu_runtime.py, one H100 (docs/kernels.md)
+# Kestrel's published ChartQA figures on one H100, requests/s by batch, per family and mode:
+# Moondream 3 (preview, FP8 experts, prefix cache on) direct and CoT; Moondream 2's CoT. Their
+# CoT answers average ~28 (Moondream 2) / ~31 (Moondream 3) tokens: the ``cot30`` rows' length
+PUBLISHED = {
+    ("md2", "direct"): PUBLISHED_REQ_S,
+    ("md2", "cot30"): {1: 16.2, 64: 48.8},
+    ("md3", "direct"): {1: 34.62, 64: 53.03},
+    ("md3", "cot30"): {1: 13.53, 64: 41.54},
+}
+COT30_TOKENS = 14  # thinking and answer each: ~30 tokens out, as Kestrel's CoT answers
+SMOKE_MD3 = "md3-tiny-a"  # the smoke run's Moondream 3: the fixture's widths, FP8 experts
 SAMPLING = {"greedy": {"temperature": 0.0}, "default": {"temperature": 0.5, "top_p": 0.3}}
 DIRECT_TOKENS = 4
 # where a lone request's time goes (p50 ms): the caller's submit (decode and hash), and apart
@@ -69,7 +92,6 @@ DIRECT_TOKENS = 4
 # the vision encoder, the prefill), and the decode after the first token
 PARTS = ("submit_ms", "submit_new_ms", "submit_again_ms", "ttft_miss_ms", "ttft_hit_ms",
          "queue_miss_ms", "prefill_miss_ms", "decode_ms")  # fmt: skip
-FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "md2-tiny-a"
 
 
 def measure(engine: Engine, queries: list[Query], batch: int, settings: dict, cot: bool) -> dict:
@@ -161,44 +183,22 @@ class StartupTraffic:
                 self.failed += not ok
 
 
-def widened_tokenizer(src: Path, dst: Path, vocab_size: int) -> None:
-    """``src``'s tokenizer with placeholder entries up to ``vocab_size`` ids, so every id a
-    random-weight model samples decodes (to ``<tN>``)."""
-    data = json.loads(src.read_text())
-    vocab = data["model"]["vocab"]
-    vocab.update({f"<t{i}>": i for i in range(max(vocab.values()) + 1, vocab_size)})
-    dst.write_text(json.dumps(data))
-
-
-def random_md2_checkpoint(path: Path, sections: dict | None = None) -> Path:
-    """A random-weight checkpoint at ``path`` (bf16), written if missing: Moondream 2's
-    dimensions, or ``sections`` over them (the tests' small model); the fixture's tokenizer,
-    widened to the vocabulary."""
-    if (path / "config.json").exists():
-        return path
-    from kestrel.moondream.config import MoondreamConfig
-    from kestrel.testing.random_checkpoint import config_to_dict, write_random_checkpoint
-
-    fixture = MoondreamConfig.from_json_file(FIXTURE / "config.json")
-    cfg = MoondreamConfig.from_dict(
-        {**(sections or {}), "tokenizer": config_to_dict(fixture)["tokenizer"]}
-    )
-    print(f"writing a random-weight checkpoint to {path} (once)", flush=True)
-    write_random_checkpoint(path, cfg, dtype=torch.bfloat16)
-    widened_tokenizer(FIXTURE / "tokenizer.json", path / "tokenizer.json", cfg.text.vocab_size)
-    return path
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", choices=("md2", "md3", "both"), default="md2",
+                   help="Moondream 2, Moondream 3 (made on the device) or both")  # fmt: skip
     p.add_argument("--model", help="a Moondream 2 checkpoint (default: random weights, below)")
     p.add_argument("--model-dir", type=Path,
                    default=Path(tempfile.gettempdir()) / "kestrel-bench-md2-random")  # fmt: skip
+    p.add_argument("--md3-dir", type=Path,
+                   default=Path(tempfile.gettempdir()) / "kestrel-bench-md3-random",
+                   help="where Moondream 3's config and tokenizer are written")  # fmt: skip
     p.add_argument("--smoke", action="store_true",
                    help="CPU proof: kestrel-tiny, batches 1,4, 4 requests each")  # fmt: skip
     p.add_argument("--batches", help="requests in flight (default 1,4,16,64; smoke 1,4)")
     p.add_argument("--requests", type=int, help="per run (default max(32, 4 x batch); smoke 4)")
-    p.add_argument("--modes", default="direct,cot", help="direct, cot or both")
+    p.add_argument("--modes", default="direct,cot",
+                   help="any of direct, cot (--cot-tokens) and cot30 (14 + 14 tokens)")  # fmt: skip
     p.add_argument("--sampling", default="greedy,default", help="greedy, default or both")
     p.add_argument("--cot-tokens", type=int, help="cot answers' max_tokens (default 128; smoke 8)")
     p.add_argument("--compile", action="store_true",
@@ -227,8 +227,8 @@ def variants(engine: Engine, args: argparse.Namespace, n_tokens) -> dict:
     seeds = itertools.count(1)
     out = {}
     for mode in args.modes.split(","):
-        cot = {"direct": False, "cot": True}[mode]
-        max_tokens = args.cot_tokens if cot else DIRECT_TOKENS
+        cot = {"direct": False, "cot": True, "cot30": True}[mode]
+        max_tokens = {"direct": DIRECT_TOKENS, "cot": args.cot_tokens, "cot30": COT30_TOKENS}[mode]
         for name in args.sampling.split(","):
             settings = {**SAMPLING[name], "max_tokens": max_tokens}
             for b in args.batches:
@@ -242,17 +242,20 @@ def variants(engine: Engine, args: argparse.Namespace, n_tokens) -> dict:
     return out
 
 
-def compare(bench, runs: dict) -> None:
-    """The direct rows at batch 1 and 64 beside the published and our earlier figures."""
-    rows = [(name, b) for name in runs for b in PUBLISHED_REQ_S
-            if name.startswith("direct") and name.endswith(f"batch {b}")]  # fmt: skip
+def compare(bench, runs: dict, family: str) -> None:
+    """The rows at batch 1 and 64 that Kestrel published (and our earlier H100 figures for
+    Moondream 2's direct rows) beside ours."""
+    rows = [(name, mode, b) for name in runs for (fam, mode), by in PUBLISHED.items()
+            for b in by if fam == family and name.startswith(f"{mode},")
+            and name.endswith(f"batch {b}")]  # fmt: skip
     if not rows:
         return
     bench.emit("\n| workload | requests/s (median) | Kestrel published (H100) | "
                "ours before (H100) |\n|---|---|---|---|")  # fmt: skip
-    for name, b in rows:
+    for name, mode, b in rows:
         rps = statistics.median(r["rps"] for r in runs[name])
-        bench.emit(f"| {name} | {rps:.1f} | {PUBLISHED_REQ_S[b]} | {OURS_BEFORE_REQ_S[b]} |")
+        before = OURS_BEFORE_REQ_S[b] if (family, mode) == ("md2", "direct") else "-"
+        bench.emit(f"| {family} {name} | {rps:.1f} | {PUBLISHED[family, mode][b]} | {before} |")
 
 
 def _launch(config) -> list[int] | None:
@@ -263,7 +266,7 @@ def _launch(config) -> list[int] | None:
 
 def summary(engine: Engine, runs: dict, startup: tuple[int, int], device: str) -> dict:
     """The one-line result: req/s per row (median), failed requests, failed captures."""
-    graphs = engine.runtime.decode_graphs
+    graphs, prefill = engine.runtime.decode_graphs, engine.runtime.prefill_graphs
     failed = sum(int(r["failed"]) for rounds in runs.values() for r in rounds) + startup[1]
     rps = {
         name: round(statistics.median(r["rps"] for r in rounds), 2) for name, rounds in runs.items()
@@ -280,6 +283,8 @@ def summary(engine: Engine, runs: dict, startup: tuple[int, int], device: str) -
         "startup_requests": sum(startup),
         "failed_captures": len(graphs.failures) if graphs is not None else 0,
         "captured": list(graphs.captured) if graphs is not None else [],
+        "failed_prefill_captures": len(prefill.failures) if prefill is not None else 0,
+        "prefill_captured": len(prefill.captured) if prefill is not None else 0,
         "crops_on_device": engine.runtime.crops.on_device,  # a lone new image's (kernels.md)
         "decode_kernels": {  # the start-up choice per bucket (decode_tune.py): ms fa / triton,
             # Triton's fastest launch (heads, block_n, num_warps, target_programs)
@@ -289,18 +294,31 @@ def summary(engine: Engine, runs: dict, startup: tuple[int, int], device: str) -
     }
 
 
-def start_engine(args: argparse.Namespace, device: str) -> tuple[Engine, StartupTraffic]:
+def start_engine(args: argparse.Namespace, device: str, family: str) -> tuple[Engine, object]:
     """The Engine, started while ``--startup-threads`` clients wait to submit."""
-    source = args.model or (None if args.smoke else random_md2_checkpoint(args.model_dir))
+    if family == "md3":  # weights made on the device (bench_gpu_models.py)
+        sections = None
+        if args.smoke:
+            from kestrel.moondream.config import MoondreamConfig
+            from kestrel.testing.random_checkpoint import config_to_dict
+
+            small = MoondreamConfig.from_json_file(models.FIXTURES["md3"] / "config.json")
+            sections = {k: v for k, v in config_to_dict(small).items() if k != "tokenizer"}
+        source = models.md3_folder(args.md3_dir, sections)
+    elif args.model or args.smoke:
+        source = args.model
+    else:
+        source = models.random_md2_checkpoint(args.model_dir)
     traffic = StartupTraffic(args.startup_threads, args.startup_requests, device == "cuda")
     try:
-        engine = Engine(
-            source,
-            device=device,
-            max_batch_size=max(args.batches),
-            compile=args.compile,
-            lookahead=False if args.no_lookahead else None,
-        )
+        with models.md3_on_device(args.md3_dir):
+            engine = Engine(
+                source,
+                device=device,
+                max_batch_size=max(args.batches),
+                compile=args.compile,
+                lookahead=False if args.no_lookahead else None,
+            )
     except BaseException:
         traffic.serve(None)
         raise
@@ -308,23 +326,23 @@ def start_engine(args: argparse.Namespace, device: str) -> tuple[Engine, Startup
     return engine, traffic
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    device = "cpu" if args.smoke else "cuda"
-    engine, traffic = start_engine(args, device)
+def run_family(args: argparse.Namespace, device: str, family: str) -> dict | None:
+    """One family's bench (its own Engine, closed before the next starts): its table, the
+    published figures beside it, and its summary line."""
+    engine, traffic = start_engine(args, device, family)
     line = None
     try:
         encode = engine.runtime.tokenizer.encode
         n_tokens = lambda text: len(encode(text))  # noqa: E731
-        bench = harness.start(args, "ChartQA-shaped image QA through the Engine (bench_gpu.py)")
+        bench = harness.start(args, f"ChartQA-shaped image QA through the Engine ({family})")
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
         sample = chart_workload(64, n_tokens, seed=0)
         lengths = [n_tokens(q.question) for q in sample]
-        bench.emit(f"device: {name}; model: {engine.model_path}; dtype {engine.runtime.dtype}; "
-                   f"question tokens {min(lengths)}-{max(lengths)} (mean "
-                   f"{statistics.mean(lengths):.1f}); {QUESTIONS_PER_IMAGE} questions per "
-                   f"chart; direct max {DIRECT_TOKENS} tokens, cot max "
-                   f"{args.cot_tokens}; torch.compile "
+        bench.emit(f"device: {name}; model: {family}, {engine.model_path}; dtype "
+                   f"{engine.runtime.dtype}; question tokens {min(lengths)}-{max(lengths)} "
+                   f"(mean {statistics.mean(lengths):.1f}); {QUESTIONS_PER_IMAGE} questions per "
+                   f"chart; direct max {DIRECT_TOKENS} tokens, cot max {args.cot_tokens}, "
+                   f"cot30 max {COT30_TOKENS} + {COT30_TOKENS}; torch.compile "
                    f"{'on' if args.compile else 'off'}; decode look-ahead "
                    f"{'on' if engine._runner.lookahead else 'off'}; fused ops "
                    f"{fused.fused_backend(torch.device(device))}")  # fmt: skip
@@ -336,15 +354,27 @@ def main(argv: list[str] | None = None) -> None:
         metrics = {"rps": "requests/s", "p50_ms": "p50 latency ms",
                    "tokens": "tokens out (thinking + answer)", "failed": "failed"}  # fmt: skip
         bench.table(runs, metrics, fmt=".1f")
-        compare(bench, runs)
+        compare(bench, runs, family)
         engine.check_integrity()
-        line = summary(engine, runs, startup, name)
+        line = {"family": family, **summary(engine, runs, startup, name)}
     finally:
         engine.close()
-    bench.finish({"published_req_s": PUBLISHED_REQ_S, "ours_before_req_s": OURS_BEFORE_REQ_S,
-                  "summary": line})  # fmt: skip
-    if args.summary:
-        print(json.dumps(line), flush=True)
+        del engine
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    bench.finish({"published": {f"{f} {m}": by for (f, m), by in PUBLISHED.items()},
+                  "ours_before_req_s": OURS_BEFORE_REQ_S, "summary": line})  # fmt: skip
+    return line
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    device = "cpu" if args.smoke else "cuda"
+    families = ("md2", "md3") if args.family == "both" else (args.family,)
+    lines = {family: run_family(args, device, family) for family in families}
+    if args.summary:  # the first family's keys at the top, any second one under its name
+        first, *rest = families
+        print(json.dumps({**(lines[first] or {}), **{f: lines[f] for f in rest}}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# One-shot GPU check, ~5.5-6 minutes on an H200 by default (390 s at 6b74b07 with the vision
-# step, capped at 60 s, which the default now leaves out; not yet timed without it), 8 with
-# SKIP="" (docs/benchmarks.md;
+# One-shot GPU check, ~7.5-8 minutes on an H200 by default (390 s at 6b74b07 with the vision
+# step, capped at 60 s, which the default now leaves out; the Moondream 3 step, capped at
+# 130 s, and the cot30 rows are not yet timed on a GPU), ~9 with SKIP="" (docs/benchmarks.md;
 # the first engine start also compiles the Triton decode kernel's launch configurations it
 # measures):
 #   1. the import and backend probe (torch, the device, flash-attn-4 for the `fa` backend,
 #      pyvips and its version);
-#   2. scripts/bench_gpu.py: direct and CoT-64, greedy and default sampling, batch 1 and 64,
-#      16 threads submitting while the engine starts (decode attention per bucket: whichever
-#      kernel the start-up measurement chose), and where a lone request's time goes;
+#   2. scripts/bench_gpu.py: direct, CoT-64 and the ~30-token CoT (cot30), greedy and default
+#      sampling, batch 1 and 64, 16 threads submitting while the engine starts (decode
+#      attention per bucket: whichever kernel the start-up measurement chose), and where a lone
+#      request's time goes; then (step "md3", ~2 minutes, capped at 130 s) the same workload
+#      on a random Moondream 3 of the published dimensions with FP8 experts, made on the device
+#      (direct, CoT-64, cot30; greedy; batch 1 and 64; 64 requests a row, one round);
 #      then scripts/bench_crop_parts.py: a chart-sized (800 x 600) image's crops serially, on
 #      libvips threads, and in 2, 4, 8 parts on the host's cores, and made on the GPU from the
 #      uploaded image (the runtime's default), each up to the encoder's input on the GPU
@@ -29,7 +32,7 @@
 #   bash .gpu/env/gpu-env --stash .gpu/pN bash scripts/gpu_check.sh
 # Logs go to $OUT (default /tmp/kestrel-gpu-check). PYTHON overrides the interpreter. Every step
 # is cut short to fit BUDGET seconds (default 560), so the summary line comes within 10 minutes.
-# SKIP names steps left out: any of vision, auto, fa, triton, attention (default "vision fa
+# SKIP names steps left out: any of md3, vision, auto, fa, triton, attention (default "vision fa
 # triton attention": the encoder bench and the forced-kernel runs; SKIP="" runs every step,
 # ~8 minutes on an H200; SKIP="fa triton attention" adds the encoder bench back). A shorter
 # check for a lease's last minutes: SAMPLING=greedy (the bench's rows; default both) and
@@ -79,10 +82,17 @@ cat "$OUT/probe.json" >&2
 
 echo "== 2/4 bench" >&2
 timeout "$(cap 200)" "$PY" scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 \
-  --modes direct,cot --sampling "$SAMPLING" --startup-threads 16 --allow-busy --summary \
+  --modes direct,cot,cot30 --sampling "$SAMPLING" --startup-threads 16 --allow-busy --summary \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 grep -E '^(BUSY )?\| ' "$OUT/bench.log" >&2
+
+echo "== 2b/4 bench, Moondream 3 (random, FP8 experts, made on the device)" >&2
+runs md3 && timeout "$(cap 130)" "$PY" scripts/bench_gpu.py --family md3 --batches 1,64 \
+  --cot-tokens 64 --requests 64 --rounds 1 --modes direct,cot,cot30 --sampling greedy \
+  --startup-threads 4 --allow-busy --summary > "$OUT/bench_md3.log" 2>&1
+bench_md3_rc=$?
+runs md3 && grep -E '^(BUSY )?\| ' "$OUT/bench_md3.log" >&2
 
 echo "== host: one image's crops serially, on libvips threads, in 2-8 parts" >&2
 # the bench's charts are 640-900 x 480-640: their crops are enlarged, libvips's costliest path
@@ -115,24 +125,33 @@ done
 runs attention && timeout "$(cap 60)" "$PY" scripts/bench_attention.py --only gpu \
   --json "$OUT/attention.json" > "$OUT/attention.log" 2>&1
 
-"$PY" - "$OUT" "$probe_rc" "$pytest_rc" "$bench_rc" "$(( $(date +%s) - t0 ))" <<'PYEOF'
+"$PY" - "$OUT" "$probe_rc" "$pytest_rc" "$bench_rc" "$(( $(date +%s) - t0 ))" "${bench_md3_rc:-}" \
+  <<'PYEOF'
 import json
 import re
 import sys
 from pathlib import Path
 
-out, probe_rc, pytest_rc, bench_rc, seconds = Path(sys.argv[1]), *map(int, sys.argv[2:])
+out, probe_rc, pytest_rc, bench_rc, seconds = Path(sys.argv[1]), *map(int, sys.argv[2:6])
+md3_rc = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] else None
 try:
     probe = json.loads((out / "probe.json").read_text())
 except (OSError, ValueError):
     probe = None
 log = (out / "pytest.log").read_text(errors="replace") if (out / "pytest.log").exists() else ""
 counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", log)}
-bench = None
-for line in reversed((out / "bench.log").read_text(errors="replace").splitlines()):
-    if line.startswith("{") and '"req_s"' in line:
-        bench = json.loads(line)
-        break
+def summary_line(name: str) -> dict | None:
+    """bench_gpu.py's --summary line in log ``name`` (None if it did not print one)."""
+    path = out / name
+    for line in reversed(path.read_text(errors="replace").splitlines() if path.exists() else []):
+        if line.startswith("{") and '"req_s"' in line:
+            return json.loads(line)
+    return None
+
+
+bench, md3 = summary_line("bench.log"), summary_line("bench_md3.log")
+md3_keys = ("req_s", "failed_requests", "failed_captures", "captured",
+            "failed_prefill_captures", "prefill_captured")
 
 def decode_ms(kernel: str) -> dict | None:
     """Decode step ms by batch, from bench_gpu_runtime's table (None if it did not run)."""
@@ -179,6 +198,8 @@ print(json.dumps({
     "failed_requests": bench["failed_requests"] if bench else None,
     "failed_captures": bench["failed_captures"] if bench else None,
     "captured": bench["captured"] if bench else None,
+    "failed_prefill_captures": bench.get("failed_prefill_captures") if bench else None,
+    "md3": {**{k: md3.get(k) for k in md3_keys}, "rc": md3_rc} if md3 else {"rc": md3_rc},
     "crops_on_device": bench.get("crops_on_device") if bench else None,
     "decode_kernels": bench.get("decode_kernels") if bench else None,
     "decode_step_ms": {k: decode_ms(k) for k in ("auto", "fa", "triton")},

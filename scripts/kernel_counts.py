@@ -30,7 +30,6 @@ from kestrel.images import prepare_image
 from kestrel.moondream import moe as moe_module
 from kestrel.moondream.config import MoondreamConfig, TextMoeConfig
 from kestrel.moondream.device_crops import device_disagrees
-from kestrel.moondream.fp8 import quantize_rows
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.runtime import crop_maker
@@ -105,25 +104,18 @@ def gpu_branches():
         ) = saved
 
 
-def fp8_experts(model: MoondreamModel) -> MoondreamModel:
-    """The model with its expert stacks in the published FP8 form (row-scaled e4m3)."""
-    sd = model.state_dict()
-    for name in [n for n in sd if n.endswith(("mlp.fc1.weight", "mlp.fc2.weight"))]:
-        if sd[name].dim() == 3:  # an expert stack [E, out, in]
-            sd[name], sd[name.removesuffix("weight") + "scale"] = quantize_rows(sd[name])
-    return MoondreamModel.from_state_dict(sd, model.config)
-
-
 def family_model(family: str, layers: int = 24) -> MoondreamModel:
     base = MoondreamConfig.from_json_file(FIXTURES[family] / "config.json")
     text = replace(base.text, n_layers=layers)
     if family == "md3":  # MoE from layer 4 (at 24 layers; from layers // 3 below 12)
         text = replace(text, moe=replace(MD3_MOE, start_layer=min(4, layers // 3)))
-    model = random_model(replace(base, text=text), device="cpu", dtype=torch.bfloat16, seed=0)
+    md3 = family == "md3"  # FP8 experts, as published
+    model = random_model(replace(base, text=text), device="cpu", dtype=torch.bfloat16, seed=0,
+                         fp8_experts=md3)  # fmt: skip
     # random weights may end an answer at once: the end-of-text logit is pushed far down, so
     # every counted row keeps decoding (the counts do not depend on the logits' values)
     model.text.lm_head.bias[base.tokenizer.eos_id] = -1e4
-    return fp8_experts(model) if family == "md3" else model
+    return model
 
 
 def build(max_batch: int, family: str = "md2", layers: int = 24):

@@ -29,7 +29,7 @@ def bench_gpu():
 
 
 def test_chartqa_workload_through_the_engine(bench_gpu, tmp_path) -> None:
-    ckpt = bench_gpu.random_md2_checkpoint(tmp_path / "md2", SMALL)
+    ckpt = bench_gpu.models.random_md2_checkpoint(tmp_path / "md2", SMALL)
     with Engine(ckpt, device="cpu", dtype="float32", max_batch_size=4) as engine:
         assert engine.runtime.tokenizer.vocab_size == 2048
         encode = engine.runtime.tokenizer.encode
@@ -61,3 +61,19 @@ def test_smoke_run_prints_the_table_and_the_published_figures(bench_gpu, capsys)
     assert "| direct, greedy, batch 1 | " in out and "| 41.9 | 11.7 |" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["failed_requests"] == 0 and summary["crops_on_device"] is False  # a CPU
+
+
+def test_md3_smoke_serves_a_random_moondream3_made_in_memory(bench_gpu, capsys) -> None:
+    """``--family md3``: the Engine's loader makes the weights (FP8 experts) instead of reading
+    a checkpoint; the ~30-token CoT row and Kestrel's Moondream 3 figures beside it."""
+    bench_gpu.main(["--smoke", "--family", "md3", "--allow-busy", "--rounds", "1",
+                    "--batches", "1", "--requests", "2", "--sampling", "greedy",
+                    "--modes", "direct,cot30", "--startup-threads", "0", "--summary"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| md3 direct, greedy, batch 1 | " in out and "| 34.62 | - |" in out
+    assert "| md3 cot30, greedy, batch 1 | " in out and "| 13.53 | - |" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["family"] == "md3" and summary["failed_requests"] == 0
+    assert set(summary["req_s"]) == {"direct, greedy, batch 1", "cot30, greedy, batch 1"}
+    cot30 = next(line for line in out.splitlines() if "| cot30, greedy, batch 1 |" in line)
+    assert "| 28.0 (" in cot30  # 14 thinking + 14 answer: random weights never stop early

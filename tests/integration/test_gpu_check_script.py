@@ -29,6 +29,8 @@ def test_the_summary_line_comes_with_the_host_figures(tmp_path: Path) -> None:
     assert summary["probe_rc"] == 0 and summary["probe"]["pyvips"] == "ok"
     assert summary["probe"]["device"] is None  # no GPU here: the bench says so and exits
     assert summary["bench_rc"] != 0 and summary["req_s"] is None
+    assert summary["md3"]["rc"] != 0 and "req_s" not in summary["md3"]  # no GPU: it exits
+    assert "== 2b/4 bench, Moondream 3" in done.stderr
     crops = summary["crops_ms"]
     assert crops is not None and crops["serial"] > 0 and crops["2 parts"] > 0
     assert crops["image"] == "800 x 600"  # the bench's chart size
