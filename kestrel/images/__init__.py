@@ -2,8 +2,9 @@
 request reaches the scheduler.
 
 Accepted inputs: ``PIL.Image.Image`` (any mode), numpy arrays (H x W, or H x W x C with C in
-1..4; uint8, uint16 or float), ``pyvips.Image`` (1..4 bands), encoded bytes (PNG, JPEG, ...
-anything PIL reads) and ``str`` / ``pathlib.Path`` file paths. What happens to each kind of image
+1..4; uint8, uint16 or float), ``pyvips.Image`` (1..4 bands), encoded bytes in one of
+``ACCEPTED_FORMATS`` (PNG, JPEG, WebP, GIF, BMP, TIFF; any other is refused naming its format)
+and ``str`` / ``pathlib.Path`` file paths. What happens to each kind of image
 (docs/images.md):
 
 - EXIF orientation (paths, bytes, PIL images carrying EXIF, pyvips images) is applied, so every
@@ -31,7 +32,6 @@ pixels go straight to the crop pipeline on a miss, nothing is decoded twice.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -40,13 +40,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from kestrel.errors import InvalidInputError
+from kestrel.images.formats import ACCEPTED_FORMATS, accepted_readers, stream, unaccepted
 from kestrel.images.orientation import read_orientation, upright
 from kestrel.images.vips import decode_pixels, tagged
 
 __all__ = [
+    "ACCEPTED_FORMATS",
     "DEFAULT_MAX_PIXELS",
     "WHITE",
     "ImageError",
@@ -59,6 +61,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_PIXELS = 50_000_000
+
 WHITE = (255, 255, 255)
 _READ_CHUNK = 1 << 20
 _WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")  # 16/32-bit gray, float gray
@@ -162,13 +165,15 @@ def _from_header(
 
 def _open_encoded(source: bytes | Path, max_pixels: int, opts: _Options, what: str) -> np.ndarray:
     try:
-        # reads the header only
-        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+        # reads the header only, trying the accepted formats' readers alone
+        with Image.open(stream(source), formats=accepted_readers()) as image:
             return _from_header(image, source, max_pixels, opts, what)
     except Image.DecompressionBombError as exc:
         raise ImageError(f"{what} is too large to decode safely: {exc}") from exc
     except ImageError:
         raise
+    except UnidentifiedImageError as exc:
+        raise ImageError(unaccepted(source, what)) from exc
     except (OSError, ValueError, SyntaxError) as exc:
         raise ImageError(f"cannot decode {what} as an image: {exc}") from exc
 

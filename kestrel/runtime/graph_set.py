@@ -14,7 +14,8 @@ MoE layers are grouped GEMMs with static shapes and no host sync, ``moe.moe_mlp`
 pages are FP8: scaled prefill attention gathers and widens each row's pages up to the longest
 row, a length it reads on the host; a graph would have to widen every row's whole page-table
 width instead (4,096 positions per row and layer, ~5x a chart question's ~770 keys), so
-FP8-page prefill stays eager. ``capture_all`` captures every one of them; the runtime calls it once, before it serves.
+FP8-page prefill stays eager. ``capture_all`` captures every one of them; the runtime calls it
+once, before it serves.
 """
 
 from __future__ import annotations
