@@ -78,6 +78,7 @@ class IdleTrimmer:
     and never twice at a time. :meth:`poke` never blocks its caller (the event loop)."""
 
     def __init__(self, interval_s: float = 2.0) -> None:
+        glibc()  # found now (ctypes asks ldconfig, a process): never inside a request
         self.interval_s = interval_s
         self.trims = 0
         self._last = -interval_s

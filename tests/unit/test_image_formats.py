@@ -2,7 +2,8 @@
 each accepted format decodes; PostScript, which PIL would hand to Ghostscript, is refused by
 name with Ghostscript present (simulated), and no process is started; a format PIL reads but
 Kestrel does not accept, and bytes no reader knows, are refused with the accepted list; the
-server answers an EPS upload with a 400 naming the format."""
+server answers an EPS upload with a 400 naming the format, starting no process on the way
+(not even the C library's lookup, which asks ldconfig: the server does it when it is built)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,6 @@ def test_the_server_answers_an_eps_upload_400_naming_it(monkeypatch) -> None:
     from starlette.testclient import TestClient
 
     from kestrel import Engine
-    from kestrel.server import memory
     from kestrel.server.app import create_app
 
     url = "data:image/eps;base64," + base64.b64encode(encoded("EPS")).decode()
@@ -85,7 +85,6 @@ def test_the_server_answers_an_eps_upload_400_naming_it(monkeypatch) -> None:
         Engine(device="cpu", max_batch_size=1) as engine,
         TestClient(create_app(engine)) as client,
     ):
-        memory.glibc()  # looked up (ldconfig) on the first answer: before watching
         started = watch_processes(monkeypatch)  # the server is up: now nothing may start one
         got = client.post("/v1/caption", json={"image_url": url, "length": "short"})
         monkeypatch.undo()
