@@ -25,6 +25,9 @@ def kc(monkeypatch_module):
         module = importlib.import_module("kernel_counts")
     whole = module.picture  # one crop, not nine: the counts per forward do not depend on it
     monkeypatch_module.setattr(module, "picture", lambda seed, h=378, w=378: whole(seed, h, w))
+    # the crops' device probe (four images through the interpreted kernel) is tested apart
+    # (tests/unit/test_resample.py): trusted here
+    monkeypatch_module.setattr(module, "_probe_once", lambda config, device: None)
     return module
 
 
