@@ -251,6 +251,7 @@ def create_app(
         Route("/v1/health", server.info.health, methods=["GET"]),
         Route("/health", server.info.health, methods=["GET"]),  # Moondream Station's spelling
         Route("/v1/models", server.info.models, methods=["GET"]),
+        Route("/v1/models/{model_id}", server.info.model, methods=["GET"]),
         Route("/v1/stats", server.info.stats, methods=["GET"]),
         Route("/metrics", server.info.prometheus, methods=["GET"]),
         *playground_routes(),  # GET /: the page for trying the model in a browser

@@ -1,5 +1,6 @@
 """The routes that describe the server rather than run the model: ``/v1/health`` (and ``/health``,
-Moondream Station's spelling), ``/v1/models`` (the OpenAI shape), ``/v1/stats``, ``/metrics``;
+Moondream Station's spelling), ``/v1/models`` and ``/v1/models/{id}`` (the OpenAI shapes),
+``/v1/stats``, ``/metrics``;
 and the names the served model and its adapters go by."""
 
 from __future__ import annotations
@@ -86,14 +87,31 @@ class InfoRoutes:
             self.authorize(request)
         except ApiError as err:
             return ex.fail(err)
+        ex.finish(200)
+        body = {"object": "list", "data": self._model_objects()}
+        return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
+
+    async def model(self, request: Request) -> Response:
+        """One model of the list, by id (the OpenAI client's ``models.retrieve``); 404 for an
+        id the list does not hold."""
+        ex = self.ledger.open("models")
+        try:
+            self.authorize(request)
+            wanted = request.path_params["model_id"]
+            found = next((m for m in self._model_objects() if m["id"] == wanted), None)
+            if found is None:
+                raise ApiError(404, "model_not_found", f"the model {wanted!r} does not exist")
+        except ApiError as err:
+            return ex.fail(err)
+        ex.finish(200)
+        return JSONResponse(found, headers={"X-Request-ID": ex.request_id})
+
+    def _model_objects(self) -> list[dict]:
+        """The served model, then ``model@adapter`` per adapter, as OpenAI's model objects."""
         created = int(self.started_at)
         ids = [self.model_name] + [f"{self.model_name}@{a}" for a in self.engine.adapters()]
-        data = [
-            {"id": i, "object": "model", "created": created, "owned_by": "kestrel"} for i in ids
-        ]
-        ex.finish(200)
-        body = {"object": "list", "data": data}
-        return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
+        return [{"id": i, "object": "model", "created": created, "owned_by": "kestrel"}
+                for i in ids]  # fmt: skip
 
     async def stats(self, request: Request) -> Response:
         ex = self.ledger.open("stats")

@@ -197,6 +197,22 @@ def test_openai_models_list_and_model_at_adapter(client, engine) -> None:
     assert model_adapter("other@fr", name, [ADAPTER]) is None  # any other model: ignored
 
 
+def test_openai_models_retrieve(client) -> None:
+    """``models.retrieve`` (GET /v1/models/{id}): each listed model by its id, as listed; an
+    id the list does not hold is the client's NotFoundError."""
+    openai = pytest.importorskip("openai")
+    oa = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    listed = oa.models.list().data
+    for m in listed:
+        got = oa.models.retrieve(m.id)
+        assert (got.id, got.object, got.created, got.owned_by) == (
+            m.id, "model", m.created, "kestrel",
+        )  # fmt: skip
+    with pytest.raises(openai.NotFoundError) as err:
+        oa.models.retrieve("gpt-4o")
+    assert err.value.status_code == 404 and "gpt-4o" in str(err.value)
+
+
 def test_variant_is_the_adapter(client) -> None:
     q = {"image_url": IMAGE, "question": "What is it?", "settings": GREEDY}
     variant = client.post("/v1/query", json={**q, "variant": ADAPTER}).json()
