@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fused_forms import interpreted  # noqa: F401  (a fixture: the fused ops' tests)
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kestrel_kernels import fused
+from tests.fused_forms import both
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -28,13 +29,6 @@ def cuda_and_restore():
     before = fused.get_fused_backend()
     yield
     fused.set_fused_backend(before)
-
-
-def both(fn):
-    fused.set_fused_backend("triton")
-    a = fn()
-    fused.set_fused_backend("torch")
-    return a, fn()
 
 
 def close(got, want, dtype):

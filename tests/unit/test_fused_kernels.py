@@ -16,26 +16,11 @@ triton = pytest.importorskip("triton")
 
 from kestrel_kernels import fused  # noqa: E402
 from kestrel_kernels.counting import LaunchCounter  # noqa: E402
+from tests.fused_forms import both  # noqa: E402
 from tests.sm90 import assert_built, sm90_builds  # noqa: E402
 from tests.tolerance import assert_close  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    before = fused.get_fused_backend()
-    yield
-    fused.set_fused_backend(before)
-
-
-def both(fn):
-    """``fn()`` with the Triton kernels, then with the torch forms."""
-    fused.set_fused_backend("triton")
-    a = fn()
-    fused.set_fused_backend("torch")
-    return a, fn()
 
 
 def assert_ulp_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

@@ -19,27 +19,12 @@ from kestrel.moondream.moe import moe_mlp  # noqa: E402
 from kestrel_kernels import fused  # noqa: E402
 from kestrel_kernels import moe as kmoe  # noqa: E402
 from kestrel_kernels.counting import LaunchCounter  # noqa: E402
+from tests.fused_forms import both  # noqa: E402
 from tests.sm90 import assert_built, sm90_builds  # noqa: E402
 from tests.tolerance import assert_close  # noqa: E402
 from tests.unit.test_moe_grouped import random_moe  # noqa: E402
 
 REL = {torch.float32: 1e-6, torch.bfloat16: 2.0**-6}
-
-
-@pytest.fixture
-def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    before = fused.get_fused_backend()
-    yield
-    fused.set_fused_backend(before)
-
-
-def both(fn):
-    """``fn()`` with the Triton kernels, then with the torch forms."""
-    fused.set_fused_backend("triton")
-    a = fn()
-    fused.set_fused_backend("torch")
-    return a, fn()
 
 
 def routed(tokens: int, k: int, experts: int, seed: int) -> torch.Tensor:
