@@ -1,6 +1,6 @@
 """Training data of the tiny model: tokenizer, config and packed segments from synthetic scenes.
 
-Prompts are built by ``kestrel.moondream.prompts`` (the functions the eager path and the runtime
+Prompts are built by ``kestrel.skills.prompts`` (the functions the eager path and the runtime
 use), so the model is trained on exactly the token sequences it is later asked with.
 """
 

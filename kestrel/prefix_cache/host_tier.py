@@ -4,7 +4,7 @@ On a GPU the KV pool is device memory; when the tree evicts a leaf, its pages' K
 to (pinned) host memory instead of being lost, and a later request that would match through it
 gets it copied back (PCIe, some milliseconds for an image) instead of recomputing it (vision
 encoder and prefill). This module is the tier's bookkeeping, pure Python: the copies are made
-by a ``KVMover`` (``kestrel/kv/host_pool.py`` on CUDA; tests use a stand-in).
+by a ``KVMover`` (``kestrel/runtime/host_kv.py``'s ``PinnedKVMover`` on CUDA; tests use a stand-in).
 
 **Where entries live.** An entry is one evicted node: its tokens and its KV, keyed by where it
 starts, ``(namespace key, token keys of everything above it)``, and its first token's key. The
