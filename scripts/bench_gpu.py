@@ -1,15 +1,16 @@
 """ChartQA-shaped image QA through the Engine: requests/s and median latency by batch size.
 
-    python scripts/bench_gpu.py [--model DIR] [--batches 1,4,16,64] [--requests N] [--json]
+    python scripts/bench_gpu.py [--model DIR] [--batches 1,4,16,64] [--requests N[,N..]] [--json]
     python scripts/bench_gpu.py --smoke [--allow-busy]       # CPU proof: kestrel-tiny, tiny counts
     python scripts/bench_gpu.py --batches 1,64 --cot-tokens 64 --rounds 1 --summary  # gpu_check
-    python scripts/bench_gpu.py --family md3 --modes direct,cot,cot30   # Moondream 3 (or both)
+    python scripts/bench_gpu.py --family md3 --batches 1,64 --requests 16,64  # Moondream 3
 
 The workload is shaped like ChartQA: generated charts (bar and line charts with a title, axes
 and labels, 640-900 x 480-640 PNGs, sent as encoded bytes the way a client sends them), about
 1.66 questions per chart (each chart's questions one after the other), questions of 12-20
-tokens of the model's own tokenizer, asked two ways: ``direct`` (a short answer, at most 4
-tokens) and ``cot`` (``reasoning=True``, at most ``--cot-tokens``). Each runs greedy and with
+tokens of the model's own tokenizer, asked three ways: ``direct`` (a short answer, at most 4
+tokens), ``cot`` (``reasoning=True``, at most ``--cot-tokens``) and ``cot30`` (below); each
+``--requests`` per run, one count or one per batch. Each runs greedy and with
 Moondream's default sampling (temperature 0.5, top-p 0.3), as a closed loop of ``batch``
 requests in flight (a new one is submitted as one finishes) for batch 1, 4, 16 and 64.
 requests/s = requests / wall time; latency = submit (the image decoded and hashed on the
@@ -40,12 +41,14 @@ Engine does, pin and upload host memory while it starts (what once broke its gra
 and submit ``--startup-requests`` queries each the moment it exists. A failed request never
 stops the bench: it is counted (``failed`` per row, ``failed_requests`` in all), as are the
 decode graphs that failed to capture. ``--summary`` prints one JSON line at the end: the
-device, requests/s per row, failed requests, failed captures (``scripts/gpu_check.sh``).
+device, requests/s per row, failed requests, failed captures (``scripts/gpu_check.sh``);
+with ``--family both``, Moondream 2's under the same keys and Moondream 3's under ``md3``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import statistics
@@ -196,8 +199,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="CPU proof: kestrel-tiny, batches 1,4, 4 requests each")  # fmt: skip
     p.add_argument("--batches", help="requests in flight (default 1,4,16,64; smoke 1,4)")
-    p.add_argument("--requests", type=int, help="per run (default max(32, 4 x batch); smoke 4)")
-    p.add_argument("--modes", default="direct,cot",
+    p.add_argument("--requests", help="per run: one count, or one per batch "
+                   "(default max(32, 4 x batch); smoke 4)")  # fmt: skip
+    p.add_argument("--modes", default="direct,cot,cot30",
                    help="any of direct, cot (--cot-tokens) and cot30 (14 + 14 tokens)")  # fmt: skip
     p.add_argument("--sampling", default="greedy,default", help="greedy, default or both")
     p.add_argument("--cot-tokens", type=int, help="cot answers' max_tokens (default 128; smoke 8)")
@@ -218,6 +222,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("no CUDA device here: --smoke runs the CPU proof")
     batches = args.batches or ("1,4" if args.smoke else "1,4,16,64")
     args.batches = [int(b) for b in batches.split(",")]
+    counts = [int(n) for n in args.requests.split(",")] if args.requests else []
+    if len(counts) not in (0, 1, len(args.batches)):
+        p.error("--requests: one count, or one per batch of --batches")
+    default = [4 if args.smoke else max(32, 4 * b) for b in args.batches]
+    args.requests = dict(zip(args.batches, counts * len(args.batches) if len(counts) == 1
+                             else counts or default, strict=True))  # fmt: skip
     args.cot_tokens = args.cot_tokens or (8 if args.smoke else 128)
     return args
 
@@ -231,8 +241,7 @@ def variants(engine: Engine, args: argparse.Namespace, n_tokens) -> dict:
         max_tokens = {"direct": DIRECT_TOKENS, "cot": args.cot_tokens, "cot30": COT30_TOKENS}[mode]
         for name in args.sampling.split(","):
             settings = {**SAMPLING[name], "max_tokens": max_tokens}
-            for b in args.batches:
-                n = args.requests or (4 if args.smoke else max(32, 4 * b))
+            for b, n in args.requests.items():
 
                 def run(b=b, n=n, settings=settings, cot=cot) -> dict:
                     queries = chart_workload(n, n_tokens, seed=next(seeds))
@@ -358,10 +367,7 @@ def run_family(args: argparse.Namespace, device: str, family: str) -> dict | Non
         engine.check_integrity()
         line = {"family": family, **summary(engine, runs, startup, name)}
     finally:
-        engine.close()
-        del engine
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        engine.close()  # its memory goes back once main collects it (its frame gone)
     bench.finish({"published": {f"{f} {m}": by for (f, m), by in PUBLISHED.items()},
                   "ours_before_req_s": OURS_BEFORE_REQ_S, "summary": line})  # fmt: skip
     return line
@@ -371,7 +377,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     device = "cpu" if args.smoke else "cuda"
     families = ("md2", "md3") if args.family == "both" else (args.family,)
-    lines = {family: run_family(args, device, family) for family in families}
+    lines = {}
+    for family in families:  # each engine freed before the next is built: its KV pool is
+        lines[family] = run_family(args, device, family)  # sized from the free memory
+        gc.collect()  # the closed engine's reference cycles
+        if device == "cuda":
+            torch.cuda.empty_cache()
     if args.summary:  # the first family's keys at the top, any second one under its name
         first, *rest = families
         print(json.dumps({**(lines[first] or {}), **{f: lines[f] for f in rest}}), flush=True)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import weakref
 
 import pytest
+import torch
 
 from kestrel import Engine
 from tests.scripts import on_path
@@ -59,6 +61,7 @@ def test_smoke_run_prints_the_table_and_the_published_figures(bench_gpu, capsys)
     for row in ("direct, greedy, batch 1", "direct, greedy, batch 2", "cot, greedy, batch 2"):
         assert f"| {row} |" in out
     assert "| direct, greedy, batch 1 | " in out and "| 41.9 | 11.7 |" in out
+    assert "| md2 cot30, greedy, batch 1 | " in out and "| 16.2 | - |" in out  # a default mode
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["failed_requests"] == 0 and summary["crops_on_device"] is False  # a CPU
 
@@ -77,3 +80,36 @@ def test_md3_smoke_serves_a_random_moondream3_made_in_memory(bench_gpu, capsys) 
     assert set(summary["req_s"]) == {"direct, greedy, batch 1", "cot30, greedy, batch 1"}
     cot30 = next(line for line in out.splitlines() if "| cot30, greedy, batch 1 |" in line)
     assert "| 28.0 (" in cot30  # 14 thinking + 14 answer: random weights never stop early
+
+
+def test_both_families_one_engine_after_the_other(bench_gpu, capsys, monkeypatch, tmp_path):
+    """``--family both``: Moondream 2, then Moondream 3 with FP8 experts, the first engine
+    collected before the second is built (its KV pool is sized from the free memory); one
+    ``--requests`` count per batch; one summary line, Moondream 3's under ``md3``."""
+    built, sizes = [], []
+
+    class Recording(bench_gpu.Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            alive = [ref() is not None for ref, _ in built]
+            super().__init__(*args, **kwargs)
+            dtypes = {t.dtype for t in self.runtime.model.state_dict().values()}
+            built.append((weakref.ref(self), (alive, torch.float8_e4m3fn in dtypes)))
+
+    def measure(engine, queries, batch, settings, cot):
+        sizes.append((batch, len(queries), settings["max_tokens"]))
+        return real(engine, queries, batch, settings, cot)
+
+    real = bench_gpu.measure
+    monkeypatch.setattr(bench_gpu, "Engine", Recording)
+    monkeypatch.setattr(bench_gpu, "measure", measure)
+    bench_gpu.main(["--smoke", "--family", "both", "--allow-busy", "--rounds", "1",
+                    "--batches", "1,2", "--requests", "1,3", "--sampling", "greedy",
+                    "--modes", "direct", "--startup-threads", "0", "--summary",
+                    "--md3-dir", str(tmp_path / "md3")])  # fmt: skip
+    assert [info for _, info in built] == [([], False), ([False], True)]
+    assert [s for s in sizes if s[2] == 4] == [(1, 1, 4), (2, 3, 4)] * 2  # each family's rows
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["family"] == "md2" and summary["md3"]["family"] == "md3"
+    for line in (summary, summary["md3"]):
+        assert set(line["req_s"]) == {"direct, greedy, batch 1", "direct, greedy, batch 2"}
+        assert line["failed_requests"] == 0 and line["failed_captures"] == 0
