@@ -46,11 +46,12 @@ __all__ = [
     "ExpertPlan",
     "Rows",
     "combine",
+    "dequantize_rows",
     "gather_rows",
     "geglu",
     "grouped_linear",
     "plan_experts",
-    "quantize_activations",
+    "quantize_rows",
     "scaled_grouped_reference",
     "scaled_grouped_supported",
     "tau_scales",
@@ -91,12 +92,20 @@ def plan_experts(experts_Nk: Tensor, expert_ids_E: Tensor) -> ExpertPlan:
     return ExpertPlan(order, offs, experts_Nk.shape[1])
 
 
-def quantize_activations(x_MK: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row absmax scaling to float8_e4m3 (torch form): (q [M, K], scale float32 [M])."""
-    amax = x_MK.float().abs().amax(dim=-1, keepdim=True)
+def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """``w`` [..., N, K] -> (q float8_e4m3fn [..., N, K], scale float32 [..., N]), absmax / 448
+    per row; an all-zero row gets scale 1. The experts' published form, and the activations'
+    for the FP8 grouped GEMM (torch form; the gather and GeGLU kernels fuse it)."""
+    w32 = w.float()
+    amax = w32.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (x_MK.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale[:, 0]
+    q = (w32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``q.float() * scale[..., None]`` cast to ``dtype``: the weights the file stands for."""
+    return (q.float() * scale.float()[..., None]).to(dtype)
 
 
 def _triton(t: Tensor) -> bool:
@@ -111,7 +120,7 @@ def gather_rows(x_NC: Tensor, plan: ExpertPlan, *, quantize: bool) -> Rows:
         with opaque("moe_gather"):
             return Rows(*gather_triton(x_NC, plan.order, plan.k, quantize))
     x_MC = x_NC.index_select(0, torch.div(plan.order, plan.k, rounding_mode="floor"))
-    return Rows(*quantize_activations(x_MC)) if quantize else Rows(x_MC)
+    return Rows(*quantize_rows(x_MC)) if quantize else Rows(x_MC)
 
 
 def geglu(hg_MI: Tensor, *, quantize: bool) -> Rows:
@@ -123,7 +132,7 @@ def geglu(hg_MI: Tensor, *, quantize: bool) -> Rows:
             return Rows(*geglu_triton(hg_MI, quantize))
     h, g = hg_MI.chunk(2, dim=-1)
     act = F.gelu(h) * (g + 1)
-    return Rows(*quantize_activations(act)) if quantize else Rows(act)
+    return Rows(*quantize_rows(act)) if quantize else Rows(act)
 
 
 def combine(y_MC: Tensor, plan: ExpertPlan, rows: Rows, weights_Nk: Tensor) -> Tensor:
@@ -175,7 +184,7 @@ def grouped_linear(rows: Rows, w_ENK: Tensor, offs_E: Tensor, scale_EN: Tensor |
     if scale_EN is None and _aligned(x, w_ENK):
         return torch._grouped_mm(x, w_ENK.transpose(1, 2), offs=offs_E)
     if scale_EN is not None and not widens_per_expert(x):  # one cast: static, no host sync
-        wide = (w_ENK.float() * scale_EN.float()[..., None]).to(x.dtype)
+        wide = dequantize_rows(w_ENK, scale_EN, x.dtype)
         if _aligned(x, wide):
             return torch._grouped_mm(x, wide.transpose(1, 2), offs=offs_E)
         w_ENK, scale_EN = wide, None
@@ -190,7 +199,7 @@ def _gathered(x_MK: Tensor, w_ENK: Tensor, offs_E: Tensor, scale_EN: Tensor | No
     expert = torch.searchsorted(offs_E, rows, right=True)  # [M]
     w = w_ENK.index_select(0, expert)  # [M, N, K]
     if scale_EN is not None:
-        w = (w.float() * scale_EN.index_select(0, expert).float()[..., None]).to(x_MK.dtype)
+        w = dequantize_rows(w, scale_EN.index_select(0, expert), x_MK.dtype)
     return torch.bmm(w, x_MK[:, :, None])[:, :, 0]
 
 
@@ -210,7 +219,7 @@ def _each_expert(x_MK: Tensor, w_ENK: Tensor, offs_E: Tensor, scale_EN: Tensor |
         if end > start:
             w = w_ENK[e]
             if scale_EN is not None:
-                w = (w.float() * scale_EN[e].float()[:, None]).to(x_MK.dtype)
+                w = dequantize_rows(w, scale_EN[e], x_MK.dtype)
             out[start:end] = F.linear(x_MK[start:end], w)
         start = end
     return out
@@ -232,7 +241,7 @@ def scaled_grouped_reference(
     """What ``torch._scaled_grouped_mm`` computes, in float32 on any device: (xq * x_scale)
     times each expert's (q * scale) transposed, rounded to bf16 once."""
     x = xq.float() * x_scale.float()[:, None]
-    w = q_ENK.float() * scale_EN.float()[..., None]
+    w = dequantize_rows(q_ENK, scale_EN, torch.float32)
     return _each_expert(x, w, offs_E, None).to(torch.bfloat16)
 
 

@@ -6,9 +6,11 @@ one per OUTPUT row, taken over the input dimension K:
     w[e, n, :] ~= q[e, n, :].float() * scale[e, n]
 
 :func:`quantize_rows` writes that form (absmax / 448 per row: the largest magnitude of a row maps
-to e4m3's largest finite value), :func:`dequantize_rows` reads it back. The MoE multiplies by
-such stacks through ``kestrel_kernels.moe.grouped_linear``: the row-scaled FP8 grouped GEMM on a
-Hopper GPU (the activations quantised per row too), the experts widened on use elsewhere.
+to e4m3's largest finite value), :func:`dequantize_rows` reads it back; both live with the
+kernels that quantise activations the same way (``kestrel_kernels.moe``) and are re-exported
+here. The MoE multiplies by such stacks through ``kestrel_kernels.moe.grouped_linear``: the
+row-scaled FP8 grouped GEMM on a Hopper GPU (the activations quantised per row too), the
+experts widened on use elsewhere.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kestrel_kernels.moe import FP8_DTYPE, FP8_MAX
+from kestrel_kernels.moe import FP8_DTYPE, FP8_MAX, dequantize_rows, quantize_rows
 
 __all__ = [
     "FP8_DTYPE",
@@ -40,18 +42,3 @@ def as_fp8(t: Tensor) -> Tensor:
     if t.dtype == torch.uint8:
         return t.view(FP8_DTYPE)
     raise TypeError(f"expected float8_e4m3fn (or its uint8 bytes), got {t.dtype}")
-
-
-def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
-    """``w`` [..., N, K] -> (q float8_e4m3fn [..., N, K], scale float32 [..., N]), absmax / 448
-    per row. An all-zero row gets scale 1 (its q is zero)."""
-    w32 = w.float()
-    amax = w32.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (w32 / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
-
-
-def dequantize_rows(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``q.float() * scale[..., None]`` cast to ``dtype``: the weights the file stands for."""
-    return (q.float() * scale.float()[..., None]).to(dtype)

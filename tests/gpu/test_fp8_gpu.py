@@ -59,7 +59,7 @@ def test_scaled_grouped_gemm_on_device() -> None:
     q, s = quantize_rows(torch.randn(4, 256, 128, generator=gen))
     q, s = q.cuda(), s.cuda()
     offs = torch.tensor([3, 3, 20, 40], dtype=torch.int32, device="cuda")
-    xq, xs = kernels_moe.quantize_activations(x)
+    xq, xs = kernels_moe.quantize_rows(x)
     rows = kernels_moe.Rows(xq, xs)
     got = kernels_moe.grouped_linear(rows, q, offs, s).float()
     want = kernels_moe.scaled_grouped_reference(xq, xs, q, s, offs).float()
