@@ -111,7 +111,7 @@ def measure(sites: bool, families: tuple[str, ...]) -> tuple[list, dict, dict]:
                     r = decode_rows(batch, settings, sites, family)
                     rows.append((f"{family} decode b{batch} {name}", r))
                     all_sites[rows[-1][0]] = r.pop("sites")
-            pre[family] = prefill_rows(sites, family)
+            pre[family] = prefill_rows(family)
             keys = PRE_ROWS if family == "md2" else MD3_PRE_ROWS
             all_sites.update((f"{family} {k}", pre[family][k].sites) for k in keys)
     return rows, pre, all_sites

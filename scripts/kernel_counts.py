@@ -281,10 +281,9 @@ def counted_graphs(box: list, sites: bool) -> LaunchCounter:
     return c
 
 
-def prefill_rows(sites: bool, family: str = "md2", layers: int = 24) -> dict:
+def prefill_rows(family: str = "md2", layers: int = 24) -> dict:
     """The miss and hit prefill counts (sites always kept: ``readbacks`` reads them), and
     for Moondream 2 the vision encoder's and the crops'."""
-    del sites
     sites = True
     rt, _runner, sched, factory = build(4, family, layers)
     box: list = [None]

@@ -51,7 +51,7 @@ def test_md3_decode_never_syncs_and_an_moe_layer_is_18_launches(kc) -> None:
 
 def test_md3_prefill_never_syncs_and_replays_its_graphs(kc) -> None:
     with kc.gpu_branches():
-        pre = kc.prefill_rows(False, "md3", layers=3)
+        pre = kc.prefill_rows("md3", layers=3)
     hit, miss = pre["prefill_hit"], pre["prefill_miss"]
     # the one read that ends a prefill (its first token, for the skill), nothing in it
     assert kc.forward_syncs(hit) == kc.forward_syncs(miss) == 0
