@@ -1,4 +1,4 @@
-"""Kestrel: a fast Moondream 2 serving runtime built around a namespaced radix prefix cache."""
+"""Kestrel: a fast Moondream serving runtime built around a namespaced radix prefix cache."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kestrel.errors import (
     KestrelError,
     ModelError,
     ModelLoadError,
+    OverloadedError,
     PromptTooLongError,
     UnknownAdapterError,
     UnsupportedError,
@@ -43,6 +44,7 @@ __all__ = [
     "KestrelError",
     "ModelError",
     "ModelLoadError",
+    "OverloadedError",
     "PointResult",
     "PreparedImage",
     "PromptTooLongError",

@@ -14,6 +14,7 @@ __all__ = [
     "KestrelError",
     "ModelError",
     "ModelLoadError",
+    "OverloadedError",
     "PromptTooLongError",
     "UnknownAdapterError",
     "UnsupportedError",
@@ -45,6 +46,11 @@ class CapacityError(KestrelError):
 
 class UnsupportedError(KestrelError):
     """The served model cannot do what was asked: a skill its family does not have."""
+
+
+class OverloadedError(KestrelError):
+    """A limit that frees up as other requests finish was reached (the decoded image memory
+    budget): the same request can succeed if sent again shortly."""
 
 
 class EngineClosedError(KestrelError):

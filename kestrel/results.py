@@ -161,6 +161,13 @@ class EngineStats:
     host_kv_budget_bytes: int = 0
     # encoded images handed in again and prepared without a decode (images/known.py)
     image_decodes_skipped: int = 0
+    # decoded image bytes held by requests in flight, under their budget (images/budget.py):
+    # now, the most at once, the budget; decodes that waited for room, and that were refused
+    image_memory_bytes: int = 0
+    image_memory_peak_bytes: int = 0
+    image_memory_budget_bytes: int = 0
+    image_decodes_waited: int = 0
+    image_decodes_refused: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

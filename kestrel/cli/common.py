@@ -86,6 +86,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         help="read images in their stored orientation instead of turning them upright by their "
         "EXIF orientation tag (coordinates then refer to the stored pixels)",
     )  # fmt: skip
+    group.add_argument(
+        "--image-memory-mb", type=_memory_mb, default=None, metavar="MB",
+        help="decoded image bytes held at once by requests in flight; past it a decode waits "
+        "(the server answers 503 + Retry-After after 30 s). Default: a sixteenth of the "
+        "machine's memory, 256 to 1024 MB",
+    )  # fmt: skip
     for flag, unit, text in _TIER_FLAGS:  # the cache tiers past the KV pool
         group.add_argument(flag, type=budget_number, default=None, metavar=unit, help=text)
     group.add_argument(
@@ -252,6 +258,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
            if args.embedding_cache_mb is not None else {}),
         **({"host_kv_gb": args.host_kv_gb} if args.host_kv_gb is not None else {}),
         **({"device_crops": False} if args.host_crops else {}),
+        **({"image_memory_mb": args.image_memory_mb}
+           if getattr(args, "image_memory_mb", None) is not None else {}),
     }  # fmt: skip
 
 
@@ -323,6 +331,13 @@ def budget_number(text: str) -> float:
     value = float(text) if _DECIMAL.fullmatch(text) else -1.0
     if not math.isfinite(value) or value < 0:  # 1e999 is inf
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _memory_mb(text: str) -> float:
+    value = budget_number(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a number of megabytes > 0, got 0")
     return value
 
 

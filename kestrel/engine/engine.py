@@ -18,12 +18,12 @@ from kestrel.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry
 from kestrel.engine.aio import AsyncTwins
 from kestrel.engine.calls import BlockingCalls
 from kestrel.engine.desk import Drafter, Submitter
+from kestrel.engine.intake import budget_bytes, intake
 from kestrel.engine.replies import ReplyMemory
 from kestrel.engine.requests import RequestFactory
 from kestrel.engine.setup import load_runtime
 from kestrel.errors import InvalidInputError
 from kestrel.images import PreparedImage, prepare_image
-from kestrel.images.known import KnownImages
 from kestrel.results import EngineStats
 from kestrel.runtime.heads import ModelHeads
 from kestrel.runtime.runner import BatchExecutor
@@ -62,7 +62,10 @@ class Engine(BlockingCalls, AsyncTwins):
     pool already is host memory). ``device_crops``: cut a lone new image's crops on the
     model's device from the uploaded image, libvips' bytes exactly (docs/kernels.md); None
     (default): on CUDA, if a start-up probe finds the same bytes; False: the host's crop
-    workers make every image's crops.
+    workers make every image's crops. ``image_memory_mb``: the decoded image bytes the
+    calls' decodes may hold at once (None: a sixteenth of the machine's memory, 256 MiB to
+    1 GiB); past it a decode waits, and raises OverloadedError after 30 s (docs/images.md).
+    Encoded images larger than their crops use are reduced as they are decoded.
     Every call takes ``adapter=name`` and ``cache_salt`` (a tenant's string: requests with
     different salts never share cache entries). Every method is thread-safe; ``a*`` twins
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
@@ -88,10 +91,12 @@ class Engine(BlockingCalls, AsyncTwins):
         embedding_cache_mb: float | None = None,
         host_kv_gb: float | None = None,
         device_crops: bool | None = None,
+        image_memory_mb: float | None = None,
     ) -> None:
         for name, value in (("lookahead", lookahead), ("device_crops", device_crops)):
             if value is not None and not isinstance(value, bool):
                 raise InvalidInputError(f"{name} must be True, False or None, got {value!r}")
+        image_memory = budget_bytes(image_memory_mb)
         self.runtime, self.model_path = load_runtime(
             model,
             device=device,
@@ -120,7 +125,9 @@ class Engine(BlockingCalls, AsyncTwins):
         self._replies = ReplyMemory()
         self._loop = SchedulerLoop(self._scheduler)
         # encoded images seen before come back deferred: no decode unless their crops are needed
-        self._images = KnownImages(exif_orientation=exif_orientation)
+        self.image_fit, self.image_budget, self._images = intake(
+            self.config.vision, exif_orientation, image_memory
+        )
         self._drafts = Drafter(
             self._factory, self._adapters, self._replies, self._images.prepare, lambda: self.closed
         )
@@ -145,7 +152,7 @@ class Engine(BlockingCalls, AsyncTwins):
     # ------------------------------------------------------------------ images and adapters
     def prepare_image(self, image: object) -> PreparedImage:
         """Decode and hash once; pass the result as ``image`` to any call."""
-        return prepare_image(image, exif_orientation=self.exif_orientation)
+        return prepare_image(image, exif_orientation=self.exif_orientation, fit=self.image_fit)
 
     def load_adapter(self, name: str, path: str | Path) -> str:
         """Load a LoRA adapter (``.safetensors``, reference ``final.pt``, or a folder of one)
@@ -192,6 +199,7 @@ class Engine(BlockingCalls, AsyncTwins):
             **self._runner.pages(),
             vision_encodes=c.encoder_runs,
             image_decodes_skipped=self._images.repeats,
+            **self.image_budget.stats_fields(),
             **self.runtime.embeddings.stats_fields(),
             **self._host_kv_fields(),
         )

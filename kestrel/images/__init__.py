@@ -22,11 +22,15 @@ and ``str`` / ``pathlib.Path`` file paths. What happens to each kind of image
 The pixel limit is checked from the header (encoded inputs, lazily loaded PIL images, pyvips
 images) or the array shape before any full decode, so an oversized upload costs no decode.
 
+Encoded images larger than their crops use are reduced as they are decoded, given a ``fit``
+(``images/shrink.py``), and a decode holds its bytes of a ``budget`` (``images/budget.py``).
+
 The cache identity of an image is the SHA-256 of its decoded RGB pixels (with dtype and shape),
-taken after all of the above: the same picture hits the cache whatever container it came in (a
-PNG file, its bytes, a PIL image, a numpy array, a JPEG stored sideways with an orientation tag),
-and the same bytes always hash alike. The runtime takes the :class:`PreparedImage` as it is: its
-pixels go straight to the crop pipeline on a miss, nothing is decoded twice.
+taken after all of the above (a reduced image's reduced pixels): the same picture hits the
+cache whatever container it came in (a PNG file, its bytes, a PIL image, a numpy array, a JPEG
+stored sideways with an orientation tag), and the same bytes always hash alike. The runtime
+takes the :class:`PreparedImage` as it is: its pixels go straight to the crop pipeline on a
+miss, nothing is decoded twice.
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from kestrel.errors import InvalidInputError
+from kestrel.images.budget import DecodeBudget
 from kestrel.images.formats import ACCEPTED_FORMATS, accepted_readers, stream, unaccepted
 from kestrel.images.orientation import read_orientation, upright
+from kestrel.images.pixels import ImageError, array_rgb
+from kestrel.images.shrink import Fit, plan_shrink, shrink_on_load
 from kestrel.images.vips import decode_pixels, tagged
 
 __all__ = [
@@ -70,10 +77,6 @@ _ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
 ImageInput = Any  # PIL.Image.Image | np.ndarray | pyvips.Image | bytes | str | os.PathLike
 
 
-class ImageError(ValueError):
-    """An image that cannot be used: unreadable, empty, too large, or of an unsupported kind."""
-
-
 @dataclass(frozen=True, slots=True)
 class _Options:
     """How to decode: apply the EXIF orientation or not; the colour alpha is composited on
@@ -81,11 +84,14 @@ class _Options:
 
     exif_orientation: bool = True
     background: tuple[int, int, int] | None = WHITE
+    fit: Fit | None = None  # encoded images: shrunk on load as far as this allows (shrink.py)
 
 
-def _options(exif_orientation: bool, background: Sequence[int] | None) -> _Options:
+def _options(
+    exif_orientation: bool, background: Sequence[int] | None, fit: Fit | None = None
+) -> _Options:
     if background is None:
-        return _Options(bool(exif_orientation), None)
+        return _Options(bool(exif_orientation), None, fit)
     colour = tuple(background)
     if len(colour) != 3 or not all(
         isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c <= 255
@@ -94,7 +100,7 @@ def _options(exif_orientation: bool, background: Sequence[int] | None) -> _Optio
         raise ValueError(
             f"background must be an (r, g, b) tuple of ints in 0..255, got {background!r}"
         )
-    return _Options(bool(exif_orientation), (int(colour[0]), int(colour[1]), int(colour[2])))
+    return _Options(bool(exif_orientation), (int(colour[0]), int(colour[1]), int(colour[2])), fit)
 
 
 def _check_size(width: int, height: int, max_pixels: int, what: str) -> None:
@@ -127,9 +133,9 @@ def _pil_array(image: Image.Image, opts: _Options, what: str) -> np.ndarray:
             if array.size and (int(array.min()) < 0 or int(array.max()) > 65535):
                 raise ImageError(f"{what} is 32-bit with values outside 0..65535")
             array = array.astype(np.uint16)
-        return _array_rgb(array, opts, what)
+        return array_rgb(array, opts.background, what)
     if opts.background is not None and (image.mode in _ALPHA_MODES or "transparency" in image.info):
-        return _array_rgb(np.asarray(image.convert("RGBA")), opts, what)
+        return array_rgb(np.asarray(image.convert("RGBA")), opts.background, what)
     rgb = image if image.mode == "RGB" else image.convert("RGB")
     return np.asarray(rgb, dtype=np.uint8)
 
@@ -149,25 +155,57 @@ def _from_pil(
     return upright(out, orientation, copy=True)
 
 
+Decoded = tuple[np.ndarray, tuple[int, int] | None]  # pixels, the size as sent if reduced
+
+
 def _from_header(
     image: Image.Image, source: bytes | Path, max_pixels: int, opts: _Options, what: str
-) -> np.ndarray:
-    """An encoded image whose header PIL read: decoded by libvips where it decodes this kind
-    to PIL's pixels (``images/vips.py``), by PIL otherwise."""
+) -> Decoded:
+    """An encoded image whose header PIL read: shrunk on load where its crops allow
+    (``images/shrink.py``), decoded by libvips where it decodes this kind to PIL's pixels
+    (``images/vips.py``), by PIL otherwise. The upright size as sent comes with the pixels
+    when they were reduced."""
     _check_size(image.width, image.height, max_pixels, what)
-    pixels = decode_pixels(image, source)
-    if pixels is None:
-        return _from_pil(image, max_pixels, opts, what)
-    rgb = _array_rgb(pixels, opts, what)
     orientation = read_orientation(image) if opts.exif_orientation and tagged(image) else 1
-    return upright(rgb, orientation, copy=False)  # libvips' buffer is fresh: no copy needed
+    turned = orientation in (5, 6, 7, 8)
+    upright_size = (image.width, image.height) if turned else (image.height, image.width)
+    plan = plan_shrink(image, source, opts.fit, upright_size)
+    pixels = shrink_on_load(image, source, plan)
+    sent = upright_size if plan.how == "draft" or pixels is not None else None
+    if pixels is None and plan.how != "draft":
+        pixels = decode_pixels(image, source)
+    if pixels is None:
+        return _from_pil(image, max_pixels, opts, what), sent
+    rgb = array_rgb(pixels, opts.background, what)
+    return upright(rgb, orientation, copy=False), sent  # libvips' buffer is fresh: no copy
 
 
-def _open_encoded(source: bytes | Path, max_pixels: int, opts: _Options, what: str) -> np.ndarray:
+def _decode_cost(image: Image.Image, source: bytes | Path, opts: _Options) -> int:
+    orientation = read_orientation(image) if opts.exif_orientation and tagged(image) else 1
+    size = (image.width, image.height) if orientation in (5, 6, 7, 8) else image.size[::-1]
+    return plan_shrink(image, source, opts.fit, size).peak_bytes()
+
+
+def _open_encoded(
+    source: bytes | Path,
+    max_pixels: int,
+    opts: _Options,
+    what: str,
+    budget: DecodeBudget | None = None,
+) -> Decoded:
     try:
         # reads the header only, trying the accepted formats' readers alone
         with Image.open(stream(source), formats=accepted_readers()) as image:
-            return _from_header(image, source, max_pixels, opts, what)
+            if budget is None:
+                return _from_header(image, source, max_pixels, opts, what)
+            _check_size(image.width, image.height, max_pixels, what)
+            charge = budget.take(_decode_cost(image, source, opts), what)
+            try:
+                pixels, sent = _from_header(image, source, max_pixels, opts, what)
+                return charge.settle(pixels), sent
+            except BaseException:
+                charge.release()
+                raise
     except Image.DecompressionBombError as exc:
         raise ImageError(f"{what} is too large to decode safely: {exc}") from exc
     except ImageError:
@@ -178,57 +216,10 @@ def _open_encoded(source: bytes | Path, max_pixels: int, opts: _Options, what: s
         raise ImageError(f"cannot decode {what} as an image: {exc}") from exc
 
 
-def _to_uint8(array: np.ndarray, what: str) -> np.ndarray:
-    """uint8 as is; uint16 scaled 65535 -> 255 (rounded); float read as 0..1."""
-    if array.dtype == np.uint8:
-        return array
-    if array.dtype.kind == "u" and array.dtype.itemsize == 2:  # either byte order
-        return ((array.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
-    if array.dtype.kind == "f":
-        if not np.isfinite(array).all():
-            raise ImageError(f"{what} ({array.dtype}) holds NaN or infinite values")
-        low, high = float(array.min()), float(array.max())
-        if low < 0.0 or high > 1.0:
-            raise ImageError(
-                f"{what} is {array.dtype} with values in [{low:g}, {high:g}]; float images are "
-                "read as 0..1 (divide by 255 first if it holds 0..255)"
-            )
-        return np.rint(array.astype(np.float32) * 255.0).astype(np.uint8)
-    raise ImageError(
-        f"{what} has dtype {array.dtype}; expected uint8 (0..255), uint16 (0..65535) or "
-        "float (0..1)"
-    )
-
-
-def _composite(rgb: np.ndarray, alpha: np.ndarray, background: tuple[int, int, int]) -> np.ndarray:
-    """``rgb`` over ``background`` by ``alpha`` (H x W x 1), rounded; opaque pixels unchanged."""
-    a = alpha.astype(np.uint16)
-    colour = np.asarray(background, dtype=np.uint16)
-    return ((rgb.astype(np.uint16) * a + colour * (255 - a) + 127) // 255).astype(np.uint8)
-
-
-def _array_rgb(array: np.ndarray, opts: _Options, what: str = "image array") -> np.ndarray:
-    if array.size == 0:
-        raise ImageError(f"{what} is empty (shape {array.shape})")
-    if array.ndim == 2:
-        array = array[:, :, None]
-    if array.ndim != 3 or array.shape[2] not in (1, 2, 3, 4):
-        raise ImageError(
-            f"{what} has shape {array.shape}; expected H x W or H x W x C with C in 1..4"
-        )
-    array = _to_uint8(array, what)
-    channels = array.shape[2]
-    # Gray (+ alpha): replicate the gray channel; RGB(A): keep RGB.
-    rgb = np.repeat(array[:, :, :1], 3, axis=2) if channels <= 2 else array[:, :, :3]
-    if channels in (2, 4) and opts.background is not None:
-        rgb = _composite(rgb, array[:, :, channels - 1 :], opts.background)
-    return rgb
-
-
 def _from_array(array: np.ndarray, max_pixels: int, opts: _Options) -> np.ndarray:
     if array.ndim >= 2 and array.size:
         _check_size(array.shape[1], array.shape[0], max_pixels, "image array")
-    rgb = _array_rgb(array, opts)
+    rgb = array_rgb(array, opts.background)
     return upright(rgb, 1, copy=True)
 
 
@@ -272,28 +263,38 @@ def load_image(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     exif_orientation: bool = True,
     background: Sequence[int] | None = WHITE,
+    fit: Fit | None = None,
+    budget: DecodeBudget | None = None,
 ) -> np.ndarray:
     """Decode/convert ``image`` to a new C-contiguous H x W x 3 uint8 RGB array, upright
     (unless ``exif_orientation=False``) with alpha composited on ``background`` (None: dropped).
 
-    The result never shares memory with the input. Raises ImageError for an unsupported type,
-    corrupt or empty data, a missing file, a wrong dtype, value range or shape, or more than
-    ``max_pixels``; ValueError for a bad ``background``.
+    Encoded inputs (bytes, paths) larger than ``fit`` needs are reduced as they are decoded
+    (``images/shrink.py``; None: decoded in full), and their decode holds its bytes of
+    ``budget`` (``images/budget.py``; OverloadedError when it stays full) until the array is
+    freed. The result never shares memory with the input. Raises ImageError for an unsupported
+    type, corrupt or empty data, a missing file, a wrong dtype, value range or shape, or more
+    than ``max_pixels``; ValueError for a bad ``background``.
     """
-    opts = _options(exif_orientation, background)
+    return _load(image, max_pixels, _options(exif_orientation, background, fit), budget)[0]
+
+
+def _load(
+    image: ImageInput, max_pixels: int, opts: _Options, budget: DecodeBudget | None
+) -> Decoded:
     if isinstance(image, Image.Image):
-        return _from_pil(image, max_pixels, opts)
+        return _from_pil(image, max_pixels, opts), None
     if isinstance(image, np.ndarray):
-        return _from_array(image, max_pixels, opts)
+        return _from_array(image, max_pixels, opts), None
     if isinstance(image, (bytes, bytearray, memoryview)):
         if len(image) == 0:
             raise ImageError("image bytes are empty")
-        return _open_encoded(bytes(image), max_pixels, opts, "image bytes")
+        return _open_encoded(bytes(image), max_pixels, opts, "image bytes", budget)
     if isinstance(image, (str, os.PathLike)):
         path = _path_of(image)
-        return _open_encoded(path, max_pixels, opts, f"image file {path}")
+        return _open_encoded(path, max_pixels, opts, f"image file {path}", budget)
     if _is_vips(image):
-        return _from_vips(image, max_pixels, opts)
+        return _from_vips(image, max_pixels, opts), None
     raise ImageError(
         f"unsupported image type {type(image).__name__}: pass a PIL image, a numpy array, "
         "a pyvips image, encoded bytes, or a file path"
@@ -344,6 +345,14 @@ class PreparedImage:
 
     pixels: np.ndarray
     digest: bytes
+    # (height, width) of the picture as sent, upright, when it was reduced on decode
+    # (images/shrink.py): its crops are planned for that size. None: the pixels' own size.
+    sent_size: tuple[int, int] | None = None
+
+    @property
+    def plan_size(self) -> tuple[int, int]:
+        """The (height, width) the crops' grid is chosen for: the picture as sent."""
+        return self.sent_size if self.sent_size is not None else (self.height, self.width)
 
     @property
     def width(self) -> int:
@@ -360,21 +369,23 @@ def prepare_image(
     max_pixels: int = DEFAULT_MAX_PIXELS,
     exif_orientation: bool = True,
     background: Sequence[int] | None = WHITE,
+    fit: Fit | None = None,
+    budget: DecodeBudget | None = None,
 ) -> PreparedImage:
     """Decode ``image`` (path, bytes, PIL, numpy, pyvips) as :func:`load_image` does and hash
     its pixels. A :class:`PreparedImage` is returned as it is (the options do not apply again).
 
     Raises :class:`~kestrel.errors.InvalidInputError` for anything that is not a usable image
-    (unreadable, corrupt, empty, over ``max_pixels``, unsupported type or value range)."""
+    (unreadable, corrupt, empty, over ``max_pixels``, unsupported type or value range), and
+    OverloadedError when ``budget`` stays full."""
     if isinstance(image, PreparedImage):
         return image
-    options = {"exif_orientation": exif_orientation, "background": background}
-    _options(**options)  # a bad background is the caller's bug, not a bad image: ValueError
+    opts = _options(exif_orientation, background, fit)  # a bad background: ValueError
     try:
-        pixels = load_image(image, max_pixels=max_pixels, **options)
+        pixels, sent = _load(image, max_pixels, opts, budget)
     except ImageError as exc:
         raise InvalidInputError(f"bad image: {exc}") from exc
     except (OSError, ValueError, MemoryError) as exc:  # decoder errors PIL does not wrap
         raise InvalidInputError(f"bad image: {type(exc).__name__}: {exc}") from exc
     pixels.setflags(write=False)  # shared read-only between requests
-    return PreparedImage(pixels, image_digest(pixels))
+    return PreparedImage(pixels, image_digest(pixels), sent)

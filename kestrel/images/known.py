@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from kestrel.images import DEFAULT_MAX_PIXELS, WHITE, PreparedImage, load_image, prepare_image
+from kestrel.images.budget import DecodeBudget
+from kestrel.images.shrink import Fit
 
 __all__ = ["DeferredImage", "KnownImages"]
 
@@ -47,9 +49,10 @@ class DeferredImage(PreparedImage):
         data: bytes,
         decode: Callable[[bytes], np.ndarray],
         size: tuple[int, int],
+        sent_size: tuple[int, int] | None = None,
     ) -> None:
         fields = {"digest": digest, "_data": data, "_decode": decode, "_lock": threading.Lock(),
-                  "_pixels": None, "_size": size}  # fmt: skip
+                  "_pixels": None, "_size": size, "sent_size": sent_size}  # fmt: skip
         for name, value in fields.items():  # frozen: set past the dataclass's guard
             object.__setattr__(self, name, value)
 
@@ -81,7 +84,7 @@ class DeferredImage(PreparedImage):
         return f"DeferredImage({self.height}x{self.width}, digest={self.digest[:8].hex()})"
 
     def __reduce__(self) -> tuple[type, tuple[object, ...]]:
-        return DeferredImage, (self.digest, self._data, self._decode, self._size)
+        return DeferredImage, (self.digest, self._data, self._decode, self._size, self.sent_size)
 
 
 class KnownImages:
@@ -96,14 +99,21 @@ class KnownImages:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         exif_orientation: bool = True,
         background: Sequence[int] | None = WHITE,
+        fit: Fit | None = None,
+        budget: DecodeBudget | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._options = {"max_pixels": max_pixels, "exif_orientation": exif_orientation,
-                         "background": background}  # fmt: skip
+                         "background": background, "fit": fit}  # fmt: skip
+        # a deferred image's later decode (on the crop pool's thread) is not charged: the
+        # pool decodes one image at a time
         self._decode = partial(load_image, **self._options)
-        self._known: OrderedDict[bytes, tuple[bytes, tuple[int, int]]] = OrderedDict()
+        self.budget = budget
+        # bytes' key -> the pixels' digest, their size, the size as sent if they were reduced
+        self._known: OrderedDict[bytes, tuple[bytes, tuple[int, int], tuple[int, int] | None]]
+        self._known = OrderedDict()
         self._lock = threading.Lock()
         self.repeats = 0  # images that came back deferred
 
@@ -113,7 +123,7 @@ class KnownImages:
     def prepare(self, image: object) -> PreparedImage:
         data = _encoded(image)
         if data is None:  # decoded already (PIL, numpy, pyvips), prepared, or unreadable
-            return prepare_image(image, **self._options)
+            return prepare_image(image, budget=self.budget, **self._options)
         key = _key(data)
         with self._lock:
             known = self._known.get(key)
@@ -121,10 +131,13 @@ class KnownImages:
                 self._known.move_to_end(key)
                 self.repeats += 1
         if known is not None:
-            return DeferredImage(known[0], data, self._decode, known[1])
-        prepared = prepare_image(image, **self._options)  # raises for anything not an image
+            return DeferredImage(known[0], data, self._decode, known[1], known[2])
+        prepared = prepare_image(
+            image, budget=self.budget, **self._options
+        )  # raises for anything not an image
         with self._lock:
-            self._known[key] = (prepared.digest, (prepared.height, prepared.width))
+            size = (prepared.height, prepared.width)
+            self._known[key] = (prepared.digest, size, prepared.sent_size)
             while len(self._known) > self.capacity:
                 self._known.popitem(last=False)
         return prepared

@@ -24,14 +24,14 @@ import numpy as np
 import pyvips
 from PIL import Image
 
-__all__ = ["BANDS", "decode_pixels", "tagged"]
+__all__ = ["BANDS", "decode_pixels", "tagged", "takes"]
 
 # PIL mode -> the bands libvips gives for it, per format libvips decodes here.
 BANDS = {"PNG": {"RGB": 3, "RGBA": 4, "L": 1, "LA": 2}}
 _TAGS = (b"eXIf", b"XML:com.adobe.xmp")  # PNG chunks that may carry an orientation
 
 
-def _takes(image: Image.Image, data: bytes) -> bool:
+def takes(image: Image.Image, data: bytes) -> bool:
     bands = BANDS.get(image.format or "", {})
     if image.mode not in bands or "transparency" in image.info:
         return False
@@ -58,10 +58,11 @@ def decode_pixels(image: Image.Image, source: bytes | Path) -> np.ndarray | None
     if image.format not in BANDS or image.mode not in BANDS[image.format]:
         return None  # before reading a file's bytes
     data = source if isinstance(source, bytes) else source.read_bytes()
-    if not _takes(image, data):
+    if not takes(image, data):
         return None
     try:
-        vips = pyvips.Image.new_from_buffer(data, "", access="sequential", fail_on="warning")
+        source = pyvips.Source.new_from_memory(data)  # new_from_buffer would copy the bytes
+        vips = pyvips.Image.new_from_source(source, "", access="sequential", fail_on="warning")
         if vips.format != "uchar" or vips.bands != BANDS[image.format][image.mode]:
             return None  # e.g. a 16-bit PNG, which PIL narrows its own way
         if (vips.width, vips.height) != image.size:

@@ -243,14 +243,21 @@ def _windows(resized: np.ndarray, g: CropGeometry) -> np.ndarray:
 
 
 def overlap_crops(
-    image: np.ndarray | pyvips.Image, config: VisionConfig, *, max_crops: int | None = None
+    image: np.ndarray | pyvips.Image,
+    config: VisionConfig,
+    *,
+    max_crops: int | None = None,
+    plan_size: tuple[int, int] | None = None,
 ) -> OverlapCrops:
-    """The global crop and the overlapping local crops of an H x W x 3 uint8 RGB image.
+    """The global crop and the overlapping local crops of an H x W x 3 uint8 RGB image, on
+    the grid of a ``plan_size`` picture (its size as sent, when it was reduced on decode;
+    None: the image's own).
 
     ``max_crops`` overrides ``config.max_crops`` (tests and experiments only).
     """
     vips = vips_image(image)
-    g = crop_geometry(vips.height, vips.width, config, max_crops)
+    size = plan_size or (vips.height, vips.width)
+    g = crop_geometry(size[0], size[1], config, max_crops)
     crops = np.empty((g.n_crops, g.crop, g.crop, 3), dtype=np.uint8)
     crops[0] = _rendered(_resized(vips, g.crop, g.crop, None), False)
     local = crops[1:].reshape(g.rows, g.cols, g.crop, g.crop, 3)

@@ -250,9 +250,12 @@ class CropPlan:
 
 
 @lru_cache(maxsize=1024)
-def crop_plan(height: int, width: int, config: VisionConfig) -> CropPlan:
-    """How a ``height`` x ``width`` image's crops are made on a device (kept per size)."""
-    g = crop_geometry(height, width, config)
+def crop_plan(
+    height: int, width: int, config: VisionConfig, plan_size: tuple[int, int] | None = None
+) -> CropPlan:
+    """How a ``height`` x ``width`` image's crops are made on a device (kept per size), on the
+    grid of a ``plan_size`` picture (its size as sent, when it was reduced on decode)."""
+    g = crop_geometry(*(plan_size or (height, width)), config)
     return CropPlan(
         g, resize_plan(height, width, g.crop, g.crop), resize_plan(height, width, *g.resized)
     )

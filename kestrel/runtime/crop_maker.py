@@ -98,10 +98,11 @@ class Cropper:
         crops in the making), else here (worker processes, part threads)."""
         pixels = check_pixels(image.pixels)
         if self.on_device and lone:
-            staged = self._for_device(pixels)
+            staged = self._for_device(pixels, image.plan_size)
             if staged is not None:
                 return staged
-        g = crop_geometry(pixels.shape[0], pixels.shape[1], self.config)
+        # planned for the picture as sent: a reduced decode (images/shrink.py) keeps its grid
+        g = crop_geometry(*image.plan_size, self.config)
         parts = crop_parts(g, self.parallel, pixels.shape[:2])
         made = self._in_worker(pixels, g, parts) if self.processes else None
         if made is not None:
@@ -111,10 +112,10 @@ class Cropper:
             return self.staging.stage(crops_hwc, (g.rows, g.cols))
         return CropPixels(crops_hwc, (g.rows, g.cols))
 
-    def _for_device(self, pixels: np.ndarray) -> CropPixels | None:
+    def _for_device(self, pixels: np.ndarray, size: tuple[int, int]) -> CropPixels | None:
         """The image itself, staged for crops on the device (``device_crops.py``); None
         for an image larger than a staging slot (~1.86 million pixels; its crops are smaller)."""
-        plan = crop_plan(pixels.shape[0], pixels.shape[1], self.config)
+        plan = crop_plan(pixels.shape[0], pixels.shape[1], self.config, size)
         if self.staging is None:  # a device that takes plain memory (a CPU: tests)
             return CropPixels(torch.from_numpy(pixels.copy()), plan.tiling, plan=plan)
         if not self.staging.fits(pixels):

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kestrel.errors import KestrelError
+from kestrel.images.budget import DecodeBudget
 from kestrel.images.known import KnownImages
 from kestrel.server.chat import ChatCall, chat_response, parse_chat, start_chat
 from kestrel.server.errors import CLIENT_CLOSED, ApiError, from_exception
@@ -110,9 +111,13 @@ class _Server:
         self.ledger = Ledger(self.gate, self.metrics, on_idle=self.trimmer.poke)
         self.model_name = served_name(engine)
         # images a client sent before (each chat turn resends its image) are not decoded again
+        # an Engine's image fit and decode budget, shared with its own calls' decodes; an
+        # engine without (the Ray front door) gets a budget of its own, and full decodes
         self.images = KnownImages(
-            max_pixels=limits.max_image_pixels, exif_orientation=engine.exif_orientation
-        )
+            max_pixels=limits.max_image_pixels, exif_orientation=engine.exif_orientation,
+            fit=getattr(engine, "image_fit", None),
+            budget=getattr(engine, "image_budget", None) or DecodeBudget(),
+        )  # fmt: skip
         self.info = InfoRoutes(engine, self.ledger, self.authorize, self.model_name,
                                decodes_skipped=lambda: self.images.repeats)  # fmt: skip
 

@@ -16,6 +16,7 @@ from kestrel.errors import (
     InvalidInputError,
     KestrelError,
     ModelError,
+    OverloadedError,
     PromptTooLongError,
     UnknownAdapterError,
     UnsupportedError,
@@ -34,6 +35,7 @@ _ENGINE_ERRORS: tuple[tuple[type[KestrelError], int, str], ...] = (
     (UnknownAdapterError, 404, "unknown_adapter"),
     (CapacityError, 503, "capacity"),  # the request can never fit this server's KV pool
     (EngineClosedError, 503, "unavailable"),
+    (OverloadedError, 503, "overloaded"),  # the image memory budget stayed full: retry
     (UnsupportedError, 501, "unsupported"),  # a skill the model does not have (segment)
     (NoPathError, 501, "unsupported"),  # a model without segmentation stopped after the box
     (ModelError, 500, "model_error"),
@@ -66,5 +68,6 @@ def from_exception(exc: BaseException) -> ApiError:
     if isinstance(exc, KestrelError):
         for cls, status, type_ in _ENGINE_ERRORS:
             if isinstance(exc, cls):
-                return ApiError(status, type_, str(exc))
+                headers = {"Retry-After": "1"} if cls is OverloadedError else None
+                return ApiError(status, type_, str(exc), headers)
     return ApiError(500, "internal_error", "the server failed to handle the request")

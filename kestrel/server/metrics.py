@@ -79,6 +79,26 @@ class _EngineCollector(Collector):
         ):  # fmt: skip
             yield CounterMetricFamily(f"kestrel_{name}", doc, value=total)
         yield from _tier_metrics(s)
+        yield from _image_memory_metrics(s)
+
+
+def _image_memory_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Decoded image bytes under their budget (docs/images.md), and the decodes it held up."""
+    held = GaugeMetricFamily(
+        "kestrel_image_memory_bytes", "decoded image bytes held by requests in flight",
+        labels=["kind"],
+    )  # fmt: skip
+    held.add_metric(["used"], s.image_memory_bytes)
+    held.add_metric(["peak"], s.image_memory_peak_bytes)
+    held.add_metric(["budget"], s.image_memory_budget_bytes)
+    yield held
+    waits = CounterMetricFamily(
+        "kestrel_image_decodes_delayed", "decodes that found the image memory budget full",
+        labels=["outcome"],
+    )  # fmt: skip
+    waits.add_metric(["waited"], s.image_decodes_waited)
+    waits.add_metric(["refused"], s.image_decodes_refused)
+    yield waits
 
 
 def _tier_metrics(s: EngineStats) -> Iterator[Metric]:

@@ -18,8 +18,12 @@ def scripts():
 
 
 def test_image_decode_bench_compares_pil_with_prepare_image(scripts, capsys) -> None:
-    scripts["bench_images"].main(["--allow-busy", "--rounds", "1", "--repeats", "2", "--json"])
+    scripts["bench_images"].main(["--allow-busy", "--rounds", "1", "--repeats", "2", "--json",
+                                  "--large-side", "2100", "--large-repeats", "1"])  # fmt: skip
     figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["figures"]
+    for name in ("12 MP JPEG", "49 MP PNG"):  # large images: in full against shrunk on load
+        assert figures[f"{name}: full decode"]["ms"]["median"] > 0
+        assert figures[f"{name}: shrink on load"]["ms"]["median"] > 0
     for name in ("chart PNG", "chart JPEG", "1280x960 JPEG"):  # each input's own figures
         assert figures[f"{name}: PIL"]["ms"]["median"] > 0
         assert figures[f"{name}: prepare_image"]["ms"]["median"] > 0
