@@ -82,23 +82,24 @@ class _EngineCollector(Collector):
         yield from _image_memory_metrics(s)
 
 
+def _labelled(family: type, name: str, doc: str, label: str, values: dict[str, int]) -> Metric:
+    """One metric family of ``values`` by their ``label``."""
+    metric = family(name, doc, labels=[label])
+    for key, value in values.items():
+        metric.add_metric([key], value)
+    return metric
+
+
 def _image_memory_metrics(s: EngineStats) -> Iterator[Metric]:
     """Decoded image bytes under their budget (docs/images.md), and the decodes it held up."""
-    held = GaugeMetricFamily(
-        "kestrel_image_memory_bytes", "decoded image bytes held by requests in flight",
-        labels=["kind"],
-    )  # fmt: skip
-    held.add_metric(["used"], s.image_memory_bytes)
-    held.add_metric(["peak"], s.image_memory_peak_bytes)
-    held.add_metric(["budget"], s.image_memory_budget_bytes)
-    yield held
-    waits = CounterMetricFamily(
-        "kestrel_image_decodes_delayed", "decodes that found the image memory budget full",
-        labels=["outcome"],
-    )  # fmt: skip
-    waits.add_metric(["waited"], s.image_decodes_waited)
-    waits.add_metric(["refused"], s.image_decodes_refused)
-    yield waits
+    yield _labelled(GaugeMetricFamily, "kestrel_image_memory_bytes",
+                    "decoded image bytes held by requests in flight", "kind",
+                    {"used": s.image_memory_bytes, "peak": s.image_memory_peak_bytes,
+                     "budget": s.image_memory_budget_bytes})  # fmt: skip
+    yield _labelled(CounterMetricFamily, "kestrel_image_decodes_delayed",
+                    "decodes that found the image memory budget full", "outcome",
+                    {"waited": s.image_decodes_waited,
+                     "refused": s.image_decodes_refused})  # fmt: skip
 
 
 def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
