@@ -26,6 +26,8 @@ from kestrel.results import (
     QueryResult,
     Reasoning,
     RequestMetrics,
+    TextDelta,
+    TokenLogprob,
 )
 from kestrel.skills.settings import Settings, parse_settings
 
@@ -52,7 +54,9 @@ __all__ = [
     "Reasoning",
     "RequestMetrics",
     "Settings",
+    "TextDelta",
     "TextStream",
+    "TokenLogprob",
     "UnknownAdapterError",
     "UnsupportedError",
     "__version__",

@@ -20,6 +20,8 @@ __all__ = [
     "Reasoning",
     "RequestMetrics",
     "SegmentResult",
+    "TextDelta",
+    "TokenLogprob",
 ]
 
 
@@ -60,24 +62,60 @@ class Reasoning:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One answer token's log-probability under the model (its raw logits: before
+    temperature, grammar or suppression), with its id, its bytes (a piece of a multi-byte
+    character stays a piece) and text, and ``top``: the most likely tokens at its place."""
+
+    id: int
+    token: str
+    bytes: bytes
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+
+class TextDelta(str):
+    """A streamed text delta of a call made with ``logprobs=``: the text itself (a ``str``),
+    and ``logprobs``, the :class:`TokenLogprob` of the answer tokens whose text it completes
+    (tokens whose text is still held back come with a later delta; those of the last one with
+    the result)."""
+
+    logprobs: tuple[TokenLogprob, ...]
+
+    def __new__(cls, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> TextDelta:
+        out = super().__new__(cls, text)
+        out.logprobs = logprobs
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class QueryResult:
+    """``parsed``: with ``response_format``, the answer's value (the JSON value; the text for
+    a regex or a choice; None for an answer cut short). ``logprobs``: with ``logprobs=``,
+    one :class:`TokenLogprob` per answer token."""
+
     answer: str
     reasoning: Reasoning | None
     finish_reason: str
     tokens: tuple[int, ...]  # generated ids of the answer
     metrics: RequestMetrics
+    parsed: Any = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ChatResult:
     """The assistant's reply to a conversation: ``content`` (the answer), ``reasoning`` (with
-    ``reasoning=True``), and :attr:`message`, the reply in the OpenAI message shape."""
+    ``reasoning=True``), and :attr:`message`, the reply in the OpenAI message shape;
+    ``parsed`` and ``logprobs`` as :class:`QueryResult`'s."""
 
     content: str
     reasoning: Reasoning | None
     finish_reason: str
     tokens: tuple[int, ...]  # generated ids of the answer
     metrics: RequestMetrics
+    parsed: Any = None  # as QueryResult's
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def message(self) -> dict[str, Any]:

@@ -13,8 +13,10 @@ uploads (pinned buffer, ``non_blocking=True``) report themselves.
 
 ``opaque(name)`` marks a region that is one launch on the GPU (a Triton kernel, or the
 FlashAttention binding) but runs as many torch ops on the CPU stand-in: it counts 1 and pauses
-counting inside. ``sites`` names the source line (outside torch and this module) of every sync
-and upload, for ``scripts/count_kernels.py --sites``.
+counting inside. ``graph_body()`` marks the body of a CUDA graph run eagerly (uncaptured, as on
+a CPU): its launches are counted as usual and also into ``graph_body``, and each run counts one
+``replays`` (on a GPU the body is one graph launch). ``sites`` names the source line (outside
+torch and this module) of every sync and upload, for ``scripts/count_kernels.py --sites``.
 
 A read of a device-to-host copy started earlier (``transfer.Readback``) is a sync only if
 nothing was launched after the copy: then the host waits for an empty queue. With more work
@@ -38,7 +40,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LaunchCounter", "active_counter", "count_upload", "opaque"]
+__all__ = ["LaunchCounter", "active_counter", "count_upload", "graph_body", "opaque"]
 
 aten = torch.ops.aten
 
@@ -123,7 +125,8 @@ class LaunchCounter(TorchDispatchMode):
         self.uploads_blocking = 0
         self.uploads_nonblocking = 0
         self.deferred_reads = 0
-        self.replays = 0
+        self.replays = 0  # graph bodies run (``graph_body``): one graph launch each on a GPU
+        self.graph_body = 0  # launches inside them
         self.by_op: collections.Counter[str] = collections.Counter()
         self.sites: collections.Counter[tuple[str, str]] = collections.Counter()
         self._record_sites = sites
@@ -184,6 +187,18 @@ class LaunchCounter(TorchDispatchMode):
             yield
         finally:
             self._paused -= 1
+
+    @contextlib.contextmanager
+    def graph_run(self) -> Iterator[None]:
+        """One uncaptured run of a CUDA graph's body: its launches also count into
+        ``graph_body``, and the run counts one ``replays``."""
+        before = self.launches
+        try:
+            yield
+        finally:
+            if not self._paused:
+                self.graph_body += self.launches - before
+                self.replays += 1
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -262,6 +277,19 @@ def opaque(name: str) -> Iterator[None]:
         yield
         return
     with counter.opaque(name):
+        yield
+
+
+@contextlib.contextmanager
+def graph_body() -> Iterator[None]:
+    """``LaunchCounter.graph_run`` of the active counter; nothing when none is active. The
+    graph sets (``kestrel/runtime/*graphs.py``) run their static step under it when they run it
+    eagerly."""
+    counter = active_counter()
+    if counter is None:
+        yield
+        return
+    with counter.graph_run():
         yield
 
 

@@ -4,7 +4,7 @@ A libvips resize is a chain of passes along one axis each (a box shrink, lanczos
 bicubic affine): output pixel ``o`` of a pass is the integer ``((sum_k w[o, k] *
 src[idx[o, k]] + add) * mul) >> shift``, clipped to 0..255 where libvips clips. The tables
 (``idx``, ``w``: which source pixels, which integer weights) are computed on the host
-(``kestrel/moondream/resample.py``); this kernel runs them in integers, as libvips does, so
+(``kestrel/crops/resample.py``); this kernel runs them in integers, as libvips does, so
 its bytes are libvips' whatever the GPU.
 
 A *stage* is one pass, or two passes along the same axis fused (the first one's value at
@@ -17,7 +17,7 @@ input, [N, 3, crop, crop] normalized through the 256-entry pixel table (or uint8
 crop, 3]): every pixel into each overlapping crop that holds it.
 
 A stage's description is a row of ``FIELDS`` int32 values in a small device table (built per
-image size by ``kestrel/moondream/crop_stages.py``, uploaded with the weight tables).
+image size by ``kestrel/crops/stages.py``, uploaded with the weight tables).
 """
 
 from __future__ import annotations

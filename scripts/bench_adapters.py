@@ -1,6 +1,7 @@
 """Adapter overhead: 4 adapters x 8 images x questions through the Engine, cache on.
 
     python scripts/bench_adapters.py [--model DIR] [--questions 4] [--max-tokens 8] [--rounds 5]
+    python scripts/bench_adapters.py --smoke    # 1 image, 1 question, 2 tokens, one round
 
 Three variants of the same requests in one process, each measurement on a fresh engine,
 interleaved round by round through the harness (``harness.py``):
@@ -41,9 +42,11 @@ def make_adapters(src: Path, out: Path, n: int) -> list[Path]:
     return paths
 
 
-def run(engine: Engine, images, questions, variants: list[dict]) -> dict[str, float]:
+def run(
+    engine: Engine, images, questions, variants: list[dict], max_tokens: int
+) -> dict[str, float]:
     prepared = [engine.prepare_image(im) for im in images]
-    settings = {"temperature": 0.0, "max_tokens": ARGS.max_tokens}
+    settings = {"temperature": 0.0, "max_tokens": max_tokens}
     engine.query(None, "warm up", settings={"max_tokens": 1})
     t0 = time.perf_counter()
     futures = [
@@ -58,28 +61,43 @@ def run(engine: Engine, images, questions, variants: list[dict]) -> dict[str, fl
     return {"rps": len(futures) / wall, "hit_rate": engine.stats().hit_rate}
 
 
-def main() -> None:
-    bench = harness.start(ARGS, "Adapters (bench_adapters.py)")
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(FIXTURE))
+    p.add_argument("--questions", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=8)
+    harness.add_arguments(p, rounds=5)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.questions, args.max_tokens = 1, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    bench = harness.start(args, "Adapters (bench_adapters.py)")
     rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, (96, 128, 3), dtype=np.uint8) for _ in range(8)]
-    questions = QUESTIONS[: ARGS.questions]
+    n_images = 1 if args.smoke else 8
+    images = [rng.integers(0, 256, (96, 128, 3), dtype=np.uint8) for _ in range(n_images)]
+    questions = QUESTIONS[: args.questions]
     opts = {"device": "cpu", "dtype": "float32", "max_batch_size": 16, "kv_cache_pages": 60_000}
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(FIXTURE / "adapter" / "adapter.safetensors", Path(tmp), 4)
 
+        def measure(extras: list[dict], load: bool = False) -> dict[str, float]:
+            with Engine(args.model, **opts) as engine:
+                for i, p in enumerate(paths if load else ()):
+                    engine.load_adapter(f"a{i}", p)
+                return run(engine, images, questions, extras, args.max_tokens)
+
         def base() -> dict[str, float]:
-            with Engine(ARGS.model, **opts) as engine:
-                return run(engine, images, questions, [{}] * 4)
+            return measure([{}] * 4)
 
         def salted() -> dict[str, float]:
-            with Engine(ARGS.model, **opts) as engine:
-                return run(engine, images, questions, [{"cache_salt": f"s{i}"} for i in range(4)])
+            return measure([{"cache_salt": f"s{i}"} for i in range(4)])
 
         def adapters() -> dict[str, float]:
-            with Engine(ARGS.model, **opts) as engine:
-                for i, p in enumerate(paths):
-                    engine.load_adapter(f"a{i}", p)
-                return run(engine, images, questions, [{"adapter": f"a{i}"} for i in range(4)])
+            return measure([{"adapter": f"a{i}"} for i in range(4)], load=True)
 
         runs = bench.run(
             {
@@ -88,10 +106,10 @@ def main() -> None:
                 "4 adapters, mixed in every batch": adapters,
             }
         )
-    n = 8 * 4 * len(questions)
+    n = n_images * 4 * len(questions)
     bench.emit(
-        f"\n{n} requests each (8 images x 4 copies x {len(questions)} questions), "
-        f"{ARGS.max_tokens} greedy tokens, cache on, CPU float32, model {Path(ARGS.model).name}"
+        f"\n{n} requests each ({n_images} images x 4 copies x {len(questions)} questions), "
+        f"{args.max_tokens} greedy tokens, cache on, CPU float32, model {Path(args.model).name}"
     )
     names = list(runs)
     metrics = {"rps": "requests/s", "hit_rate": "hit rate"}
@@ -103,10 +121,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=str(FIXTURE))
-    p.add_argument("--questions", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=8)
-    harness.add_arguments(p, rounds=5)
-    ARGS = p.parse_args()
     main()

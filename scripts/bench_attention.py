@@ -3,6 +3,7 @@ kernels (FlashAttention vs the Triton flash-decoding kernel, ``kestrel_kernels.t
 
 Usage: python scripts/bench_attention.py [--heads 32] [--head-dim 64] [--threads N]
        [--only cpu|gpu] [--width 2048] [--sweep] [--json out.json]
+       python scripts/bench_attention.py --smoke    # tiny CPU shapes, 1 repeat, no GPU rows
 The CPU table prints milliseconds per call (median of several) and the K/V bytes gathered per
 second. The GPU rows (skipped with a note without CUDA) time one decode attention call at batch
 1, 8 and 64 over ~800-position contexts, Moondream 2's 32 heads of 64 in bfloat16 (and the
@@ -58,16 +59,20 @@ def _time_ms(args: dict, repeats: int) -> float:
     return statistics.median(times)
 
 
+CPU_SHAPES = [  # kind, batch, query positions, keys per row, keys every row shares
+    ("decode", 1, 1, 800, 0),
+    ("decode", 16, 1, 800, 0),
+    ("decode", 16, 1, 800, 750),  # 16 questions about one image
+    ("decode", 16, 1, 1500, 0),
+    ("prefill", 1, 760, 760, 0),
+    ("append", 1, 40, 770, 0),
+    ("prefill", 1, 1000, 1000, 0),
+]
+SMOKE_SHAPES = [("decode", 2, 1, 40, 30), ("prefill", 1, 40, 40, 0), ("append", 1, 8, 40, 0)]
+
+
 def _cpu_rows(opts) -> None:
-    shapes = [  # kind, batch, query positions, keys per row, keys every row shares
-        ("decode", 1, 1, 800, 0),
-        ("decode", 16, 1, 800, 0),
-        ("decode", 16, 1, 800, 750),  # 16 questions about one image
-        ("decode", 16, 1, 1500, 0),
-        ("prefill", 1, 760, 760, 0),
-        ("append", 1, 40, 770, 0),
-        ("prefill", 1, 1000, 1000, 0),
-    ]
+    shapes = SMOKE_SHAPES if opts.smoke else CPU_SHAPES
     print(f"torch backend, CPU, {torch.get_num_threads()} threads, ")
     print(f"Hq = Hkv = {opts.heads}, D = {opts.head_dim}, float32, region (0, {opts.region})")
     print(f"{'kind':8} {'B':>3} {'Lq':>5} {'K':>5} {'shared':>6} {'ms/call':>9} {'KV GB/s':>8}")
@@ -153,7 +158,7 @@ def _gpu_rows(opts) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -164,7 +169,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048, help="page table width (GPU rows)")
     parser.add_argument("--sweep", action="store_true", help="other Triton launch configs")
     parser.add_argument("--json", default=None, help="write the GPU rows to this file")
-    opts = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU shapes, no GPU rows")
+    opts = parser.parse_args(argv)
+    if opts.smoke:
+        opts.heads, opts.head_dim, opts.region, opts.repeats, opts.only = 2, 16, 30, 1, "cpu"
     if opts.threads:
         torch.set_num_threads(opts.threads)
     if opts.only != "gpu":

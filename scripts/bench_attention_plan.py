@@ -69,16 +69,16 @@ def layers_ms(args: dict, plan, layers: int, reps: int, gpu: bool) -> float:
     return statistics.median(times[1:])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the torch model (CPU)")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
         dev, dtype, prefix, heads, dim, rows = "cpu", torch.float32, 20, 2, 16, (2, 4)
-        args.layers, args.reps, gpu = 2, 1, False
+        args.layers, args.reps, args.batch, gpu = 2, 1, 2, False
     else:
         if kk.resolve_backend("fa", "cuda") != "fa":
             raise SystemExit("needs the fa backend (CUDA sm90 + flash-attn-4); try --smoke")

@@ -1,6 +1,7 @@
 """Batch image-QA through the Engine: requests/s, TTFT, and where the time goes.
 
     python scripts/bench_batch_qa.py [--model DIR] [--images 4] [--questions 8] [--rounds 3]
+    python scripts/bench_batch_qa.py --smoke    # kestrel-tiny, 1 image x 2 questions
 
 The workload: N images x Q questions, 8-token greedy answers (the bench checkpoint never emits
 eos, so every answer has the same length), every request submitted at once. Three variants,
@@ -23,10 +24,11 @@ from pathlib import Path
 
 import harness
 import numpy as np
-from timing import bench_model, instrument, measure, table
+from timing import bench_model, instrumented, measure, table
 
 from kestrel import Engine
 from kestrel.reference.eager import EagerMoondream
+from kestrel.tiny import MODEL_DIR
 
 QUESTIONS = [
     "What is in the picture?",
@@ -47,8 +49,8 @@ def workload(n_images: int, n_questions: int) -> list[tuple[np.ndarray, str]]:
     return [(img, q) for img in images for q in (QUESTIONS * 4)[:n_questions]]
 
 
-def run_engine(model: Path, reqs, cache: bool, keep: dict) -> dict[str, float]:
-    settings = {"temperature": 0.0, "max_tokens": TOKENS}
+def run_engine(model: Path, reqs, cache: bool, keep: dict, tokens: int = TOKENS) -> dict:
+    settings = {"temperature": 0.0, "max_tokens": tokens}
     with Engine(
         model,
         device="cpu",
@@ -83,7 +85,7 @@ def run_engine(model: Path, reqs, cache: bool, keep: dict) -> dict[str, float]:
     }
 
 
-def run_eager(model: Path, reqs, keep: dict) -> dict[str, float]:
+def run_eager(model: Path, reqs, keep: dict, tokens: int = TOKENS) -> dict[str, float]:
     from kestrel.moondream import MoondreamModel, MoondreamTokenizer
 
     m = MoondreamModel.from_pretrained(model, device="cpu")
@@ -95,22 +97,28 @@ def run_eager(model: Path, reqs, keep: dict) -> dict[str, float]:
     for img, q in reqs:
         if id(img) not in encoded:
             encoded[id(img)] = eager.encode_image(img)
-        answers.append(eager.query(encoded[id(img)], q, max_tokens=TOKENS).token_ids)
+        answers.append(eager.query(encoded[id(img)], q, max_tokens=tokens).token_ids)
     keep.update(answers=answers)
     return {"rps": len(reqs) / (time.perf_counter() - t0)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=Path.home() / ".cache/kestrel-bench/cpu")
     p.add_argument("--images", type=int, default=4)
     p.add_argument("--questions", type=int, default=8)
     harness.add_arguments(p, rounds=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.images, args.questions = MODEL_DIR, 1, 2
     bench = harness.start(args, "Batch image-QA through the Engine (bench_batch_qa.py)")
-    model = bench_model(args.model)
+    with instrumented():
+        run(bench, args, bench_model(args.model))
+
+
+def run(bench: harness.Bench, args: argparse.Namespace, model: Path) -> None:
     reqs = workload(args.images, args.questions)
-    instrument()
+    tokens = 2 if args.smoke else TOKENS
     kept: dict[str, dict] = {"eager": {}, "off": {}, "on": {}}
     answers: list = []
 
@@ -121,18 +129,20 @@ def main() -> None:
     runs = bench.run(
         {
             "eager, image encoded once per image": lambda: remember(
-                "eager", run_eager(model, reqs, kept["eager"])
+                "eager", run_eager(model, reqs, kept["eager"], tokens)
             ),
             "Engine, cache off": lambda: remember(
-                "off", run_engine(model, reqs, False, kept["off"])
+                "off", run_engine(model, reqs, False, kept["off"], tokens)
             ),
-            "Engine, cache on": lambda: remember("on", run_engine(model, reqs, True, kept["on"])),
+            "Engine, cache on": lambda: remember(
+                "on", run_engine(model, reqs, True, kept["on"], tokens)
+            ),
         }
     )
     same = all(a == answers[0] for a in answers)
     bench.emit(
         f"\n{len(reqs)} requests ({args.images} images x {args.questions} questions, "
-        f"{TOKENS}-token greedy answers), CPU float32, bench checkpoint"
+        f"{tokens}-token greedy answers), CPU float32, {Path(model).name} checkpoint"
     )
     eager = "eager, image encoded once per image"
     bench.table(runs, {"rps": "requests/s"}, baseline=eager)

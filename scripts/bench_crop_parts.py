@@ -16,7 +16,7 @@ GPU machine's cores.
 
 ``--device cuda`` (or ``cpu``) times each variant up to the encoder's input on that device
 (``CropPixels.encoder_input``: the upload and normalization, synchronized) and adds ``on the
-device``: the image itself staged and cropped there (``device_crops.py``, a CUDA runtime's
+device``: the image itself staged and cropped there (``crops/device.py``, a CUDA runtime's
 default), the same bytes: by the Triton resample kernel where the fused ops are Triton's, and
 then also ``on the device, matrix products`` (the torch path: the fused ops set to "torch"
 while it runs).
@@ -35,10 +35,10 @@ import harness
 import numpy as np
 import torch
 
+from kestrel.crops.overlap import crop_geometry
+from kestrel.crops.pool import CropPool
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.moondream.crops import crop_geometry
-from kestrel.runtime.crop_pool import CropPool
 from kestrel_kernels import fused
 
 

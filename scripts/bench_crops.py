@@ -9,7 +9,7 @@ thread that waits for the result, the way the scheduler waits for it:
 - ``before``: the code as it was (kept below): ``overlap_crops`` (two libvips resizes, then one
   array copy per local crop) and ``normalize_pixels`` (six torch ops), on a worker thread;
 - ``pool``: ``CropPool.pixels`` as the runtime calls it: the crops are made in a worker process
-  (``kestrel/runtime/crop_worker.py``) and the pool's thread only ships the pixels and waits;
+  (``kestrel/crops/worker.py``) and the pool's thread only ships the pixels and waits;
 - ``pool, threads``: the same pipeline made on the pool's thread itself (``processes=False``).
 
 Each figure is the median over ``--repeats`` crops: ``quiet`` with nothing else running,
@@ -36,10 +36,10 @@ import pyvips
 import torch
 from PIL import Image
 
+from kestrel.crops.overlap import OverlapCrops, crop_geometry, select_tiling, vips_image
+from kestrel.crops.pool import CropPool
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.moondream.config import MoondreamConfig, VisionConfig
-from kestrel.moondream.crops import OverlapCrops, crop_geometry, select_tiling, vips_image
-from kestrel.runtime.crop_pool import CropPool
 
 # ---------------------------------------------------------------- the crops as they were
 

@@ -1,6 +1,7 @@
 """Decode throughput against batch size: tokens/s of one batched decode step at B = 1..16.
 
     python scripts/bench_decode.py [--model DIR] [--steps 16] [--batches 1,2,4,8,16] [--rounds 3]
+    python scripts/bench_decode.py --smoke    # kestrel-tiny, 2 steps at B = 1, 2
 
 B sequences are prefilled (image prompts of ~750 positions: an image and a short question),
 then ``--steps`` decode steps run over all B at once through the runtime (the step the
@@ -26,6 +27,7 @@ import torch
 from timing import bench_model
 
 from kestrel.runtime.runtime import MoondreamRuntime
+from kestrel.tiny import MODEL_DIR
 from kestrel.tokens import TextToken
 
 
@@ -54,13 +56,15 @@ def tokens_per_s(rt: MoondreamRuntime, images: list, batch: int, steps: int) -> 
     return batch * steps / elapsed
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=Path.home() / ".cache/kestrel-bench/cpu")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--batches", default="1,2,4,8,16")
     harness.add_arguments(p, rounds=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.steps, args.batches = MODEL_DIR, 2, "1,2"
     bench = harness.start(args, "Decode against batch size (bench_decode.py)")
     batches = [int(b) for b in args.batches.split(",")]
     rt = MoondreamRuntime.from_pretrained(
@@ -82,7 +86,7 @@ def main() -> None:
     runs = bench.run(variants)
     bench.emit(
         f"\n{args.steps} decode steps per batch, ~750-position image prompts, CPU float32, "
-        "bench checkpoint"
+        f"{args.model.name} checkpoint"
     )
     bench.table(runs, {"tps": "tokens/s"}, baseline=baselines, fmt=".1f")
     bench.finish()

@@ -353,7 +353,7 @@ def run_family(args: argparse.Namespace, device: str, family: str) -> dict | Non
                    f"chart; direct max {DIRECT_TOKENS} tokens, cot max {args.cot_tokens}, "
                    f"cot30 max {COT30_TOKENS} + {COT30_TOKENS}; torch.compile "
                    f"{'on' if args.compile else 'off'}; decode look-ahead "
-                   f"{'on' if engine._runner.lookahead else 'off'}; fused ops "
+                   f"{'on' if engine.lookahead else 'off'}; fused ops "
                    f"{fused.fused_backend(torch.device(device))}")  # fmt: skip
         startup = traffic.join()
         bench.emit(f"start-up traffic: {startup[0]} requests served, {startup[1]} failed")

@@ -6,11 +6,11 @@ through the normal loader. Moondream 3 of the published dimensions (9.3 B parame
 layers of 2048, 64 experts of 1024, top 8, from layer 4; the experts FP8 as published) would be
 a ~10 GB checkpoint to write and read back, longer than the GPU check's whole budget, so only
 its ``config.json`` and tokenizer are written, and while ``md3_on_device`` is active the
-Engine's loader (``kestrel.engine.setup._load``) makes that folder's weights on the device
-instead of reading them (``random_weights.random_model``, each expert stack quantised as it is
-drawn). Everything after the weights -- the runtime, its graphs, the scheduler -- is the
-Engine's own. Both tokenizers are the fixtures', widened with placeholder ids to the
-vocabulary, so every id a random model samples decodes.
+Engine loads that folder through ``kestrel.engine.setup.model_loader``'s hook, which makes its
+weights on the device instead of reading them (``random_weights.random_model``, each expert
+stack quantised as it is drawn). Everything after the weights -- the runtime, its graphs,
+the scheduler -- is the Engine's own. Both tokenizers are the fixtures', widened with
+placeholder ids to the vocabulary, so every id a random model samples decodes.
 """
 
 from __future__ import annotations
@@ -82,23 +82,18 @@ def md3_folder(path: Path, sections: dict | None = None) -> Path:
 def md3_on_device(folder: Path, seed: int = 0) -> Iterator[None]:
     """While active, the Engine's loader makes ``folder``'s weights on the device (random,
     FP8 experts) instead of reading a checkpoint; any other source loads as usual."""
-    import kestrel.engine.setup as setup
+    from kestrel.engine.setup import load_model, model_loader
     from kestrel.moondream.config import MoondreamConfig
     from kestrel.moondream.tokenizer import MoondreamTokenizer
     from kestrel.testing.random_weights import random_model
 
-    real = setup._load
-
     def load(source, device, dtype, moe_weights, kv_dtype):
         if Path(source).resolve() != folder.resolve():
-            return real(source, device, dtype, moe_weights, kv_dtype)
+            return load_model(source, device, dtype, moe_weights, kv_dtype)
         cfg = MoondreamConfig.from_json_file(folder / "config.json")
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         model = random_model(cfg, device=device, dtype=dtype, seed=seed, fp8_experts=True)
         return model, MoondreamTokenizer.for_checkpoint(folder), None
 
-    setup._load = load
-    try:
+    with model_loader(load):
         yield
-    finally:
-        setup._load = real

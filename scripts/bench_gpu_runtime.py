@@ -18,6 +18,7 @@ Kestrel's published H100 figures for Moondream 2 on ChartQA are about 42 request
 and 57 at batch 64; the table prints them beside ours.
 
     python scripts/bench_gpu_runtime.py [--json out.json] [--kv-memory-fraction 0.9] [--profile]
+    python scripts/bench_gpu_runtime.py --smoke    # decode at batch 1 and 8, a few requests
 
 ``bench_gpu.py`` measures the same model through the Engine on a ChartQA-shaped workload.
 """
@@ -36,9 +37,10 @@ import torch
 
 import kestrel_kernels
 import kestrel_kernels.fused
+from kestrel.crops.overlap import overlap_crops
 from kestrel.images import image_digest, load_image
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.moondream.vision import encode_image, normalize_pixels, overlap_crops
+from kestrel.moondream.vision import encode_image, normalize_pixels
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.testing.random_weights import random_model
 from kestrel.tokens import TextToken
@@ -211,7 +213,21 @@ def qa_rate(rt: MoondreamRuntime, batch: int, n_requests: int) -> float:
     return n_requests / (time.perf_counter() - t0)
 
 
-def main() -> None:
+def decode_table(rt, batches, copy_tb_s: float, datasheet: float | None) -> list[dict]:
+    """Each batch's decode rate, printed as a table row."""
+    print("\n| decode batch | step ms | tokens/s | GB/step | TB/s | of copy BW | of datasheet |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for b in batches:
+        r = decode_rate(rt, b)
+        rows.append(r)
+        sheet = f"{r['tb_s'] / datasheet:.0%}" if datasheet else "n/a"
+        print(f"| {b} | {r['step_ms']:.2f} | {r['tokens_s']:.0f} | {r['bytes_per_step'] / 1e9:.2f}"
+              f" | {r['tb_s']:.2f} | {r['tb_s'] / copy_tb_s:.0%} | {sheet} |")  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--kv-memory-fraction", type=float, default=0.9)
@@ -219,13 +235,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="only break down one request's time")
     ap.add_argument("--overlap", action="store_true",
                     help="also time the encoder beside decode (bench_overlap.py)")  # fmt: skip
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="batches 1 and 8, 8 requests (CUDA)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device, --smoke too (a Moondream-2-sized model, CUDA graphs)")
+    batches = (1, 8) if args.smoke else DECODE_BATCHES
+    args.qa_requests = 8 if args.smoke else args.qa_requests
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
     copy_tb_s = copy_bandwidth_tb_s()
     model = random_model(MoondreamConfig(), device="cuda", dtype=torch.bfloat16)
     t_rt = time.perf_counter()
-    rt = MoondreamRuntime(model, max_batch_size=max(DECODE_BATCHES),
+    rt = MoondreamRuntime(model, max_batch_size=max(batches),
                           kv_memory_fraction=args.kv_memory_fraction)  # fmt: skip
     t_rt = time.perf_counter() - t_rt
     backend = kestrel_kernels.resolve_backend("auto", "cuda")
@@ -244,23 +265,18 @@ def main() -> None:
     datasheet = next((v for k, v in DATASHEET_TB_S.items() if k in name), None)
     results = {"device": name, "backend": backend, "copy_tb_s": copy_tb_s,
                "kv_pool": str(rt.kv_report), "decode": [], "qa_req_s": {}}  # fmt: skip
-    print("\n| decode batch | step ms | tokens/s | GB/step | TB/s | of copy BW | of datasheet |")
-    print("|---|---|---|---|---|---|---|")
-    for b in DECODE_BATCHES:
-        r = decode_rate(rt, b)
-        results["decode"].append(r)
-        sheet = f"{r['tb_s'] / datasheet:.0%}" if datasheet else "n/a"
-        print(f"| {b} | {r['step_ms']:.2f} | {r['tokens_s']:.0f} | {r['bytes_per_step'] / 1e9:.2f}"
-              f" | {r['tb_s']:.2f} | {r['tb_s'] / copy_tb_s:.0%} | {sheet} |")  # fmt: skip
-    profile_decode(rt, 1)
-    profile_decode(rt, 64)
-    results["ttft_ms"] = t = ttft(rt)
-    print(f"\nTTFT (median of 10): miss {t['miss']:.1f} ms, hit {t['hit']:.1f} ms")
+    results["decode"] = decode_table(rt, batches, copy_tb_s, datasheet)
+    for b in (1, batches[-1]):
+        profile_decode(rt, b)
+    trials = 2 if args.smoke else 10
+    results["ttft_ms"] = t = ttft(rt, trials)
+    print(f"\nTTFT (median of {trials}): miss {t['miss']:.1f} ms, hit {t['hit']:.1f} ms")
     print("\n| image QA | requests/s | Kestrel published (H100) |\n|---|---|---|")
-    for b in (1, 64):
-        n = args.qa_requests if b > 1 else max(16, args.qa_requests // 4)
+    for b in (1, batches[-1]):
+        n = args.qa_requests if b > 1 else max(4 if args.smoke else 16, args.qa_requests // 4)
         rate = results["qa_req_s"][b] = qa_rate(rt, b, n)
-        print(f"| batch {b} ({n} requests) | {rate:.1f} | {PUBLISHED_REQ_S[b]:.0f} |")
+        published = f"{PUBLISHED_REQ_S[b]:.0f}" if b in PUBLISHED_REQ_S else "-"
+        print(f"| batch {b} ({n} requests) | {rate:.1f} | {published} |")
     print(f"\ncopy bandwidth {copy_tb_s:.2f} TB/s (read + write); datasheet {datasheet} TB/s")
     if args.overlap:  # the vision encoder beside batch-64 decode steps (bench_overlap.py)
         results["overlap"] = bench_overlap.measure(rt)

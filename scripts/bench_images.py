@@ -68,7 +68,7 @@ def inputs() -> dict[str, bytes]:
     return {"chart PNG": chart, "chart JPEG": _jpeg(chart_pixels), "1280x960 JPEG": _jpeg(photo)}
 
 
-def _pil_only() -> mock._patch:
+def _pil_only() -> contextlib.AbstractContextManager[object]:
     return mock.patch.object(images, "decode_pixels", lambda image, source: None)
 
 

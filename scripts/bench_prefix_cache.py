@@ -15,6 +15,7 @@ fresh runtime; every figure is the median (min-max) over ``--rounds`` rounds.
 
     python scripts/bench_prefix_cache.py --workload W1
     python scripts/bench_prefix_cache.py --workload W2 --rounds 5 --json
+    python scripts/bench_prefix_cache.py --smoke    # kestrel-tiny, W1 at 2 x 2, no plot
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.model import MoondreamModel
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.testing.random_checkpoint import write_random_checkpoint
+from kestrel.tiny import MODEL_DIR
 from kestrel.tokens import TextToken
 
 BENCH_CONFIG = {
@@ -77,25 +79,26 @@ def _image(rng: random.Random, side: int) -> np.ndarray:
     return g.integers(0, 256, size=(side, side, 3), dtype=np.uint8)
 
 
-def workload(name: str, cfg: MoondreamConfig, seed: int = 0) -> list[Request]:
+def workload(name: str, cfg: MoondreamConfig, seed: int = 0, n: int = 8) -> list[Request]:
+    """The workload at its size (``n`` 8), or a smaller one of its shape (a smoke run's 2)."""
     rng = random.Random(seed)
     side = cfg.vision.crop_size
     if name == "W1":  # 8 images x 8 questions, shuffled arrival
-        images = [_image(rng, side) for _ in range(8)]
+        images = [_image(rng, side) for _ in range(n)]
         reqs = [Request(_query_tokens(rng, cfg, rng.randint(8, 16)), im) for im in images
-                for _ in range(8)]  # fmt: skip
+                for _ in range(n)]  # fmt: skip
         rng.shuffle(reqs)
         return reqs
     if name == "W2":  # ~1024-token shared system prompt, 32-128 unique suffix tokens, text-only
-        system = [rng.randrange(16, cfg.text.vocab_size) for _ in range(1024)]
+        system = [rng.randrange(16, cfg.text.vocab_size) for _ in range(128 * n)]
         out = []
-        for _ in range(48):
+        for _ in range(6 * n):
             suffix = [rng.randrange(16, cfg.text.vocab_size) for _ in range(rng.randint(32, 128))]
             out.append(Request((cfg.tokenizer.bos_id, *system, *suffix), None))
         return out
     if name == "W3":  # nothing shared: unique images and prompts
         return [Request(_query_tokens(rng, cfg, rng.randint(8, 16)), _image(rng, side))
-                for _ in range(24)]  # fmt: skip
+                for _ in range(3 * n)]  # fmt: skip
     raise SystemExit(f"unknown workload {name!r} (W1, W2, W3)")
 
 
@@ -182,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     harness.add_arguments(ap, rounds=3)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.model = args.model or MODEL_DIR
+    n = 2 if args.smoke else 8
     bench = harness.start(args, f"Prefix cache, workload {args.workload} (bench_prefix_cache.py)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -190,14 +196,14 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = write_random_checkpoint(Path(tmp) / "bench", cfg, seed=0)
         model = MoondreamModel.from_pretrained(model_dir, device="cpu", dtype=torch.float32)
     cfg = model.config
-    reqs = workload(args.workload, cfg)
+    reqs = workload(args.workload, cfg, n=n)
     pages = MAX_BATCH * (cfg.text.max_context // 2) + 1
     last: dict[str, RunResult] = {}
 
     def variant(label: str, enabled: bool) -> dict[str, float]:
         rt = MoondreamRuntime(model, kv_cache_pages=pages, max_batch_size=MAX_BATCH,
                               enable_prefix_cache=enabled)  # fmt: skip
-        run(rt, workload(args.workload, cfg, seed=99)[:2])  # warm-up, different content
+        run(rt, workload(args.workload, cfg, seed=99, n=n)[:2])  # warm-up, different content
         last[label] = run(rt, reqs)
         rt.check_integrity()
         return figures(last[label], args.workload)
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = {"prefill_tokens": "prefill tokens computed", "vision_encodes": "vision encoder calls"}
     bench.table(runs, counts, fmt=".0f")
     _targets(bench, args.workload, runs)
-    if not args.json:
+    if not args.json and not args.smoke:
         plot = _plot(args.workload, last["on"], last["off"], args.out)
         if plot:
             bench.emit(f"plot (last round): {plot}")

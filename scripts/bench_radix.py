@@ -20,6 +20,7 @@ row, so every ratio is measured in one run:
     pip download kestrel==0.9.2 --no-deps -d /tmp/k092
     python scripts/bench_radix.py --kestrel-092 /tmp/k092/kestrel-0.9.2-py3-none-any.whl
     python scripts/bench_radix.py --quick    # small tree, fewer repetitions, ours only
+    python scripts/bench_radix.py --smoke    # a tiny tree, a few repetitions, one round
 
 ``speedup`` is 0.9.2's median over ours. Targets: a miss < 10 us, matching a 1,000-token
 cached prefix < 100 us, inserting a 100-token suffix < 50 us; against 0.9.2 (issue 12):
@@ -138,12 +139,12 @@ class Kestrel092(Impl):
 class Workload:
     """Token ids of the populated tree and of every timed call, shared by both caches."""
 
-    def __init__(self, quick: bool, seed: int = 0) -> None:
+    def __init__(self, quick: bool, seed: int = 0, smoke: bool = False) -> None:
         rng = random.Random(seed)
-        self.n_img, self.q_per_img = (40, 4) if quick else (300, 8)
-        self.n_lora, self.s_per_lora = (8, 4) if quick else (60, 8)
-        self.reps = 300 if quick else 2000
-        self.evict_reps = 5
+        self.n_img, self.q_per_img = (4, 2) if smoke else (40, 4) if quick else (300, 8)
+        self.n_lora, self.s_per_lora = (2, 2) if smoke else (8, 4) if quick else (60, 8)
+        self.reps = 10 if smoke else 300 if quick else 2000
+        self.evict_reps = 1 if smoke else 5
 
         def ids(n: int) -> list[int]:
             return [rng.randrange(1, 50_000) for _ in range(n)]
@@ -340,13 +341,13 @@ def one_round(impls: list[type[Impl]], w: Workload) -> tuple[dict, dict[str, str
     return out, kinds, tree
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small tree, fewer repetitions")
     ap.add_argument("--kestrel-092", type=Path, help="kestrel-0.9.2 wheel to compare against")
     harness.add_arguments(ap)
-    args = ap.parse_args()
-    w = Workload(args.quick)
+    args = ap.parse_args(argv)
+    w = Workload(args.quick, smoke=args.smoke)
     impls: list[type[Impl]] = [Impl]
     if args.kestrel_092 is not None:
         Kestrel092.load(args.kestrel_092)

@@ -1,6 +1,7 @@
 """Batch image-QA on Ray: image routing vs random routing vs one Engine without Ray.
 
     python scripts/bench_ray.py [--images 24] [--questions 8] [--replicas 2] [--repeat 2] [--json]
+    python scripts/bench_ray.py --smoke [--no-ray]   # 2 images x 1 question, 1 replica, 1 job
 
 The workload: 24 distinct synthetic scenes (``kestrel.tiny.synthetic``, an unseen seed) written as
 PNG files x 8 questions, greedy answers from the bundled tiny model (the default), CPU. Measured
@@ -28,7 +29,6 @@ from pathlib import Path
 
 from kestrel import Engine
 from kestrel.batch import requests_from_folder, run_batch
-from kestrel.distributed import RayBatchOptions, ReplicaOptions, ray_session, run_ray_batch
 from kestrel.tiny.synthetic import make_scene
 
 QUESTIONS = (
@@ -79,6 +79,8 @@ def run_single(images: Path, questions: Path, out: Path) -> dict:
 
 
 def run_ray(images: Path, questions: Path, out: Path, routing: str, replicas: int) -> dict:
+    from kestrel.distributed import RayBatchOptions, ReplicaOptions, run_ray_batch
+
     requests = requests_from_folder(images, questions)
     replica = ReplicaOptions(engine=ENGINE, settings=SETTINGS, max_in_flight=64)
     options = RayBatchOptions(replicas=replicas, routing=routing, progress=False)
@@ -114,45 +116,67 @@ def report(n: int, single: dict, image: dict, random: dict, fixed_s: float) -> N
     )
 
 
-def main() -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", type=int, default=24)
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--repeat", type=int, default=2, help="Ray jobs per routing mode (best kept)")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="2 images x 1 question, 1 replica, 1 job")
+    p.add_argument("--no-ray", action="store_true",
+                   help="the one-Engine leg only (no Ray jobs; their figures: null)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.images, args.questions, args.replicas, args.repeat = 2, 1, 1, 1
+    return args
+
+
+def ray_legs(root: Path, images: Path, questions: Path, args) -> tuple[dict, dict, dict]:
+    """(warm-up job, best image-routed job, best random-routed job) on a Ray session."""
+    from kestrel.distributed import ray_session
+
+    warm_images, warm_questions = workload(root / "warm", 2, 1)
+    with ray_session():
+        # A first job warms Ray's worker processes (imports); its wall time is the fixed
+        # cost of any job here: start the replicas, read, shuffle, write.
+        warm = run_ray(warm_images, warm_questions, root / "warm_out", "image", args.replicas)
+        # Each mode --repeat times, interleaved; the fastest run of each is reported (a job
+        # that happens to need a fresh Ray worker process pays its imports, seconds here).
+        runs: dict[str, list[dict]] = {"image": [], "random": []}
+        for i in range(args.repeat):
+            for mode, done in runs.items():
+                out = root / f"{mode}_{i}"
+                done.append(run_ray(images, questions, out, mode, args.replicas))
+    image, random = (min(runs[m], key=lambda r: r["wall_s"]) for m in ("image", "random"))
+    return warm, image, random
+
+
+NO_RAY = {"rps": None, "hit_rate": None, "encodes": (None, {}), "served": {}, "wall_s": None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     with tempfile.TemporaryDirectory(prefix="bench_ray_") as tmp:
         root = Path(tmp)
         images, questions = workload(root, args.images, args.questions)
         single = run_single(images, questions, root / "single.jsonl")
-        warm_images, warm_questions = workload(root / "warm", 2, 1)
-        with ray_session():
-            # A first job warms Ray's worker processes (imports); its wall time is the fixed
-            # cost of any job here: start the replicas, read, shuffle, write.
-            warm = run_ray(warm_images, warm_questions, root / "warm_out", "image", args.replicas)
-            # Each mode --repeat times, interleaved; the fastest run of each is reported (a job
-            # that happens to need a fresh Ray worker process pays its imports, seconds here).
-            runs: dict[str, list[dict]] = {"image": [], "random": []}
-            for i in range(args.repeat):
-                for mode, done in runs.items():
-                    out = root / f"{mode}_{i}"
-                    done.append(run_ray(images, questions, out, mode, args.replicas))
-            image, random = (min(runs[m], key=lambda r: r["wall_s"]) for m in ("image", "random"))
+        if args.no_ray:
+            warm = image = random = NO_RAY
+        else:
+            warm, image, random = ray_legs(root, images, questions, args)
     if args.json:
-        out = {
-            "hit_rate_image": round(image["hit_rate"], 4),
-            "hit_rate_random": round(random["hit_rate"], 4),
-            "hit_rate_single": round(single["hit_rate"], 4),
-            "encodes_image": image["encodes"][0],
-            "encodes_random": random["encodes"][0],
-            "rps_image": round(image["rps"], 3),
-            "rps_random": round(random["rps"], 3),
-            "rps_single": round(single["rps"], 3),
-        }
+        out = {}
+        for key, n in (("hit_rate", 4), ("rps", 3)):
+            for name, r in (("image", image), ("random", random), ("single", single)):
+                out[f"{key}_{name}"] = None if r[key] is None else round(r[key], n)
+        out |= {"encodes_image": image["encodes"][0], "encodes_random": random["encodes"][0]}
         print(json.dumps(out))
-        return
-    report(args.images * args.questions, single, image, random, warm["wall_s"])
+    elif args.no_ray:
+        rps, hit, encodes = single["rps"], single["hit_rate"], single["encodes"][0]
+        print(f"one Engine, no Ray: {rps:.2f} requests/s, hit rate {hit:.1%}, {encodes} encodes")
+    else:
+        report(args.images * args.questions, single, image, random, warm["wall_s"])
 
 
 if __name__ == "__main__":

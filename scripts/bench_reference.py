@@ -2,6 +2,7 @@
 
     python scripts/bench_reference.py --reference DIR [--model DIR] [--rounds 3]
     MOONDREAM_REF=DIR python scripts/bench_reference.py
+    python scripts/bench_reference.py --smoke    # 1 image x 1 question, one round (or SKIPPED)
 
 Needs a checkout of the reference (``vikhyat/moondream``, the ``moondream/torch`` code that the
 Hugging Face checkpoint's remote code runs); without one it says how to get it and exits with
@@ -125,7 +126,7 @@ def engine(model_dir: Path, reqs) -> dict[str, float]:
         return {"rps": len(reqs) / (time.perf_counter() - t0)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reference", type=Path, default=os.environ.get("MOONDREAM_REF"),
                    help="reference checkout (default: $MOONDREAM_REF)")  # fmt: skip
@@ -133,7 +134,9 @@ def main() -> int:
     p.add_argument("--images", type=int, default=4)
     p.add_argument("--questions", type=int, default=8)
     harness.add_arguments(p, rounds=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.images, args.questions = 1, 1
     if not args.reference or not (args.reference / "moondream" / "torch").is_dir():
         print(HOW_TO_GET)
         return 0

@@ -2,8 +2,8 @@
 vs one plain ``kestrel serve``, over HTTP, with many concurrent clients.
 
     python scripts/bench_serve_ray.py                      # 3 rounds, the defaults below
-    python scripts/bench_serve_ray.py --images 4 --questions 2 --chats 1 --turns 2 \\
-        --clients 2 --rounds 1 --allow-busy                # a smoke run
+    python scripts/bench_serve_ray.py --smoke              # 2 scenes, 1 client, 1 replica
+    python scripts/bench_serve_ray.py --smoke --variants "one serve"   # no Ray at all
 
 The workload revisits: ``--images`` distinct synthetic scenes (``kestrel.tiny.synthetic``, an
 unseen seed) x ``--questions`` questions, in a shuffled order, plus ``--chats`` conversations
@@ -265,7 +265,10 @@ def _warm(url: str, n: int) -> None:
 
 
 # ---------------------------------------------------------------------- main
-def parse_args() -> argparse.Namespace:
+VARIANTS = ("ray image", "ray random", "one serve")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--images", type=int, default=16, help="distinct scenes")
@@ -275,8 +278,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=16, help="concurrent clients")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="which, comma-separated")
     harness.add_arguments(p, rounds=3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.replicas, args.images, args.questions, args.chats, args.turns = 1, 2, 1, 1, 2
+        args.clients, args.max_tokens = 1, 2
+    args.variants = tuple(v.strip() for v in args.variants.split(","))
+    if not set(args.variants) <= set(VARIANTS):
+        p.error(f"--variants: any of {', '.join(VARIANTS)}")
     if not 1 <= args.clients <= MAX_CLIENTS:
         p.error(f"--clients must be 1..{MAX_CLIENTS}")
     for name in ("replicas", "images", "questions", "turns"):
@@ -287,13 +297,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     bench = harness.start(args, "kestrel serve --ray: image vs random routing vs one serve "
                           "(bench_serve_ray.py)")  # fmt: skip
     urls, work = scenes(args.images), jobs(args)
     settings = {"temperature": 0, "max_tokens": args.max_tokens}
-    variants = ("ray image", "ray random", "one serve")
+    variants = args.variants
     runs = bench.run({v: (lambda v=v: measure(args, v, work, urls, settings)) for v in variants})
     requests = sum(len(j.texts) for j in work)
     bench.emit(
@@ -305,10 +315,14 @@ def main() -> None:
     metrics = {"rps": "requests/s", "ttft_p50_ms": "TTFT p50 ms", "ttft_p99_ms": "TTFT p99 ms",
                "hit_rate_pct": "hit rate %", "encodes_per_image": "encodes / image",
                "errors": "errors"}  # fmt: skip
-    bench.table(runs, metrics, baseline="one serve", fmt=".2f")
+    base = "one serve" if "one serve" in variants else None
+    bench.table(runs, metrics, baseline=base, fmt=".2f")
     hit = {v: [r["hit_rate_pct"] for r in runs[v]] for v in variants}
-    gap = [a - b for a, b in zip(hit["ray image"], hit["one serve"], strict=True)]
-    bench.emit(f"\nhit rate, ray image minus one serve: {harness.spread(gap).fmt(suffix=' pts')}")
+    if {"ray image", "one serve"} <= set(variants):
+        gap = [a - b for a, b in zip(hit["ray image"], hit["one serve"], strict=True)]
+        bench.emit(
+            f"\nhit rate, ray image minus one serve: {harness.spread(gap).fmt(suffix=' pts')}"
+        )
     bench.finish({"requests_per_run": requests})
 
 

@@ -15,6 +15,7 @@ Engine run gets a fresh engine. Figures are medians (min-max) over ``--rounds`` 
     python scripts/bench_server.py                                   # fixture model, own server
     python scripts/bench_server.py --clients 16 --seconds 20 --max-tokens 32 --rounds 5
     python scripts/bench_server.py --url http://127.0.0.1:2020/v1 --model path/to/moondream2
+    python scripts/bench_server.py --smoke    # kestrel-tiny, 1 client x 0.5 s, one image
 
 Bounded: at most 256 clients and 300 seconds, loopback addresses only.
 """
@@ -255,7 +256,7 @@ def _loopback(url: str) -> bool:
         return False
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server's .../v1 (default: start one)")
     p.add_argument("--model", default=str(FIXTURE), help="checkpoint (the server's, with --url)")
@@ -269,7 +270,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-pages", type=int, default=20_000)
     p.add_argument("--max-batch-size", type=int, default=16)
     harness.add_arguments(p, rounds=5)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.smoke:
+        from kestrel.tiny import MODEL_DIR
+
+        args.model = str(MODEL_DIR) if args.model == str(FIXTURE) else args.model
+        args.clients, args.seconds, args.max_tokens, args.images = 1, 0.5, 2, args.images[:1]
+        args.kv_cache_pages = 2_000
     if not 1 <= args.clients <= MAX_CLIENTS or not 0 < args.seconds <= MAX_SECONDS:
         p.error(f"--clients must be 1..{MAX_CLIENTS} and --seconds in (0, {MAX_SECONDS:g}]")
     if args.url and not _loopback(args.url):
@@ -292,8 +299,8 @@ def server_url(args: argparse.Namespace) -> Iterator[str]:
             proc.wait(timeout=120)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     bench = harness.start(args, "HTTP server against the in-process Engine (bench_server.py)")
     settings = {"temperature": 0, "max_tokens": args.max_tokens}
     pairs = workload(args.images)

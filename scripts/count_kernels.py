@@ -5,6 +5,7 @@
     python scripts/count_kernels.py --json     # last line: one JSON object
 
     python scripts/count_kernels.py --family md3  # one family (default both)
+    python scripts/count_kernels.py --smoke       # md2 at 2 layers, batch 1, torch forms: no figure
 
 The models are each family's structure at small widths with random bf16 weights (Moondream 3:
 tau attention, 64 experts top 8 from layer 4, FP8 experts as published), built by
@@ -23,7 +24,7 @@ uploads; a hit prefill (13 new positions after a cached image), a miss prefill (
 ~743 positions, crops and encoder included), the vision encoder on 9 crops (its crops
 included) -- for these three the graph bodies (run uncaptured) and the launches outside them,
 a graph launch counted as one (``*_eager`` in the JSON) --, the crops alone as a CUDA runtime
-cuts them (``device_crops.py``) for a new image size and a seen one, and the host microseconds
+cuts them (``crops/device.py``) for a new image size and a seen one, and the host microseconds
 of one scheduler decode step at batch 64 with the model math stubbed (fixed logits over 16 ids
 stand in for the forward: the sampler's ops pay their per-op host cost, no arithmetic to speak
 of; sampling, skills, streams and bookkeeping run). Take the host time on an idle machine.
@@ -56,7 +57,7 @@ from kernel_counts import (  # noqa: E402
     eager,
     forward_syncs,
     gpu_branches,
-    picture,
+    pictures,
     prefill_rows,
     readbacks,
     submit,
@@ -69,12 +70,14 @@ PRE_ROWS = ("prefill_hit", "prefill_miss", "vision_9", "crops_new_size", "crops_
 MD3_PRE_ROWS = ("prefill_hit", "prefill_miss")
 
 
-def host_us(batch: int, settings: dict, steps: int = 30) -> float:
+def host_us(
+    batch: int, settings: dict, steps: int = 30, layers: int = 24, small: bool = False
+) -> float:
     """Median host time of one scheduler decode step, the forward replaced by fixed logits
     (the setup's prefills use the torch forms: the interpreter is slow, and it is not timed)."""
     fused.set_fused_backend("torch")
-    rt, _runner, sched, factory = build(batch)
-    image = picture(1)
+    rt, _runner, sched, factory = build(batch, layers=layers, small=small)
+    image = pictures(small)(1)
     for i in range(batch):
         submit(sched, factory, image, f"{QUESTION} {i}", {**settings, "max_tokens": 400})
     while sched.waiting or len(sched.running) < batch:
@@ -85,33 +88,42 @@ def host_us(batch: int, settings: dict, steps: int = 30) -> float:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(batch, STUB_VOCAB, generator=gen).to(rt.dtype)
     logits[:, rt.config.tokenizer.eos_id] = -1e4  # keep every row running
-    hidden = torch.zeros(batch, dim, dtype=rt.dtype)
-    rt._decode_forward = lambda states, tokens, ids_B=None: (
-        hidden[: len(states)],
-        logits[: len(states)],
-    )
+    rt.decode_graphs = FixedLogits(torch.zeros(batch, dim, dtype=rt.dtype), logits)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        sched._decode()
+        sched.step_decode()
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times[5:])
 
 
-def measure(sites: bool, families: tuple[str, ...]) -> tuple[list, dict, dict]:
+class FixedLogits:
+    """Stands in for the runtime's decode graphs (``DecodeGraphs.run``): fixed hidden states
+    and logits for the rows asked, no model math."""
+
+    def __init__(self, hidden_BC: torch.Tensor, logits_BV: torch.Tensor) -> None:
+        self.hidden_BC, self.logits_BV = hidden_BC, logits_BV
+
+    def run(self, rows, lengths, tokens, ids_B=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hidden_BC[: len(rows)], self.logits_BV[: len(rows)]
+
+
+def measure(sites: bool, families: tuple[str, ...], smoke: bool = False) -> tuple[list, dict, dict]:
     """The decode rows (Moondream 2: batch 1 and 64, greedy and sampled; Moondream 3: batch 1
     and 64, greedy), the prefill (and, Moondream 2, vision and crop) counts per family, and
-    every row's sync/upload sites."""
+    every row's sync/upload sites. ``smoke``: 2 layers, one-crop images, batch 1, the torch
+    forms (no interpreted Triton kernels): the rows' shape, not their figures."""
     rows, pre, all_sites = [], {}, {}
-    with gpu_branches():
+    layers, batches = (2, (1,)) if smoke else (24, (1, 64))
+    with gpu_branches(triton=not smoke):
         for family in families:
             modes = (("greedy", GREEDY), ("sampled", SAMPLED))[: 2 if family == "md2" else 1]
-            for batch in (1, 64):
+            for batch in batches:
                 for name, settings in modes:
-                    r = decode_rows(batch, settings, sites, family)
+                    r = decode_rows(batch, settings, sites, family, layers, smoke)
                     rows.append((f"{family} decode b{batch} {name}", r))
                     all_sites[rows[-1][0]] = r.pop("sites")
-            pre[family] = prefill_rows(family)
+            pre[family] = prefill_rows(family, layers, smoke)
             keys = PRE_ROWS if family == "md2" else MD3_PRE_ROWS
             all_sites.update((f"{family} {k}", pre[family][k].sites) for k in keys)
     return rows, pre, all_sites
@@ -176,24 +188,31 @@ def md3_summary(by: dict, pre: dict) -> dict:
 
 
 def summary(rows: list, pre: dict, host: dict) -> dict:
-    """The figures as one JSON-ready dict (``--json``)."""
+    """The figures as one JSON-ready dict (``--json``; a smoke run's batch-1 rows stand in
+    for batch 64's)."""
     by = dict(rows)
+    for name in list(by):
+        by.setdefault(name.replace(" b1 ", " b64 "), by[name])
     out = md2_summary(by, pre["md2"]) if "md2" in pre else {}
     if "md3" in pre:
         out.update(md3_summary(by, pre["md3"]))
     return {**out, **{k: round(v) for k, v in host.items()}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sites", action="store_true", help="name the source line of each sync/upload")
     p.add_argument("--json", action="store_true", help="end with one JSON object")
     p.add_argument("--no-host", action="store_true", help="skip the host-time rows (timing)")
     p.add_argument("--family", choices=("md2", "md3", "both"), default="both")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="Moondream 2 at 2 layers, batch 1, torch forms (no figure)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.family = "md2" if args.family == "both" else args.family
     torch.manual_seed(0)
     families = ("md2", "md3") if args.family == "both" else (args.family,)
-    rows, pre, all_sites = measure(args.sites, families)
+    rows, pre, all_sites = measure(args.sites, families, args.smoke)
     print_table(rows, pre)
     if args.sites:
         for name, sites in all_sites.items():
@@ -201,9 +220,10 @@ def main() -> None:
                 print(f"  {name}: {kind} x{n} at {site}")
     host = {}
     if not args.no_host and "md2" in families:
-        with gpu_branches():
-            host["host_us_step_b64"] = host_us(64, GREEDY)
-            host["host_us_step_b64_sampled"] = host_us(64, SAMPLED)
+        batch, steps, layers = (2, 8, 2) if args.smoke else (64, 30, 24)
+        with gpu_branches(triton=not args.smoke):
+            host["host_us_step_b64"] = host_us(batch, GREEDY, steps, layers, args.smoke)
+            host["host_us_step_b64_sampled"] = host_us(batch, SAMPLED, steps, layers, args.smoke)
         for k, v in host.items():
             print(f"{k}: {v:.0f} us")
     if args.json:

@@ -1,6 +1,7 @@
 """Accuracy of kestrel-tiny on unseen synthetic scenes, through the public Engine.
 
     python scripts/eval_tiny.py --seed 1 --n 500 [--json] [--model DIR] [--adapter PATH]
+    python scripts/eval_tiny.py --smoke [--adapter french]    # 2 scenes
 
 Targets on any seed other than the training stream: query >= 85%, point >= 80%,
 detect >= 70%. ``--json`` prints one line {"query_acc", "point_acc", "detect_acc", "n"}.
@@ -22,7 +23,7 @@ from kestrel.tiny import synthetic
 from kestrel.tiny.eval import evaluate
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=1, help="scene stream (not the training seed 0)")
     p.add_argument("--n", type=int, default=500)
@@ -30,7 +31,10 @@ def main() -> None:
     p.add_argument("--adapter", default=None, help="LoRA adapter path ('french': bundled one)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--max-batch-size", type=int, default=16)
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="2 scenes")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.n = 2
 
     cases = synthetic.eval_cases(args.seed, args.n)
     expect = None

@@ -1,7 +1,8 @@
 """Quick accuracy of kestrel-tiny through the eager reference path (no Engine needed).
 
-    python scripts/eval_tiny_quick.py [--model kestrel/tiny/assets/model] [--seed 1] [--n 100]
+    python scripts/eval_tiny_quick.py [--model DIR] [--seed 1] [--n 100]   # default: kestrel-tiny
     python scripts/eval_tiny_quick.py --state bench_out/tiny_train   # a checkpoint mid-training
+    python scripts/eval_tiny_quick.py --smoke    # 2 scenes
 
 Metrics as in ``synthetic``: query exact match (``normalize_answer``), point = every true centre
 has its own predicted point within 0.05, detect = every true box has its own box with IoU >= 0.5
@@ -20,7 +21,7 @@ from safetensors.torch import save_file
 
 from kestrel.moondream import MoondreamModel, MoondreamTokenizer, load_adapter
 from kestrel.reference.eager import EagerMoondream
-from kestrel.tiny import synthetic
+from kestrel.tiny import MODEL_DIR, synthetic
 
 
 def export_state(state_dir: Path, out: Path) -> Path:
@@ -71,15 +72,18 @@ def evaluate(model_dir: Path, seed: int, n: int, adapter: Path | None = None) ->
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", type=Path, default=Path("kestrel/tiny/assets/model"))
+    p.add_argument("--model", type=Path, default=MODEL_DIR)
     p.add_argument("--state", type=Path, default=None, help="training state dir instead")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--adapter", type=Path, default=None)
     p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="2 scenes, this process's threads")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.n, args.threads = 2, torch.get_num_threads()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = export_state(args.state, Path(tmp)) if args.state else args.model

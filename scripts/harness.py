@@ -12,14 +12,27 @@
 - Each figure is printed as the median over the rounds with its spread (min-max); a ratio is the
   ratio of the medians, with the range of the per-round ratios beside it.
 - The header says the commit, the machine (cores, torch threads) and the number of rounds.
+- ``--smoke`` is every script's smallest run (a test runs it, ``tests/integration/
+  test_scripts_smoke.py``): one round, on any machine, busy or not, at the sizes the script
+  picks for it (``args.smoke``); its header says SMOKE, and its figures measure nothing.
 
 A variant is a callable returning ``{metric: value}`` for one measurement; it does its own
 setup and warm-up outside the part it times.
+
+The API: ``add_arguments``, ``start`` (-> ``Bench``: ``run``, ``table``, ``ratio_line``,
+``emit``, ``progress``, ``figures``, ``finish``), and the arithmetic ``spread``, ``ratio``,
+``interleave``, ``s_dict``. Scripts import this module, and the other shared ones
+(``harness_load``, ``timing``, ``kernel_counts``, ``chart_workload``, ``bench_gpu_models``,
+``tiny_data``: modules without a ``main``, which run nothing on import), by their bare names:
+``python scripts/NAME.py`` puts ``scripts/`` first on ``sys.path``, and a test imports a script
+inside ``tests.scripts.on_path()``. A script may import another's public names (a workload's
+shape); no script touches a private member of the package (``kestrel/testing/style_rules.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -35,7 +48,10 @@ from typing import Any
 
 from harness_load import Load, busy_reasons, cpu_ticks, cpu_used, descendants, measure_load
 
-__all__ = ["Bench", "Spread", "add_arguments", "interleave", "ratio", "spread", "start"]
+__all__ = [
+    "Bench", "Runs", "Spread", "Variant", "add_arguments", "interleave", "ratio", "s_dict",
+    "spread", "start",
+]  # fmt: skip
 
 REPO = Path(__file__).resolve().parents[1]
 Runs = dict[str, list[dict[str, float]]]  # variant -> one {metric: value} per round
@@ -92,6 +108,9 @@ def add_arguments(p: argparse.ArgumentParser, rounds: int = 3) -> None:
                    help="highest %% of a core another process may use while idle")  # fmt: skip
     g.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    with contextlib.suppress(argparse.ArgumentError):  # a script's own --smoke is kept
+        g.add_argument("--smoke", action="store_true",
+                       help="the smallest run on any machine: 1 round, busy allowed")  # fmt: skip
 
 
 def wait_idle(
@@ -143,6 +162,7 @@ class Bench:
             "load1_at_start": load.load1,
             "busy": self.busy,
             "busy_reasons": reasons,
+            "smoke": bool(getattr(args, "smoke", False)),
         }
         self.figures: dict[str, Any] = {}
         self._ticks, self._t0 = cpu_ticks(), time.monotonic()
@@ -158,7 +178,9 @@ class Bench:
 
     def header(self) -> None:
         i = self.info
-        self.emit(f"## {self.title}")
+        self.emit(
+            f"## {self.title}" + (" (SMOKE: the figures measure nothing)" if i["smoke"] else "")
+        )
         self.emit(
             f"commit {i['commit']}; machine: {i['cores']} cores, torch threads "
             f"{i['torch_threads']}, Python {i['python']}; {i['rounds']} rounds, variants "
@@ -238,8 +260,13 @@ def start(
     read: Callable[[], Load] | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Bench:
-    """Check the machine, refuse it when busy (unless --allow-busy), print the header."""
-    reader = read or (lambda: measure_load(exclude=frozenset({os.getpid()})))
+    """Check the machine, refuse it when busy (unless --allow-busy or --smoke), print the
+    header. ``--smoke`` sets one round and allows a busy machine."""
+    smoke = getattr(args, "smoke", False)
+    if smoke:
+        args.rounds, args.allow_busy = 1, True
+    interval = 0.05 if smoke else 1.0  # a smoke run only marks a busy machine
+    reader = read or (lambda: measure_load(interval, exclude=frozenset({os.getpid()})))
     load, reasons = wait_idle(args, reader, sleep)
     if reasons and not args.allow_busy:
         raise SystemExit(

@@ -25,14 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kestrel.crops import maker as crop_maker
+from kestrel.crops.device import device_disagrees
 from kestrel.engine.requests import RequestFactory
 from kestrel.images import prepare_image
 from kestrel.moondream import moe as moe_module
 from kestrel.moondream.config import MoondreamConfig, TextMoeConfig
-from kestrel.moondream.device_crops import device_disagrees
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.runtime import crop_maker
 from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.heads import ModelHeads
 from kestrel.runtime.prefill_graphs import PrefillGraphs
@@ -71,42 +71,35 @@ def _probe_once(config, device: str) -> str | None:
 
 
 @contextlib.contextmanager
-def gpu_branches():
-    """The ``fa`` backend with the stand-in binding; host-side value checks (CPU only) paused."""
-    saved = (
-        fa_backend.probe,
-        fa_backend.load_binding,
-        contract._check_values,
-        contract._check_regions,
-    )
+def gpu_branches(triton: bool = True):
+    """The ``fa`` backend with the stand-in binding; host-side value checks (CPU only) paused;
+    the Triton kernels (where ``triton`` is installed, and asked for)."""
+    saved = (fa_backend.probe, fa_backend.load_binding)
     fa_backend.probe = lambda device=None: fa_backend.FaProbe(True, "counting stand-in")
     fa_backend.load_binding = lambda: fake_binding
-    contract._check_values = lambda *a, **k: None  # runs on CPU tensors only
-    contract._check_regions = lambda *a, **k: None
     probe = crop_maker.device_disagrees  # the crops' device probe (~35 s interpreted): once
     crop_maker.device_disagrees = lambda config, device: _probe_once(config, str(device))
     hopper = moe_module.scaled_grouped_supported
     moe_module.scaled_grouped_supported = lambda device, dtype: True  # FP8 experts: Hopper's GEMM
     fused_before = fused.get_fused_backend()
-    if importlib.util.find_spec("triton") is not None:
+    if triton and importlib.util.find_spec("triton") is not None:
         fused.set_fused_backend("triton")  # the Triton kernels, interpreted: one launch each
     try:
-        yield
+        with contract.value_checks_paused():  # they read CPU tensors on the host: no GPU path
+            yield
     finally:
         fused.set_fused_backend(fused_before)
         moe_module.scaled_grouped_supported = hopper
         crop_maker.device_disagrees = probe
-        (
-            fa_backend.probe,
-            fa_backend.load_binding,
-            contract._check_values,
-            contract._check_regions,
-        ) = saved
+        fa_backend.probe, fa_backend.load_binding = saved
 
 
-def family_model(family: str, layers: int = 24) -> MoondreamModel:
+def family_model(family: str, layers: int = 24, small: bool = False) -> MoondreamModel:
+    """The family's structure at ``layers`` text layers (``small``: and 2 vision layers)."""
     base = MoondreamConfig.from_json_file(FIXTURES[family] / "config.json")
     text = replace(base.text, n_layers=layers)
+    if small:
+        base = replace(base, vision=replace(base.vision, enc_n_layers=2))
     if family == "md3":  # MoE from layer 4 (at 24 layers; from layers // 3 below 12)
         text = replace(text, moe=replace(MD3_MOE, start_layer=min(4, layers // 3)))
     md3 = family == "md3"  # FP8 experts, as published
@@ -118,8 +111,8 @@ def family_model(family: str, layers: int = 24) -> MoondreamModel:
     return model
 
 
-def build(max_batch: int, family: str = "md2", layers: int = 24):
-    model = family_model(family, layers)
+def build(max_batch: int, family: str = "md2", layers: int = 24, small: bool = False):
+    model = family_model(family, layers, small)
     cfg = model.config
     rt = MoondreamRuntime(
         model,
@@ -176,6 +169,13 @@ def picture(seed: int, h: int = 756, w: int = 1512):
     return prepare_image(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
+def pictures(small: bool):
+    """``picture``, or (``small``, a smoke run's) one of a single crop."""
+    return (
+        (lambda seed, h=378, w=378: picture(seed, min(h, 379), min(w, 379))) if small else picture
+    )
+
+
 QUESTION = "What is the total revenue shown for the third quarter of the year in this chart?"
 
 
@@ -183,22 +183,6 @@ def counted(fn, sites: bool) -> tuple[LaunchCounter, object]:
     with LaunchCounter(sites=sites) as c:
         out = fn()
     return c, out
-
-
-def graph_body_launches(rt: MoondreamRuntime, counter_box: list) -> None:
-    """Wrap the static step so the launches of the (would-be captured) body are known."""
-    graphs = rt.decode_graphs
-    original = graphs._forward
-
-    def forward(bucket):
-        c = counter_box[0]
-        before = c.launches if c is not None else 0
-        original(bucket)
-        if c is not None:
-            c.graph_body = c.launches - before
-            c.replays += 1
-
-    graphs._forward = forward
 
 
 @contextlib.contextmanager
@@ -213,23 +197,20 @@ def torch_forms():
 
 
 def decode_rows(
-    batch: int, settings: dict, sites: bool, family: str = "md2", layers: int = 24
-) -> dict:
-    rt, _runner, sched, factory = build(max(batch, 1), family, layers)
-    image = picture(1)
+    batch: int, settings: dict, sites: bool, family: str = "md2", layers: int = 24,
+    small: bool = False,
+) -> dict:  # fmt: skip
+    _rt, _runner, sched, factory = build(max(batch, 1), family, layers, small)
+    image = pictures(small)(1)
     futures = [submit(sched, factory, image, f"{QUESTION} {i}", settings) for i in range(batch)]
     with torch_forms():
         while sched.waiting or len(sched.running) < batch:
             sched.step()
         sched.step()  # warm: every row decoding
-    box: list = [None]
-    graph_body_launches(rt, box)
     sched.step()
+    # the graph sets count the launches of each body they run uncaptured (``graph_body``)
     with LaunchCounter(sites=sites) as c:
-        box[0] = c
-        c.graph_body = 0
-        sched._decode()
-    box[0] = None
+        sched.step_decode()
     running = len(sched.running)
     for f in futures:
         f.cancel()
@@ -246,23 +227,6 @@ def decode_rows(
     }
 
 
-def bodies(obj, name: str, box: list) -> None:
-    """Count the launches of ``obj.name`` (a graph's body, run uncaptured) into the counter in
-    ``box``: ``graph_body`` and ``replays`` (each body run stands for one graph launch)."""
-    original = getattr(obj, name)
-
-    def body(*args, **kwargs):
-        c = box[0]
-        before = c.launches if c is not None else 0
-        out = original(*args, **kwargs)
-        if c is not None:
-            c.graph_body += c.launches - before
-            c.replays += 1
-        return out
-
-    setattr(obj, name, body)
-
-
 def readbacks(c: LaunchCounter) -> int:
     """The reads of the chosen tokens (one ends every prefill: its first token for the skill;
     counted with the syncs, as the host waits for them), from a counter that kept its sites."""
@@ -274,50 +238,39 @@ def forward_syncs(c: LaunchCounter) -> int:
     return c.syncs - readbacks(c)
 
 
-def counted_graphs(box: list, sites: bool) -> LaunchCounter:
-    c = LaunchCounter(sites=sites)
-    c.graph_body = c.replays = 0
-    box[0] = c
-    return c
-
-
-def prefill_rows(family: str = "md2", layers: int = 24) -> dict:
+def prefill_rows(family: str = "md2", layers: int = 24, small: bool = False) -> dict:
     """The miss and hit prefill counts (sites always kept: ``readbacks`` reads them), and
     for Moondream 2 the vision encoder's and the crops'."""
-    sites = True
-    rt, _runner, sched, factory = build(4, family, layers)
-    box: list = [None]
-    bodies(rt.prefill_graphs, "_step", box)
-    bodies(rt.vision_graphs, "_encoder", box)
+    sites, pic = True, pictures(small)
+    rt, _runner, sched, factory = build(4, family, layers, small)
     out = {}
     with torch.inference_mode():  # the image size seen before (a new one: ``crops_new_size``)
-        rt.crops.pixels(picture(9)).encoder_input(rt.dtype, rt.device)
-    with counted_graphs(box, sites) as c:
-        submit(sched, factory, picture(2), QUESTION, GREEDY)
-        sched._prefill(sched._schedule())
+        rt.crops.pixels(pic(9)).encoder_input(rt.dtype, rt.device)
+    with LaunchCounter(sites=sites) as c:  # the graph bodies: ``graph_body`` and ``replays``
+        submit(sched, factory, pic(2), QUESTION, GREEDY)
+        sched.step_prefill()
     out["prefill_miss"] = c
     before = {id(r) for r in sched.running}
-    with counted_graphs(box, sites) as c:
-        submit(sched, factory, picture(2), "How many bars are there?", GREEDY)
-        sched._prefill(sched._schedule())
+    with LaunchCounter(sites=sites) as c:
+        submit(sched, factory, pic(2), "How many bars are there?", GREEDY)
+        sched.step_prefill()
     out["prefill_hit"] = c
     state = next(r for r in sched.running if id(r) not in before).handle
     out["hit_positions"] = state.prompt_length - state.reused_page_count
     if family == "md2":  # the vision tower and crops are the same in both families
-        out.update(vision_rows(rt, box, sites))
-    box[0] = None
+        out.update(vision_rows(rt, sites, small))
     return out
 
 
-def vision_rows(rt: MoondreamRuntime, box: list, sites: bool) -> dict:
-    out = {}
-    img = picture(3)
-    with torch.inference_mode(), counted_graphs(box, sites) as c:
-        rt._encode_image(img)
+def vision_rows(rt: MoondreamRuntime, sites: bool, small: bool = False) -> dict:
+    out, pic = {}, pictures(small)
+    img = pic(3)
+    with torch.inference_mode(), LaunchCounter(sites=sites) as c:
+        rt.encode_image(img)
     out["vision_9"] = c
     for key, seed in (("crops_new_size", 4), ("crops_seen_size", 5)):  # 757 x 1513, 9 crops
-        with torch.inference_mode(), counted_graphs(box, sites) as c:
-            rt.crops.pixels(picture(seed, 757, 1513)).encoder_input(rt.dtype, rt.device)
+        with torch.inference_mode(), LaunchCounter(sites=sites) as c:
+            rt.crops.pixels(pic(seed, 757, 1513)).encoder_input(rt.dtype, rt.device)
         out[key] = c
     return out
 

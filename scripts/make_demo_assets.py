@@ -1,6 +1,7 @@
 """Write the sample scenes `kestrel demo` ships with: kestrel/tiny/assets/demo/*.png + scenes.json.
 
     python scripts/make_demo_assets.py
+    python scripts/make_demo_assets.py --smoke [--out DIR]   # the same scenes, to DIR or a temp dir
 
 Scenes come from ``kestrel.tiny.synthetic`` (seed DEMO_SEED, never the training stream). The JSON
 keeps, per scene, the questions with their true answers and the point / detect objects with
@@ -9,7 +10,10 @@ their true centers and boxes, so the demo can show what the model got right.
 
 from __future__ import annotations
 
+import argparse
 import json
+import tempfile
+from pathlib import Path
 
 from kestrel.tiny import DEMO_DIR, synthetic
 
@@ -34,15 +38,28 @@ def scene_entry(scene: synthetic.Scene, name: str) -> dict:
     }
 
 
-def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
+def write(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     entries = []
     for scene in synthetic.scenes(DEMO_SEED, N_SCENES):
         name = f"scene_{scene.index}.png"
-        scene.pil().save(OUT / name, optimize=True)
+        scene.pil().save(out / name, optimize=True)
         entries.append(scene_entry(scene, name))
-    (OUT / "scenes.json").write_text(json.dumps({"seed": DEMO_SEED, "scenes": entries}, indent=1))
-    print(f"wrote {len(entries)} scenes to {OUT}")
+    (out / "scenes.json").write_text(json.dumps({"seed": DEMO_SEED, "scenes": entries}, indent=1))
+    print(f"wrote {len(entries)} scenes to {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=None, help=f"default: {OUT}")
+    p.add_argument("--smoke", action="store_true",
+                   help="write them to --out, or a temp dir: not into the package")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.out is not None or not args.smoke:
+        write(args.out or OUT)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        write(Path(tmp))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Print a checkpoint's size and the time of one image encode and one 16-token prefill.
 
     python scripts/model_report.py tests/fixtures/md2-tiny-a [--device cpu] [--dtype float32]
+    python scripts/model_report.py --smoke    # kestrel-tiny, one timed run each
 
 Timings are wall-clock on this machine (median of a few runs after one warm-up); they are
 printed, never asserted.
@@ -15,9 +16,11 @@ import time
 import numpy as np
 import torch
 
+from kestrel.crops.overlap import overlap_crops
 from kestrel.moondream.model import MoondreamModel
-from kestrel.moondream.vision import encode_image, normalize_pixels, overlap_crops
+from kestrel.moondream.vision import encode_image, normalize_pixels
 from kestrel.reference.eager import EagerMoondream
+from kestrel.tiny import MODEL_DIR
 
 
 class _NoTokenizer:
@@ -38,13 +41,18 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint")
+    ap.add_argument("checkpoint", nargs="?", help="(--smoke: default kestrel-tiny)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="kestrel-tiny by default, 1 repeat")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.checkpoint, args.repeats = args.checkpoint or str(MODEL_DIR), 1
+    if args.checkpoint is None:
+        ap.error("the checkpoint is needed (or --smoke)")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model = MoondreamModel.from_pretrained(args.checkpoint, device=args.device, dtype=dtype)
     cfg = model.config
@@ -68,15 +76,12 @@ def main() -> None:
     enc = eager.encode_embeddings(img_emb, crops.tiling)
     t_prefix = _time(lambda: eager.encode_embeddings(img_emb, crops.tiling), args.repeats)
 
-    from kestrel.reference.eager import _Seq
-
     ids = torch.arange(16, device=model.device) % cfg.text.vocab_size
     emb = model.text.wte[ids]
 
     def prefill16() -> None:
-        seq = _Seq(pos=cfg.prefix_len, bidir_end=cfg.prefix_len, adapter=None)
         with torch.inference_mode():
-            eager._step(seq, emb)
+            eager.prefill_after_image(emb)
 
     t_prefill = _time(prefill16, args.repeats)
     n_crops = crops.n_crops

@@ -1,6 +1,7 @@
 """The package's structure read from its imports: folders as units, layers, and the rules.
 
     python scripts/package_map.py [--png docs/package_map.png]
+    python scripts/package_map.py --smoke [--png PATH]   # the layers' rules only
 
 The reading and the rules live in :mod:`kestrel.testing.layers` (``tests/unit/test_layers.py``
 fails on any broken rule). Prints each unit with its files, lines and layer, then the figures
@@ -32,8 +33,9 @@ from kestrel.testing.style_rules import (  # noqa: E402
 )
 
 
-def report(house: House) -> dict[str, int]:
-    """Print the units by layer and every rule's figure; returns the layers."""
+def report(house: House, style: bool = True) -> dict[str, int]:
+    """Print the units by layer and every rule's figure (``style``: the style rules' too);
+    returns the layers."""
     layer = house.layer()
     per_unit: dict[str, list[str]] = defaultdict(list)
     for name in house.modules:
@@ -47,11 +49,14 @@ def report(house: House) -> dict[str, int]:
     print(f"units: {len(layer)}; layers: {max(layer.values())}")
     roots = sorted(root_modules(house))
     print(f"modules at the package root: {len(roots)} ({', '.join(roots)})")
-    longest = sorted(function_lengths(house.root).items(), key=lambda kv: -kv[1])
-    print(f"longest functions (limit {MAX_FUNCTION_LINES} lines, exempted: *):")
-    for name, n in longest[:5]:
-        print(f"    {n:>4}  {name}{' *' if name in LONG_FUNCTIONS else ''}")
-    for rule, found in {**breaches(house), **style_breaches(house.root)}.items():
+    rules = breaches(house)
+    if style:
+        longest = sorted(function_lengths(house.root).items(), key=lambda kv: -kv[1])
+        print(f"longest functions (limit {MAX_FUNCTION_LINES} lines, exempted: *):")
+        for name, n in longest[:5]:
+            print(f"    {n:>4}  {name}{' *' if name in LONG_FUNCTIONS else ''}")
+        rules |= style_breaches(house.root)
+    for rule, found in rules.items():
         print(f"{rule}: {len(found)}")
         for line in found:
             print(f"    {line}")
@@ -99,12 +104,14 @@ def draw(units: dict[str, set[str]], layer: dict[str, int], lines, unit, png: Pa
     print(f"wrote {png}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--png", type=Path, default=None, help="draw the map into this PNG")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="the layers' rules only (test_style_rules.py runs the rest)")  # fmt: skip
+    args = p.parse_args(argv)
     house = read_house(ROOT)
-    layer = report(house)
+    layer = report(house, style=not args.smoke)
     if args.png:
         draw(house.units, layer, house.lines, house.unit, args.png)
 

@@ -1,6 +1,7 @@
 """Where the time of a miss, a hit and a decode step goes, through the public Engine.
 
     python scripts/profile_request.py [--model DIR] [--repeats 3] [--batch 16] [--rounds 3]
+    python scripts/profile_request.py --smoke    # kestrel-tiny, 1 repeat, batch 2, small peak
 
 Times are wall-clock, taken by wrapping the model functions and cache methods wherever the
 package refers to them (inclusive timers; nested ones are subtracted so every row is
@@ -23,16 +24,17 @@ from pathlib import Path
 import harness
 import numpy as np
 import torch
-from timing import bench_model, instrument, measure
+from timing import bench_model, instrumented, measure
 
 from kestrel import Engine
-from kestrel.moondream import vision
+from kestrel.crops.overlap import overlap_crops
+from kestrel.tiny import MODEL_DIR
 
 
-def matmul_peak() -> float:
+def matmul_peak(sizes: tuple[int, ...] = (512, 1024, 2048)) -> float:
     """Best float32 matmul rate over a few square sizes and trials (GFLOP/s)."""
     best = 0.0
-    for n in (512, 1024, 2048):
+    for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         a @ b
         for _ in range(3):
@@ -68,16 +70,15 @@ def profile_round(engine, images, questions, batch: int, repeats: int) -> dict[s
     engine.query(img, "prime", settings=one)
     hit = measure("hit", lambda: engine.query(img, next(questions), settings=one), repeats)
     dec = {"temperature": 0.0, "max_tokens": 32}
-    counters = engine._scheduler.counters
 
     def decode_batch() -> None:
         fs = [engine.submit_query(None, f"story {i}", settings=dec) for i in range(batch)]
         for f in fs:
             f.result()
 
-    before = counters.decode_steps
+    before = engine.decode_steps
     decode = measure("decode", decode_batch, 1)
-    n_steps = counters.decode_steps - before
+    n_steps = engine.decode_steps - before
     return {"miss": miss, "hit": hit, "decode step": {k: v / n_steps for k, v in decode.items()}}
 
 
@@ -98,15 +99,21 @@ def report(bench: harness.Bench, rounds: list[dict[str, dict]], batch: int) -> N
                      [r["miss"]["total"] for r in rounds])  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=Path.home() / ".cache/kestrel-bench/cpu")
     p.add_argument("--repeats", type=int, default=3, help="requests per figure and round")
     p.add_argument("--batch", type=int, default=16)
     harness.add_arguments(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.repeats, args.batch = MODEL_DIR, 1, 2
     bench = harness.start(args, "Where one request's time goes (profile_request.py)")
-    instrument()
+    with instrumented():
+        run(bench, args)
+
+
+def run(bench: harness.Bench, args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     images = iter([rng.integers(0, 256, (378, 378, 3), dtype=np.uint8) for _ in range(256)])
     questions = iter(f"Question number {i}?" for i in range(10_000))
@@ -121,12 +128,12 @@ def main() -> None:
         cfg = engine.config
         engine.query(next(images), "warm up", settings={"temperature": 0.0, "max_tokens": 1})
         for r in range(args.rounds):
-            peaks.append(matmul_peak())
+            peaks.append(matmul_peak((64, 128) if args.smoke else (512, 1024, 2048)))
             t0 = time.perf_counter()
             rounds.append(profile_round(engine, images, questions, args.batch, args.repeats))
             bench.progress(f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.1f} s)")
     report(bench, rounds, args.batch)
-    crops = vision.overlap_crops(next(images), cfg.vision).crops.shape[0]
+    crops = overlap_crops(next(images), cfg.vision).crops.shape[0]
     vis = [vision_flops(cfg, crops) / r["miss"]["vision encoder"] / 1e9 for r in rounds]
     pre_flops = prefill_flops(cfg, cfg.prefix_len + 8)
     pre = [pre_flops / r["miss"]["decoder (matmuls, norms, rope)"] / 1e9 for r in rounds]

@@ -18,7 +18,7 @@ allocator settings (``KESTREL_MALLOC=system``), for comparison with the bounded 
 ``kestrel serve`` sets by default. ``--csv`` writes every sample.
 
     python scripts/soak_server.py                          # 16 clients, 300 s
-    python scripts/soak_server.py --seconds 20 --clients 4 # a smoke run
+    python scripts/soak_server.py --smoke                  # 1 client, 1 s, 2-turn chats
     python scripts/soak_server.py --malloc system          # glibc's defaults, for comparison
 
 Linux only (``/proc``); loopback only.
@@ -156,7 +156,7 @@ def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
 
 
 def soak(args: argparse.Namespace, port: int, pid: int) -> tuple[float, list, list[Tally]]:
-    time.sleep(2.0)  # let start-up work (and the first idle trim) settle
+    time.sleep(0.2 if args.smoke else 2.0)  # let start-up work (and the first trim) settle
     idle = rss_mb(pid)
     pictures = images(args.images)
     clients = [Conversations(port, pictures, args) for _ in range(args.clients)]
@@ -194,7 +194,7 @@ def report(args, idle: float, samples: list, tallies: list[Tally]) -> None:
     print("  RSS by 30 s: " + ", ".join(f"{max(v):.0f}" for _, v in sorted(minutes.items())))
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
     p.add_argument("--device", default="cpu")
@@ -206,14 +206,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every", type=float, default=1.0, help="sampling period in seconds")
     p.add_argument("--malloc", choices=("kestrel", "system"), default="kestrel")
     p.add_argument("--csv", type=Path, default=None, help="write (seconds, rss_mb) samples")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="1 client for 1 s, 2-turn chats")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.clients, args.seconds, args.turns, args.images = 1, 1.0, 2, 1
+        args.max_tokens, args.every = 2, 0.25
     if not (0 < args.seconds <= MAX_SECONDS and 0 < args.clients <= MAX_CLIENTS):
         p.error(f"--seconds in (0, {MAX_SECONDS:.0f}], --clients in [1, {MAX_CLIENTS}]")
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if not Path("/proc/self/status").exists():
         sys.exit("soak_server.py reads /proc: Linux only")
     with tempfile.TemporaryDirectory() as tmp:

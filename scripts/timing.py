@@ -1,28 +1,32 @@
 """Wall-clock timers for the benchmark scripts: where an Engine's time goes, by part.
 
-``instrument()`` wraps the model functions and cache methods wherever the package refers to
-them (inclusive timers); ``measure`` turns them into exclusive rows plus "Python / scheduling",
-the rest of the wall time. ``bench_model`` writes the random-weight bench checkpoint.
+``instrumented()`` wraps the model functions and cache methods wherever the package refers
+to them (inclusive timers) while it is active; ``measure`` turns them into exclusive rows plus
+"Python / scheduling", the rest of the wall time. ``bench_model`` writes the random-weight bench
+checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import kestrel_kernels
+from kestrel.crops import overlap
+from kestrel.crops.pool import CropPool
 from kestrel.kv.page_table import PageTable
 from kestrel.moondream import region, text, vision
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
-from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.heads import ModelHeads
 
-__all__ = ["TIMERS", "bench_model", "instrument", "measure", "table"]
+__all__ = ["TIMERS", "bench_model", "instrumented", "measure", "table"]
 
 TIMERS: dict[str, float] = defaultdict(float)
+WRAPPED: list[tuple[object, str, Callable]] = []  # (owner, attribute, original), in order
 # label -> labels of timers that run inside it (subtracted to make rows exclusive)
 NESTED = {"decoder (matmuls, norms, rope)": ("attention (gather + sdpa)", "kv write")}
 
@@ -39,10 +43,28 @@ def _timed(fn: Callable, label: str) -> Callable:
     return wrapper
 
 
+@contextlib.contextmanager
+def instrumented() -> Iterator[None]:
+    """Inside, each target function is wrapped in every kestrel module that refers to it, and
+    each target method in its class; all put back on the way out."""
+    instrument()
+    try:
+        yield
+    finally:
+        while WRAPPED:
+            owner, attr, original = WRAPPED.pop()
+            setattr(owner, attr, original)
+
+
+def _wrap(owner: object, attr: str, wrapper: Callable) -> None:
+    WRAPPED.append((owner, attr, getattr(owner, attr)))
+    setattr(owner, attr, wrapper)
+
+
 def instrument() -> None:
     """Wrap each target function in every kestrel module that refers to it."""
     targets = {
-        vision.overlap_crops: "image crops (host)",
+        overlap.overlap_crops: "image crops (host)",
         vision.normalize_pixels: "image crops (host)",
         vision.encode_image: "vision encoder",
         region.embed_tokens: "embedding",
@@ -57,7 +79,7 @@ def instrument() -> None:
             continue
         for attr, value in list(vars(mod).items()):
             if id(value) in wrapped:
-                setattr(mod, attr, wrapped[id(value)])
+                _wrap(mod, attr, wrapped[id(value)])
     for cls, methods, label in (
         (ModelHeads, ("sample", "coord_token", "size_token"), "sampling"),
         (RadixPrefixCache, ("match_prefix", "insert", "lock", "unlock", "evict"), "cache ops"),
@@ -66,7 +88,7 @@ def instrument() -> None:
         (PageTable, ("allocate", "allocate_pages", "map_pages", "erase"), "cache ops"),
     ):
         for m in methods:
-            setattr(cls, m, _timed(getattr(cls, m), label))
+            _wrap(cls, m, _timed(getattr(cls, m), label))
 
 
 def measure(label: str, fn: Callable[[], None], repeats: int) -> dict[str, float]:

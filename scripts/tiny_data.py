@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kestrel.crops.overlap import overlap_crops
 from kestrel.moondream.config import (
     MoondreamConfig,
     RegionConfig,
@@ -19,7 +20,7 @@ from kestrel.moondream.config import (
 )
 from kestrel.moondream.region import coord_to_bin, coord_token, size_to_bin, size_token
 from kestrel.moondream.tokenizer import MoondreamTokenizer
-from kestrel.moondream.vision import normalize_pixels, overlap_crops
+from kestrel.moondream.vision import normalize_pixels
 from kestrel.skills import prompts
 from kestrel.tiny import synthetic
 from kestrel.tiny.train_forward import NO_TARGET, Segment

@@ -1,6 +1,6 @@
 """Follow one image from ``Engine.query`` to the vision encoder, as the program runs.
 
-    python scripts/trace_image_route.py [--model DIR]
+    python scripts/trace_image_route.py [--model DIR]   # (--smoke: the same, already small)
 
 Profiles every Python call inside the ``kestrel`` package while one query about an uncached
 image runs, and keeps the calls that receive the image or something carrying it (the decoded
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import kestrel  # noqa: E402
 
 PACKAGE = Path(kestrel.__file__).parent
-ENCODER = ("moondream/vision.py", "encode_image")
+ENCODER = ("runtime/runtime.py", "encode_image")  # where the runtime runs the encoder
 
 
 def _is_image_data(value: object) -> bool:
@@ -106,10 +106,11 @@ class Route:
             self.done = True
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="the default run: one small query")
+    args = p.parse_args(argv)
     from PIL import Image
 
     rng = np.random.default_rng(0)

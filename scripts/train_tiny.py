@@ -1,6 +1,7 @@
 """Train kestrel-tiny, a small Moondream 2 on synthetic scenes, and its French-colours LoRA.
 
     python scripts/train_tiny.py [--steps 18000] [--adapter-steps 1600] [--threads 2]
+    python scripts/train_tiny.py --smoke --out DIR --state-dir DIR   # 2 + 1 steps of 1 image
 
 Phase 1 trains every weight of a Moondream-architecture model (vision tower, projection, text
 decoder, region heads; sizes in ``tiny_data.make_config``) with the project's own functions
@@ -44,10 +45,10 @@ PHASES = ("base", "adapter")
 ADAPTER_DIR = "lora-french"
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("kestrel/tiny/assets/model"))
-    p.add_argument("--state-dir", type=Path, default=Path("bench_out/tiny_train"))
+    p.add_argument("--out", type=Path, help="default: kestrel/tiny/assets/model")
+    p.add_argument("--state-dir", type=Path, help="default: bench_out/tiny_train")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=18000)
     p.add_argument("--adapter-steps", type=int, default=1600)
@@ -63,7 +64,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    return p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="2 base + 1 adapter steps of one image, no plot; --out and --state-dir "
+                   "must be given (the bundled model is never overwritten)")  # fmt: skip
+    args = p.parse_args(argv)
+    if args.smoke:
+        if args.out is None or args.state_dir is None:
+            p.error("--smoke writes a model: give --out and --state-dir")
+        args.steps, args.adapter_steps, args.batch, args.save_every = 2, 1, 1, 1
+    args.out = args.out or Path("kestrel/tiny/assets/model")
+    args.state_dir = args.state_dir or Path("bench_out/tiny_train")
+    return args
 
 
 def init_params(config, seed: int) -> dict[str, torch.nn.Parameter]:
@@ -305,8 +316,8 @@ def plot(tr: Trainer) -> None:
     fig.savefig(tr.args.out / "loss.png", dpi=80)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tr = Trainer(args)
@@ -316,7 +327,8 @@ def main() -> None:
     if tr.state["phase"] == "adapter":
         tr.run_phase("adapter")
     write_checkpoint(tr)
-    plot(tr)
+    if not args.smoke:
+        plot(tr)
     print(f"wrote {args.out} in {time.time() - t0:.0f} s")
 
 

@@ -34,11 +34,15 @@ class AsyncTwins:
         reasoning: bool = False,
         spatial_refs: Sequence[Sequence[float]] | None = None,
         stream: bool = False,
+        stop: str | Sequence[str] | None = None,
+        response_format: Any = None,
+        logprobs: int | None = None,
     ) -> Any:
         """``await engine.aquery(...)`` -> QueryResult; with ``stream=True`` an
         AsyncTextStream to ``async for`` over (then ``await stream.result()``)."""
         args = (image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
-        draft = await asyncio.to_thread(self._drafts.query, *args)
+        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
+        draft = await asyncio.to_thread(self._drafts.query, *args, **answer)
         return await self._requests.wait(draft, stream)
 
     async def achat(
@@ -50,10 +54,14 @@ class AsyncTwins:
         cache_salt: str | None = None,
         reasoning: bool = False,
         stream: bool = False,
+        stop: str | Sequence[str] | None = None,
+        response_format: Any = None,
+        logprobs: int | None = None,
     ) -> Any:
         """``await engine.achat(messages)`` -> ChatResult (or an AsyncTextStream)."""
         args = (messages, settings, adapter, cache_salt, reasoning)
-        draft = await asyncio.to_thread(self._drafts.chat, *args)
+        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
+        draft = await asyncio.to_thread(self._drafts.chat, *args, **answer)
         return await self._requests.wait(draft, stream)
 
     async def acaption(

@@ -32,12 +32,15 @@ class BlockingCalls:
         cache_salt: str | None = None,
         reasoning: bool = False,
         spatial_refs: Sequence[Sequence[float]] | None = None,
+        stop: str | Sequence[str] | None = None,
+        response_format: Any = None,
+        logprobs: int | None = None,
     ) -> Future:
         """Queue a question about ``image`` (None: text only); the future gives a QueryResult."""
         d, r = self._drafts, self._requests
-        return r.submit(
-            d.query(image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
-        )
+        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
+        args = (image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
+        return r.submit(d.query(*args, **answer))
 
     def submit_caption(
         self,
@@ -101,10 +104,14 @@ class BlockingCalls:
         adapter: str | None = None,
         cache_salt: str | None = None,
         reasoning: bool = False,
+        stop: str | Sequence[str] | None = None,
+        response_format: Any = None,
+        logprobs: int | None = None,
     ) -> Future:
         """Queue the reply to a conversation; the future gives a ChatResult."""
         d, r = self._drafts, self._requests
-        return r.submit(d.chat(messages, settings, adapter, cache_salt, reasoning))
+        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
+        return r.submit(d.chat(messages, settings, adapter, cache_salt, reasoning, **answer))
 
     # ------------------------------------------------------------------ blocking calls
     def query(
@@ -118,10 +125,20 @@ class BlockingCalls:
         reasoning: bool = False,
         spatial_refs: Sequence[Sequence[float]] | None = None,
         stream: bool = False,
+        stop: str | Sequence[str] | None = None,
+        response_format: Any = None,
+        logprobs: int | None = None,
     ):
-        """Answer ``question`` (QueryResult), or with ``stream=True`` a TextStream of deltas."""
+        """Answer ``question`` (QueryResult), or with ``stream=True`` a TextStream of deltas.
+
+        ``stop``: strings that end the answer (not returned); ``response_format``: the shape
+        the answer must take (a JSON schema, any JSON object, a regex, a choice; the result's
+        ``parsed`` is its value; docs/structured.md); ``logprobs``: each answer token's
+        log-probability and that many most likely alternatives (0 to 20)."""
         d, r = self._drafts, self._requests
-        draft = d.query(image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
+        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
+        draft = d.query(image, question, settings, adapter, cache_salt, reasoning, spatial_refs,
+                        **answer)  # fmt: skip
         return r.call(draft, stream)
 
     def caption(
@@ -193,8 +210,13 @@ class BlockingCalls:
         cache_salt: str | None = None,
         reasoning: bool = False,
         stream: bool = False,
+        stop: str | Sequence[str] | None = None,
+        response_format: Any = None,
+        logprobs: int | None = None,
     ) -> Any:
         """The assistant's reply to ``messages`` (ChatResult), or with ``stream=True`` a
-        TextStream of the answer's deltas. Message shapes and limits: docs/chat.md."""
+        TextStream of the answer's deltas. Message shapes and limits: docs/chat.md;
+        ``stop``, ``response_format`` and ``logprobs`` as for :meth:`query`."""
         d, r = self._drafts, self._requests
-        return r.call(d.chat(messages, settings, adapter, cache_salt, reasoning), stream)
+        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
+        return r.call(d.chat(messages, settings, adapter, cache_salt, reasoning, **answer), stream)

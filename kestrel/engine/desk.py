@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kestrel.crops.pool import CropPool
 from kestrel.engine.adapters import AdapterRegistry
 from kestrel.engine.chat import parse_messages
 from kestrel.engine.replies import ReplyMemory
@@ -25,7 +26,6 @@ from kestrel.engine.requests import Draft, RequestFactory, salted
 from kestrel.engine.streams import AsyncTextStream, TextStream
 from kestrel.errors import EngineClosedError
 from kestrel.images import PreparedImage
-from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.embeddings import ImageEmbeddings
 from kestrel.scheduler import Request
 from kestrel.scheduler.loop import SchedulerLoop
@@ -52,10 +52,13 @@ class Drafter:
     closed: Callable[[], bool]
 
     # ------------------------------------------------------------------ drafts
-    def query(self, image, question, settings, adapter, cache_salt, reasoning, spatial_refs):
+    def query(
+        self, image, question, settings, adapter, cache_salt, reasoning, spatial_refs, **answer
+    ):
+        """``answer``: ``stop``, ``response_format``, ``logprobs`` (``RequestFactory``)."""
         return self._draft(
             self.factory.query, image, question, settings, adapter, cache_salt,
-            reasoning=reasoning, spatial_refs=spatial_refs,
+            reasoning=reasoning, spatial_refs=spatial_refs, **answer,
         )  # fmt: skip
 
     def caption(self, image, length, settings, adapter, cache_salt) -> Draft:
@@ -80,6 +83,7 @@ class Drafter:
         adapter: str | None,
         cache_salt: object,
         reasoning: bool,
+        **answer: Any,
     ) -> Draft:
         self.check_open()
         conversation = parse_messages(messages, self.prepare)
@@ -90,7 +94,7 @@ class Drafter:
         placed = conversation.placed(self.factory.config.image_tokens)
         turns = self.replies.replay(key, placed)
         images = tuple(image for _, image in conversation.images) or None
-        draft = self.factory.chat(turns, images, settings, lora, reasoning=reasoning)
+        draft = self.factory.chat(turns, images, settings, lora, reasoning=reasoning, **answer)
         draft = replace(draft, build_result=self.replies.recording(key, draft.build_result))
         return salted(draft, cache_salt)
 

@@ -175,6 +175,17 @@ class Engine(BlockingCalls, AsyncTwins):
         ``segment`` raises UnsupportedError naming why."""
         return self._factory.segment_refusal is None
 
+    @property
+    def lookahead(self) -> bool:
+        """Whether decode queues each step before reading the last one's tokens
+        (``lookahead=None`` resolved: on for a CUDA model)."""
+        return self._runner.lookahead
+
+    @property
+    def decode_steps(self) -> int:
+        """Batched decode steps run since start (a benchmark's divisor: time per step)."""
+        return self._scheduler.counters.decode_steps
+
     # ------------------------------------------------------------------ introspection
     def stats(self) -> EngineStats:
         """A consistent snapshot, taken on the scheduler thread between steps."""

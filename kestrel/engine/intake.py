@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kestrel.crops.overlap import crop_geometry
 from kestrel.errors import InvalidInputError
 from kestrel.images.budget import DecodeBudget
 from kestrel.images.known import KnownImages
 from kestrel.moondream.config import VisionConfig
-from kestrel.moondream.crops import crop_geometry
 
 __all__ = ["CropFit", "budget_bytes", "intake"]
 

@@ -75,7 +75,8 @@ class ReplyMemory:
 
         def build_and_remember(*args: Any) -> Any:
             result = build(*args)
-            self.remember(key, result.content, result.tokens)
+            if getattr(args[0], "answer_spelled", True):  # (a stop string may cut a token)
+                self.remember(key, result.content, result.tokens)
             return result
 
         return build_and_remember

@@ -7,11 +7,13 @@ its own call and never costs the scheduler anything.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from kestrel.errors import InvalidInputError, PromptTooLongError, UnsupportedError
+from kestrel.grammar import Grammars, GrammarSpec, parse_response_format
 from kestrel.images import PreparedImage
 from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.region import SpatialRefError
@@ -24,6 +26,8 @@ from kestrel.results import (
     Reasoning,
     RequestMetrics,
     SegmentResult,
+    TextDelta,
+    TokenLogprob,
 )
 from kestrel.skills import (
     CaptionSkill,
@@ -39,6 +43,7 @@ from kestrel.skills import (
     parse_settings,
 )
 from kestrel.skills.segment import SegmentSkill, unsupported_reason
+from kestrel.skills.stops import parse_stop
 from kestrel.tokens import kv_length
 
 __all__ = ["Draft", "RequestFactory", "salted"]
@@ -92,15 +97,74 @@ def _reasoning(skill: QuerySkill) -> Reasoning | None:
     return Reasoning(text, grounding)
 
 
-def _query_result(skill: QuerySkill, metrics: RequestMetrics) -> QueryResult:
-    return QueryResult(
-        skill.answer_text(), _reasoning(skill), skill.finish_reason, skill.output_tokens(), metrics
+MAX_TOP_LOGPROBS = 20
+
+
+def _logprobs(value: object) -> int:
+    """A call's ``logprobs``: None (off, -1), or how many alternatives each token lists."""
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"logprobs must be an integer or None, got {value!r}")
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidInputError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value
+
+
+def _token(ops: Any, token_id: int, logprob: float) -> TokenLogprob:
+    raw = ops.token_bytes(token_id)
+    return TokenLogprob(token_id, raw.decode("utf-8", errors="replace"), raw, logprob)
+
+
+def _logprob_values(ops: Any, found: Sequence) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        replace(_token(ops, i, lp), top=tuple(_token(ops, j, lq) for j, lq in top))
+        for i, lp, top in found
     )
 
 
-def _chat_result(skill: ChatSkill, metrics: RequestMetrics) -> ChatResult:
+def _token_logprobs(skill: QuerySkill) -> tuple[TokenLogprob, ...] | None:
+    found = skill.answer_logprobs()
+    return None if found is None else _logprob_values(skill.ops, found)
+
+
+def _logprob_deltas(skill: QuerySkill) -> Deltas:
+    """A stream's deltas as ``TextDelta``s, each with the logprobs of the tokens it shows."""
+
+    def shape(push: Callable[[Any], None]) -> Callable[[str], None]:
+        def on_text(delta: str) -> None:
+            push(TextDelta(delta, _logprob_values(skill.ops, skill.take_logprobs())))
+
+        return on_text
+
+    return shape
+
+
+def _answer(skill: QuerySkill, spec: GrammarSpec | None) -> dict[str, Any]:
+    """The answer fields of a query or chat result: text, parsed value, log-probabilities."""
+    text = skill.answer_text()
+    return {
+        "parsed": None if spec is None else spec.parse(text),
+        "logprobs": _token_logprobs(skill),
+        "text": text,
+    }
+
+
+def _query_result(
+    skill: QuerySkill, metrics: RequestMetrics, spec: GrammarSpec | None = None
+) -> QueryResult:
+    a = _answer(skill, spec)
+    return QueryResult(
+        a.pop("text"), _reasoning(skill), skill.finish_reason, skill.output_tokens(), metrics, **a
+    )
+
+
+def _chat_result(
+    skill: ChatSkill, metrics: RequestMetrics, spec: GrammarSpec | None = None
+) -> ChatResult:
+    a = _answer(skill, spec)
     return ChatResult(
-        skill.answer_text(), _reasoning(skill), skill.finish_reason, skill.output_tokens(), metrics
+        a.pop("text"), _reasoning(skill), skill.finish_reason, skill.output_tokens(), metrics, **a
     )
 
 
@@ -156,6 +220,30 @@ class RequestFactory:
         self.ops = ops
         self.config = config
         self.defaults = family_settings(config.family)  # the family's sampling defaults
+        self._grammars: Grammars | None = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """The model's compiled grammars (made on the first constrained call)."""
+        if self._grammars is None:
+            tokenizer = self.ops.tokenizer  # type: ignore[attr-defined]
+            self._grammars = Grammars(
+                tokenizer.to_json, self.config.text.vocab_size, self.config.tokenizer.eos_id
+            )
+        return self._grammars
+
+    def answer_options(
+        self, stop: object, response_format: object, logprobs: object
+    ) -> tuple[dict[str, Any], GrammarSpec | None]:
+        """A query's or chat's answer options, checked (a grammar compiled) on the caller's
+        thread: the skill's ``stop``, ``constraint`` and ``logprobs``, and the spec."""
+        spec = parse_response_format(response_format)
+        options = {
+            "stop": parse_stop(stop),
+            "logprobs": _logprobs(logprobs),
+            "constraint": None if spec is None else self.grammars.row(spec),
+        }
+        return options, spec
 
     def query(
         self,
@@ -166,16 +254,22 @@ class RequestFactory:
         *,
         reasoning: bool,
         spatial_refs: Sequence[Sequence[float]] | None,
+        stop: object = None,
+        response_format: object = None,
+        logprobs: object = None,
     ) -> Draft:
         question = _text(question, "question")
         s = parse_settings(settings, self.defaults)
+        answer, spec = self.answer_options(stop, response_format, logprobs)
         try:
             skill = QuerySkill(
-                self.ops, question, s, reasoning=bool(reasoning), spatial_refs=spatial_refs
-            )
+                self.ops, question, s, reasoning=bool(reasoning), spatial_refs=spatial_refs,
+                **answer,
+            )  # fmt: skip
         except SpatialRefError as exc:
             raise InvalidInputError(str(exc)) from exc
-        return self._draft(skill, image, adapter, _query_result)
+        build = _query_result if spec is None else functools.partial(_query_result, spec=spec)
+        return self._answer_draft(skill, image, adapter, build)
 
     def chat(
         self,
@@ -185,12 +279,22 @@ class RequestFactory:
         adapter: Any,
         *,
         reasoning: bool,
+        stop: object = None,
+        response_format: object = None,
+        logprobs: object = None,
     ) -> Draft:
         """A conversation (validated turns, see :mod:`kestrel.engine.chat`) awaiting a reply."""
-        skill = ChatSkill(
-            self.ops, turns, parse_settings(settings, self.defaults), reasoning=bool(reasoning)
-        )
-        return self._draft(skill, images, adapter, _chat_result)
+        s = parse_settings(settings, self.defaults)
+        answer, spec = self.answer_options(stop, response_format, logprobs)
+        skill = ChatSkill(self.ops, turns, s, reasoning=bool(reasoning), **answer)
+        build = _chat_result if spec is None else functools.partial(_chat_result, spec=spec)
+        return self._answer_draft(skill, images, adapter, build)
+
+    def _answer_draft(self, skill: QuerySkill, image: Any, adapter: Any, build) -> Draft:
+        draft = self._draft(skill, image, adapter, build)
+        if skill.answer.logprobs < 0:
+            return draft
+        return replace(draft, deltas=_logprob_deltas(skill))
 
     def caption(self, image: PreparedImage | None, length: object, settings, adapter) -> Draft:
         if image is None:

@@ -6,17 +6,19 @@ Every failure here is a :class:`~kestrel.errors.ModelLoadError` (or an
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from kestrel.crops.pool import start_workers
 from kestrel.embedding_cache import GIB, MIB, BudgetError, budget_bytes, host_memory_bytes
 from kestrel.errors import InvalidInputError, ModelLoadError
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.moondream.weights import MOE_WEIGHT_MODES, load_kv_scales, resolve_checkpoint
 from kestrel.runtime.compiled import compile_unavailable_reason
-from kestrel.runtime.crop_pool import start_workers
 from kestrel.runtime.host_kv import host_kv_unavailable_reason
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tiny import MODEL_DIR
@@ -26,7 +28,9 @@ __all__ = [
     "DEFAULT_MODEL_DIR",
     "check_kv_dtype",
     "check_moe_weights",
+    "load_model",
     "load_runtime",
+    "model_loader",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -113,15 +117,33 @@ def _model_source(model: str | Path | None) -> str | Path:
 
 
 KV_DTYPES = ("fp8",)
+Loaded = tuple[MoondreamModel, MoondreamTokenizer, tuple[KvScales, ...] | None]
+ModelLoader = Callable[
+    [str | Path, torch.device, torch.dtype | None, str | None, str | None], Loaded
+]
+_LOADERS: list[ModelLoader] = []  # model_loader()'s, innermost last; none: load_model
 
 
-def _load(
+@contextlib.contextmanager
+def model_loader(loader: ModelLoader) -> Iterator[None]:
+    """While active, :func:`load_runtime` (so ``Engine``) loads through ``loader``, called as
+    :func:`load_model` is (it may call ``load_model`` for the sources it leaves alone). A bench
+    and test hook, process-wide: ``scripts/bench_gpu_models.py`` makes a random Moondream 3 on
+    the device this way instead of writing and reading a 10 GB checkpoint."""
+    _LOADERS.append(loader)
+    try:
+        yield
+    finally:
+        _LOADERS.remove(loader)
+
+
+def load_model(
     source: str | Path,
     device: torch.device,
     dtype: torch.dtype | None,
     moe_weights: str | None,
     kv_dtype: str | None,
-) -> tuple[MoondreamModel, MoondreamTokenizer, tuple[KvScales, ...] | None]:
+) -> Loaded:
     """The model (its experts in the ``moe_weights`` form), tokenizer and, for
     ``kv_dtype="fp8"``, the checkpoint's KV scales; a hub id is resolved once
     (``moe_weights="fp8"`` prefers a repo's ``model_fp8.pt``)."""
@@ -204,7 +226,8 @@ def load_runtime(
     if dev.type == "cuda":  # the crop worker processes import while the model loads
         start_workers()
     try:
-        model, tokenizer, kv_scales = _load(source, dev, dt, moe_weights, kv_dtype)
+        load = _LOADERS[-1] if _LOADERS else load_model
+        model, tokenizer, kv_scales = load(source, dev, dt, moe_weights, kv_dtype)
         rt = MoondreamRuntime(
             model,
             tokenizer,

@@ -1,7 +1,9 @@
 """The Moondream 2 model and nothing else: config, checkpoint loading (Hugging Face layouts,
-the hub), tokenizer, image crops, the model as plain weight containers plus functions (vision,
-text, rope, region, LoRA), sampling. It imports no layer above it: no runtime, cache, skills or
-engine."""
+the hub), tokenizer, the model as plain weight containers plus functions (vision from
+normalized crops on: normalization, encoder, projection; text, rope, region, LoRA), sampling.
+It imports no layer above it: no runtime, cache, skills or engine, and not the crop wing
+(``kestrel/crops/``), which cuts an image into the crops the vision tower takes and imports
+this package, never the other way."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from .config import MoondreamConfig, RegionConfig, TextConfig, TokenizerConfig, 
 from .lora import LoraAdapter, load_adapter
 from .model import MoondreamModel
 from .tokenizer import MoondreamTokenizer, StreamDecoder, TokenizerError
-from .vision import CropError, OverlapCrops, normalize_pixels, overlap_crops, select_tiling
+from .vision import VisionInputError, encode_image, normalize_pixels
 from .weights import (
     CheckpointError,
     CheckpointWarning,
@@ -23,25 +25,23 @@ from .weights import (
 __all__ = [
     "CheckpointError",
     "CheckpointWarning",
-    "CropError",
     "LoraAdapter",
     "MoondreamConfig",
     "MoondreamModel",
     "MoondreamTokenizer",
-    "OverlapCrops",
     "RegionConfig",
     "StreamDecoder",
     "TextConfig",
     "TokenizerConfig",
     "TokenizerError",
     "VisionConfig",
+    "VisionInputError",
     "checkpoint_dtype",
+    "encode_image",
     "expected_shapes",
     "load_adapter",
     "load_config",
     "load_state_dict",
     "normalize_pixels",
-    "overlap_crops",
     "resolve_checkpoint",
-    "select_tiling",
 ]

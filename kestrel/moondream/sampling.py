@@ -15,6 +15,10 @@ temperature, top-p, top-k and suppressed ids -- with no host synchronisation, so
 come back in one transfer per step.
 
 Which ids are suppressed when is skill logic and lives in ``kestrel.skills.text``.
+
+Grammar masks (``allowed_tokens`` / ``mask_tokens``) come as int32 bitmasks, one word per 32
+ids (bit ``i % 32`` of word ``i // 32`` set: id ``i`` allowed), unpacked on the device;
+``token_logprobs`` gives a row's chosen log-probability and its most likely alternatives.
 """
 
 from __future__ import annotations
@@ -27,14 +31,17 @@ from torch import Tensor
 
 __all__ = [
     "SamplingError",
+    "allowed_tokens",
     "apply_top_p",
     "greedy",
+    "mask_tokens",
     "sample",
     "sample_rows",
     "sample_table",
     "suppress",
     "suppress_rows",
     "table_row",
+    "token_logprobs",
 ]
 
 
@@ -204,3 +211,36 @@ def suppress(logits_BV: Tensor, ids: Iterable[int], rows: Tensor | None = None) 
         cols = out[:, ids]
         out[:, ids] = cols.masked_fill(rows.reshape(-1, 1), float("-inf"))
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _bit_shifts(device: torch.device) -> Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
+
+
+def allowed_tokens(mask_BW: Tensor, vocab: int) -> Tensor:
+    """bool [B, vocab] from int32 bitmasks [B, W] (module doc); ids past ``32 * W`` are not
+    allowed. An arithmetic shift keeps the sign bit, so ``& 1`` reads bit 31 as well."""
+    bits = (mask_BW.unsqueeze(-1) >> _bit_shifts(mask_BW.device)) & 1
+    flat = bits.reshape(mask_BW.shape[0], -1)
+    if flat.shape[1] < vocab:
+        flat = torch.nn.functional.pad(flat, (0, vocab - flat.shape[1]))
+    return flat[:, :vocab] != 0
+
+
+def mask_tokens(logits_BV: Tensor, mask_BW: Tensor) -> Tensor:
+    """``logits_BV`` with every id its row's bitmask does not allow set to -inf (a copy)."""
+    allowed = allowed_tokens(mask_BW, logits_BV.shape[-1])
+    return logits_BV.masked_fill(~allowed, float("-inf"))
+
+
+def token_logprobs(logits_BV: Tensor, chosen_B: Tensor, k: int) -> Tensor:
+    """float32 [B, 1 + 2k]: each row's chosen id's log-probability under its raw logits
+    (before temperature, masks or suppression), then the ``k`` most likely ids (as floats:
+    exact below 2**24) and their log-probabilities. No host synchronisation."""
+    lp = torch.log_softmax(logits_BV.float(), dim=-1)
+    cols = [lp.gather(1, chosen_B.reshape(-1, 1))]
+    if k > 0:
+        top_lp, top_ids = lp.topk(k, dim=-1)
+        cols += [top_ids.to(torch.float32), top_lp]
+    return torch.cat(cols, dim=1)

@@ -9,6 +9,7 @@ BOS/EOS. Decoding skips special tokens by default, as the reference does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -113,8 +114,39 @@ class MoondreamTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for: a byte-level token's own bytes (a piece of a
+        multi-byte character stays a piece), a special token's name as UTF-8."""
+        token = self._tok.id_to_token(int(token_id))
+        if token is None:
+            raise TokenizerError(f"token id {token_id} outside the vocabulary")
+        table = _byte_level_table()
+        if all(c in table for c in token):
+            return bytes(table[c] for c in token)
+        return token.encode()
+
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what grammar engines build from)."""
+        return self._tok.to_str()
+
     def stream_decoder(self, *, skip_special_tokens: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``): each of the 256 bytes as the
+    printable character that stands for it in the vocabulary, inverted."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    chars = list(keep)
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
 class StreamDecoder:

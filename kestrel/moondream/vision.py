@@ -1,10 +1,12 @@
 """Moondream's vision tower, from an image's pixels to its image embeddings.
 
-1. Overlapping crops (host, ``crops.py``): one global crop (the whole image squashed to
-   crop x crop) plus up to ``max_crops`` local crops cut from an upscaled copy, byte-identical
-   to the reference's. Pixel normalization reproduces the reference's bfloat16 arithmetic
-   whatever the model dtype; it maps each of the 256 pixel values to one number
-   (``pixel_table``).
+1. Overlapping crops: one global crop (the whole image squashed to crop x crop) plus up to
+   ``max_crops`` local crops cut from an upscaled copy, byte-identical to the reference's. They
+   are made outside the model, by the crop wing (``kestrel/crops/``), which hands this module
+   the crops and their tiling (rows, cols): all the model needs to reassemble the local crops'
+   features (step 4, with its own ``grid_side`` and ``overlap_margin``). Pixel normalization
+   (here) reproduces the reference's bfloat16 arithmetic whatever the model dtype; it maps each
+   of the 256 pixel values to one number (``pixel_table``).
 2. patchify: row-major patches, each flattened channel-major (c, py, px);
 3. encoder: patch_emb + pos_emb, pre-LN blocks with bidirectional attention, post_ln;
 4. stitch the local tiles' features, dropping ``overlap_margin`` patches on interior edges,
@@ -27,33 +29,32 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kestrel.moondream.config import VisionConfig
-from kestrel.moondream.crops import CropError, OverlapCrops, overlap_crops, select_tiling
 from kestrel.moondream.model import VisionBlock, VisionWeights
 from kestrel.moondream.text import LN_EPS, layer_norm, linear
 from kestrel_kernels.fused import add_layer_norm, linear_gelu
 
 __all__ = [
-    "CropError",
-    "OverlapCrops",
+    "VisionInputError",
     "VisionOutputs",
     "check_crops",
     "encode_image",
     "encode_image_with_intermediates",
     "normalize_pixels",
     "normalize_planar",
-    "overlap_crops",
     "patchify",
     "pixel_table",
     "pooled_local_features",
-    "select_tiling",
     "vision_encoder",
     "vision_projection",
 ]
 
 
-# ---------------------------------------------------------------------- crops (host side)
-# The crops themselves are made in crops.py (numpy and pyvips only, so a worker process can
-# run them without torch); normalization turns them into the encoder's input.
+# ---------------------------------------------------------------------- normalization
+# The crops themselves are made by the crop wing (kestrel/crops/, which imports this module,
+# never the other way); normalization turns them into the encoder's input.
+class VisionInputError(ValueError):
+    """Crops the vision tower cannot take: not uint8 [N, H, W, 3] pixels, or a count or
+    shape that does not match the tiling / config."""
 
 
 def normalize_pixels(
@@ -74,7 +75,7 @@ def normalize_pixels(
     else:
         crops = crops_u8
     if crops.dtype != torch.uint8 or crops.ndim != 4 or crops.shape[-1] != 3:
-        raise CropError(
+        raise VisionInputError(
             f"expected uint8 crops [N, H, W, 3], got {crops.dtype} {tuple(crops.shape)}"
         )
     x_NHWC = crops.to(device=device)
@@ -98,10 +99,6 @@ def pixel_table() -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- the encoder
-class VisionInputError(ValueError):
-    """Crops whose count or shape does not match the tiling / config."""
-
-
 @dataclass(frozen=True, slots=True)
 class VisionOutputs:
     features: Tensor  # [N, n_patches, enc_dim], encoder output after post_ln
@@ -155,16 +152,20 @@ def _keep_range(i: int, n: int, g: int, m: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=64)
 def _stitch_index(rows: int, cols: int, g: int, m: int, device: torch.device) -> Tensor:
     """For every cell of the stitched grid, the row of ``local_TPC.reshape(-1, C)`` it comes
-    from (each cell comes from exactly one tile), on ``device``: one gather stitches."""
+    from (each cell comes from exactly one tile), on ``device``: one gather stitches. Made
+    outside inference mode, so the cached index also serves a training forward later."""
     win = g - 2 * m
-    idx = torch.empty(win * rows + 2 * m, win * cols + 2 * m, dtype=torch.int64)
-    cell = torch.arange(rows * cols * g * g).view(rows, cols, g, g)
-    for i in range(rows):
-        ys, ye = _keep_range(i, rows, g, m)
-        for j in range(cols):
-            xs, xe = _keep_range(j, cols, g, m)
-            idx[win * i + ys : win * i + ye, win * j + xs : win * j + xe] = cell[i, j, ys:ye, xs:xe]
-    return idx.reshape(-1).to(device)
+    with torch.inference_mode(False):
+        idx = torch.empty(win * rows + 2 * m, win * cols + 2 * m, dtype=torch.int64)
+        cell = torch.arange(rows * cols * g * g).view(rows, cols, g, g)
+        for i in range(rows):
+            ys, ye = _keep_range(i, rows, g, m)
+            for j in range(cols):
+                xs, xe = _keep_range(j, cols, g, m)
+                idx[win * i + ys : win * i + ye, win * j + xs : win * j + xe] = cell[
+                    i, j, ys:ye, xs:xe
+                ]
+        return idx.reshape(-1).to(device)
 
 
 def pooled_local_features(local_TPC: Tensor, tiling: tuple[int, int], cfg: VisionConfig) -> Tensor:

@@ -161,13 +161,24 @@ class EagerMoondream:
 
     def encode_image(self, image, *, adapter: LoraAdapter | None = None) -> EncodedImage:
         """Any image ``kestrel.images.load_image`` accepts -> EncodedImage."""
+        from kestrel.crops.overlap import overlap_crops
         from kestrel.images import load_image
-        from kestrel.moondream.vision import normalize_pixels, overlap_crops
+        from kestrel.moondream.vision import normalize_pixels
 
         m = self.model
         crops = overlap_crops(load_image(image), m.config.vision)
         pixels = normalize_pixels(crops.crops, m.dtype, m.device)
         return self.encode_crops(pixels, tuple(crops.tiling), adapter=adapter)
+
+    def prefill_after_image(
+        self, emb_TC: Tensor, *, adapter: LoraAdapter | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Feed ``emb_TC`` [T, dim] at the positions after the BOS + image prefix last put in
+        the cache (by ``encode_embeddings`` or a query), as a prompt's prefill does; returns the
+        last position's (logits [V], hidden [dim]). What was fed past the prefix is overwritten
+        by the next call. Times one prompt's prefill alone (``scripts/model_report.py``)."""
+        n = self.model.config.prefix_len
+        return self._step(_Seq(pos=n, bidir_end=n, adapter=adapter), emb_TC)
 
     def _start(self, image, adapter: LoraAdapter | None) -> tuple[_Seq, bool]:
         """A fresh sequence; with an image, its prefix KV copied into pages 1..prefix_len."""

@@ -41,7 +41,7 @@ from kestrel.runtime.compiled import CompiledDecode
 from kestrel.runtime.decode import decode_static
 from kestrel.tokens import CoordToken, SizeToken, TextToken
 from kestrel_kernels import pinned
-from kestrel_kernels.counting import count_upload
+from kestrel_kernels.counting import count_upload, graph_body
 
 __all__ = ["DecodeGraphs", "GraphCapture", "bucket_sizes", "graphs_supported", "upload_into"]
 
@@ -191,7 +191,8 @@ class DecodeGraphs:
             bucket.graph.replay()
             self.replays += 1
         else:
-            self._forward(bucket)
+            with graph_body():  # what a replay would launch, for a launch counter
+                self._forward(bucket)
         assert bucket.hidden_BC is not None and bucket.logits_BV is not None
         return bucket.hidden_BC[:n].clone(), bucket.logits_BV[:n].clone()
 

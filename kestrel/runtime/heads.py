@@ -19,7 +19,15 @@ from kestrel.moondream.region import (
     size_token,
     spatial_ref_tokens,
 )
-from kestrel.moondream.sampling import greedy, sample_table, suppress, table_row
+from kestrel.moondream.sampling import (
+    greedy,
+    mask_tokens,
+    sample_table,
+    suppress,
+    table_row,
+    token_logprobs,
+)
+from kestrel.runtime.token_masks import LogprobRead, logprob_rows, mask_table, shaped
 from kestrel.skills.base import Draw
 from kestrel.tokens import CoordToken, SizeToken
 from kestrel_kernels.transfer import Readback, upload
@@ -38,17 +46,26 @@ class RowLogits:
     argmax is not a suppressed id needs nothing more: suppressing other ids cannot change the
     first maximum. So a batch costs one device-to-host transfer per step, not one per row.
 
+    ``logprobs``: where the draw asked for them (``Draw.logprobs``), the chosen token's
+    log-probability and its top alternatives ``((id, logprob), ...)``, read with the batch.
+
     A value (never changed after it is made), written as a plain slotted class rather than a
     frozen dataclass: one is built for every row of every step, and a frozen dataclass's
     ``__init__`` sets each field through ``object.__setattr__``.
     """
 
-    __slots__ = ("_batch_BV", "_index", "chosen", "draw")
+    __slots__ = ("_batch_BV", "_index", "chosen", "draw", "logprobs")
 
     def __init__(
-        self, logits_BV: Tensor, index: int, draw: Draw | None, chosen: int | None
+        self,
+        logits_BV: Tensor,
+        index: int,
+        draw: Draw | None,
+        chosen: int | None,
+        logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None,
     ) -> None:
         self._batch_BV, self._index, self.draw, self.chosen = logits_BV, index, draw, chosen
+        self.logprobs = logprobs
 
     @property
     def logits_V(self) -> Tensor:
@@ -60,7 +77,7 @@ class RowLogits:
         """The plain argmax, where the pick is one (no draw, or greedy with nothing
         suppressed); else None."""
         d = self.draw
-        if d is None or (d.temperature == 0 and not d.banned):
+        if d is None or (d.temperature == 0 and not d.banned and d.constraint is None):
             return self.chosen
         return None
 
@@ -103,13 +120,15 @@ class BatchChoice:
 
     ``chosen_B``: int64 [B] on the device, row ``b``'s token under its draw (its argmax when it
     has none) -- what a look-ahead step feeds before the host has read it. ``rows()`` reads the
-    batch back (one transfer, started when the choice was made).
+    batch back (one transfer, started when the choice was made; a second one when some row
+    asked for log-probabilities).
     """
 
     logits_BV: Tensor
     draws: tuple[Draw | None, ...]
     chosen_B: Tensor
     values: Readback
+    logprobs: LogprobRead | None = None
 
     @property
     def picks(self) -> list[int]:
@@ -118,30 +137,48 @@ class BatchChoice:
 
     def rows(self) -> list[RowLogits]:
         picks, logits = self.picks, self.logits_BV
+        if self.logprobs is not None:
+            found = self.logprobs.rows()
+            return [
+                RowLogits(logits, i, d, p, lp)
+                for i, (p, d, lp) in enumerate(zip(picks, self.draws, found, strict=True))
+            ]
         return [
             RowLogits(logits, i, d, p)
             for i, (p, d) in enumerate(zip(picks, self.draws, strict=True))
         ]
 
 
-def choose(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) -> BatchChoice:
-    """Every row's token under its draw, in one set of device ops, the transfer started."""
+def choose(
+    logits_BV: Tensor, draws: Sequence[Draw | None] | None = None, *, special: bool | None = None
+) -> BatchChoice:
+    """Every row's token under its draw, in one set of device ops, the transfer started.
+
+    ``special``: whether some row may have a grammar or ask for log-probabilities (None: look
+    at the draws); False skips that look, so a batch without them costs what it always did."""
     batch = logits_BV.shape[0]
     draws = (None,) * batch if draws is None else tuple(draws)
     if len(draws) != batch:
         raise ValueError(f"{len(draws)} draws for {batch} rows of logits")
+    if special is None:
+        special = shaped(draws)
+    masked = logits_BV
+    if special:  # grammars: their rows' disallowed tokens at -inf (token_masks.py)
+        mask_BW = mask_table(draws, logits_BV.shape[-1], logits_BV.device)
+        if mask_BW is not None:
+            masked = mask_tokens(logits_BV, mask_BW)
     if not any(d is not None and d.temperature > 0 for d in draws):
         # every row greedy: the (suppressed) argmaxes alone, no sampling ops
         banned = tuple(() if d is None else d.banned for d in draws)
         if any(banned):
             ids_BN, fill_BN = _banned_table(banned, logits_BV.device, logits_BV.dtype)
-            logits = logits_BV.scatter_reduce(1, ids_BN, fill_BN, reduce="amin")
-        else:
-            logits = logits_BV
-        chosen = greedy(logits)
-        return BatchChoice(logits_BV, draws, chosen, Readback(chosen[None]))
-    chosen = sample_table(logits_BV, _draw_table(draws, logits_BV.device))
-    return BatchChoice(logits_BV, draws, chosen, Readback(chosen[None]))
+            masked = masked.scatter_reduce(1, ids_BN, fill_BN, reduce="amin")
+        chosen = greedy(masked)
+    else:
+        chosen = sample_table(masked, _draw_table(draws, logits_BV.device))
+    values = Readback(chosen[None])
+    lps = logprob_rows(logits_BV, chosen, draws) if special else None
+    return BatchChoice(logits_BV, draws, chosen, values, lps)
 
 
 def batch_rows(logits_BV: Tensor, draws: Sequence[Draw | None] | None = None) -> list[RowLogits]:
@@ -205,9 +242,11 @@ class ModelHeads:
         rng: random.Random | None,
         u: float | None = None,
         top_k: int = 0,
+        constraint: object | None = None,
     ) -> int:
         """One token id (see ``SkillOps.sample``); answered from the batch's choice when the
-        row's announced draw is this one, else computed for this row alone."""
+        row's announced draw is this one, else computed for this row alone. ``constraint``:
+        the row's grammar (``Draw.constraint``)."""
         banned = tuple(banned)
         if isinstance(logits_V, RowLogits):
             d = logits_V.draw
@@ -219,18 +258,35 @@ class ModelHeads:
                 and d.banned == banned
                 and (u is None or d.u == u)
                 and d.top_k == top_k
+                and d.constraint is constraint
             ):
                 return logits_V.chosen  # chosen with the batch, on the device
             best = logits_V.argmax
-            if temperature == 0.0 and best is not None and best not in banned:
+            plain = temperature == 0.0 and constraint is None
+            if plain and best is not None and best not in banned:
                 return best
             logits_V = logits_V.logits_V
-        if temperature == 0.0:
+        if temperature == 0.0 and constraint is None:
             return int(greedy(suppress(logits_V[None], banned))[0])
         if u is None:
-            u = (rng or random).random()
-        draw = Draw(temperature, top_p, banned, u, top_k)
+            u = (rng or random).random() if temperature > 0 else 0.0
+        draw = Draw(temperature, top_p, banned, u, top_k, False, constraint)
         return batch_rows(logits_V[None], [draw])[0].chosen  # type: ignore[return-value]
+
+    def logprobs(
+        self, logits_V: Tensor | RowLogits, token_id: int, k: int
+    ) -> tuple[float, tuple[tuple[int, float], ...]]:
+        """``token_id``'s log-probability under the row's raw logits and the ``k`` most
+        likely ids' (one row alone; a batch reads them with its choice)."""
+        if isinstance(logits_V, RowLogits):
+            logits_V = logits_V.logits_V
+        chosen = torch.tensor([token_id], device=logits_V.device)
+        row = token_logprobs(logits_V[None], chosen, k)[0].tolist()
+        return row[0], tuple((int(row[1 + j]), row[1 + k + j]) for j in range(k))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (a special token's name for it)."""
+        return self.tokenizer.token_bytes(token_id)
 
     def coord_token(self, hidden_C: Tensor) -> tuple[CoordToken, Tensor]:
         logits = decode_coordinate(hidden_C, self.model.region)

@@ -37,7 +37,7 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, lm_head, text_forward
 from kestrel.runtime.prefill import PrefillItem, causal_rows, check_items
 from kestrel_kernels.batch import AttentionBatch, RowsLayout, RowsMeta
-from kestrel_kernels.counting import count_upload
+from kestrel_kernels.counting import count_upload, graph_body
 from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
 
 __all__ = ["ForwardBatch", "PrefillGraphs", "prefill_buckets"]
@@ -207,7 +207,8 @@ class PrefillGraphs:
             self.replays += 1
             hidden, logits = bucket.out
         else:
-            hidden, logits = self._step(bucket)
+            with graph_body():  # what a replay would launch, for a launch counter
+                hidden, logits = self._step(bucket)
         n = len(items)
         return hidden[:n].clone(), logits[:n].clone()
 

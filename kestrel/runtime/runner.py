@@ -63,6 +63,9 @@ class BatchExecutor:
         self.lookahead = runtime.device.type == "cuda" if lookahead is None else lookahead
         # batch row -> its request's ``skill.next_draw`` (bound once: called every step)
         self._next_draw: dict[int, Callable[[], Draw | None]] = {}
+        # batch rows whose skill may draw under a grammar or ask for log-probabilities: with
+        # none, a step's choice looks for neither (heads.choose's ``special``)
+        self._shaped: set[int] = set()
         self._ahead: AheadStep | None = None
         self.lookahead_counters = LookaheadCounters()
 
@@ -135,6 +138,8 @@ class BatchExecutor:
                     continue
                 image = requests[i].image
                 self._next_draw[s.batch_idx] = requests[i].skill.next_draw
+                if requests[i].skill.shaped:
+                    self._shaped.add(s.batch_idx)
                 out[i] = Started(
                     handle=s,
                     logits_V=logits,
@@ -190,7 +195,7 @@ class BatchExecutor:
         draws = [next_draw[h.batch_idx]() if h.batch_idx in next_draw else None for h in handles]
         with torch.inference_mode():
             logits_BV, hidden = self._forward(handles, tokens)
-            choice = choose(logits_BV, draws)
+            choice = choose(logits_BV, draws, special=bool(self._shaped))
             keep = self._ahead_rows(handles, draws) if lookahead and self.lookahead else None
             ahead = None if keep is None else self._queue_ahead(handles, choice, keep)
             rows = choice.rows()  # the one read (deferred when a look-ahead step is queued)
@@ -252,6 +257,7 @@ class BatchExecutor:
 
     def release(self, handle: SequenceState) -> None:
         self._next_draw.pop(handle.batch_idx, None)
+        self._shaped.discard(handle.batch_idx)
         self.runtime.release_sequence(handle)  # rolls back a look-ahead position
         if self._ahead is not None and not self._ahead.live:  # every row of it retired
             self.lookahead_counters.rolled_back += len(self._ahead.states)

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from kestrel.crops.pool import CropPool
 from kestrel.images import PreparedImage, image_hash_int
 from kestrel.kv.page_table import PagedKVCache, PageTable
 from kestrel.moondream.config import MoondreamConfig
@@ -56,7 +57,6 @@ from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.prefix_cache.node import token_kv_length
 from kestrel.prefix_cache.radix_cache import RadixPrefixCache
 from kestrel.runtime.compiled import CompiledPrefill, check_compile
-from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.cuda_memory import KvPoolReport, pool_pages
 from kestrel.runtime.decode_steps import DecodeSteps
@@ -108,7 +108,7 @@ class MoondreamRuntime(DecodeSteps):
     sized from the KV pool, 0: off; on CUDA an auto-sized pool gives those bytes up).
     ``host_kv_bytes``: pinned host memory for KV pages the cache evicts (CUDA; 0: off).
     ``device_crops``: a new image's crops made on the model's device from the uploaded image
-    (``moondream/device_crops.py``: libvips' bytes; None: on CUDA, if a start-up probe agrees). The
+    (``crops/device.py``: libvips' bytes; None: on CUDA, if a start-up probe agrees). The
     decode steps (a known token, or a look-ahead id on the device) are in ``decode_steps.py``.
     """
 
@@ -202,7 +202,7 @@ class MoondreamRuntime(DecodeSteps):
         if pins:
             pinned.reserve(self.device)
         graphs.capture_all()
-        # Crops off this thread (crop_pool.py); an image encoded lately is likely still cached.
+        # Crops off this thread (crops/pool.py); an image encoded lately is likely still cached.
         cached = (kv_cache_pages - 1) // self.config.image_tokens if self.enable_prefix_cache else 0
         vision = self.config.vision
         self.crops = CropPool.for_runtime(vision, self.device, pins, cached, device_crops)
@@ -385,11 +385,11 @@ class MoondreamRuntime(DecodeSteps):
     ) -> list[torch.Tensor | None]:
         """Each of the sequence's images' embedding if its prefill computes it (the embedding
         tier's, else the vision encoder's); None for an image whose KV is cached."""
-        return found.for_sequence(state, state.images_computed(), self._encode_image)
+        return found.for_sequence(state, state.images_computed(), self.encode_image)
 
-    def _encode_image(self, image: PreparedImage) -> torch.Tensor:
+    def encode_image(self, image: PreparedImage) -> torch.Tensor:
         """Vision encoder: the prepared pixels' crops (made off this thread) -> [image_tokens,
-        dim]."""
+        dim] (public for a caller counting the encoder alone: scripts/kernel_counts.py)."""
         self.counters.encoder_runs += 1
         crops, graphs = self.crops.pixels(image), self.vision_graphs
         pixels = crops.encoder_input(self.dtype, self.device, graphs and graphs.input_buffer)

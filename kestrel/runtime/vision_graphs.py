@@ -23,6 +23,7 @@ from kestrel.moondream.vision import (
     vision_encoder,
     vision_projection,
 )
+from kestrel_kernels.counting import graph_body
 
 __all__ = ["VisionGraphs"]
 
@@ -88,9 +89,9 @@ class VisionGraphs:
         bucket = self._buckets.get(pixels_NCHW.shape[0])
         if bucket is None or bucket.graph is None:
             same = pixels_NCHW.device == w.pos_emb.device and pixels_NCHW.dtype == w.pos_emb.dtype
-            features = self._encoder(
-                pixels_NCHW if same else pixels_NCHW.to(w.pos_emb.device, w.pos_emb.dtype)
-            )
+            x = pixels_NCHW if same else pixels_NCHW.to(w.pos_emb.device, w.pos_emb.dtype)
+            with graph_body():  # what a replay would launch, for a launch counter
+                features = self._encoder(x)
         else:
             if pixels_NCHW is not bucket.pixels_NCHW:  # not already written there
                 bucket.pixels_NCHW.copy_(pixels_NCHW)

@@ -136,8 +136,16 @@ class Scheduler:
 
     def step(self) -> None:
         self.counters.steps += 1
-        admitted = self._schedule()
-        self._prefill(admitted)
+        self.step_prefill()
+        self.step_decode()
+
+    def step_prefill(self) -> None:
+        """A step's first half: drop what was cancelled, admit what fits, prefill it. (The
+        halves are public for a caller that counts or times one alone: kernel_counts.py.)"""
+        self._prefill(self._schedule())
+
+    def step_decode(self) -> None:
+        """A step's second half: one batched decode step of every running sequence."""
         self._decode()
 
     def abort_all(self, make_error: Callable[[], KestrelError]) -> None:

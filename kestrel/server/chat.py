@@ -1,15 +1,18 @@
 """``POST /v1/chat/completions``: the OpenAI chat completions protocol over ``Engine.achat``.
 
 The body is ``{"model", "messages", "stream"?, "stream_options"?: {"include_usage"},
-"max_tokens" | "max_completion_tokens"?, "temperature"?, "top_p"?, "seed"?, "reasoning"?}`` plus
-Kestrel's ``"adapter"`` (or ``"variant"``) and ``"cache_salt"``. Any ``model`` string is
-accepted (one model is served; the reply names it); ``<model>@<adapter>``, as ``/v1/models``
-lists it, selects that adapter. Fields the server cannot honour (``tools``, ``response_format``,
-``n`` > 1, ...) are a 400 naming the field; a JSON ``null`` is "not set" for every optional
-field OpenAI defines. ``stream_options`` without ``"stream": true`` is a 400. Image parts
-must be ``data:image/...;base64,`` URLs (or bare base64); they are decoded here, in a worker
-thread, under the server's pixel limit. Everything else about the messages is the engine's to
-check (:mod:`kestrel.engine.chat`).
+"max_tokens" | "max_completion_tokens"?, "temperature"?, "top_p"?, "seed"?, "reasoning"?,
+"stop"?, "response_format"?, "logprobs"?, "top_logprobs"?}`` plus Kestrel's ``"adapter"`` (or
+``"variant"``) and ``"cache_salt"``. Any ``model`` string is accepted (one model is served; the
+reply names it); ``<model>@<adapter>``, as ``/v1/models`` lists it, selects that adapter.
+``response_format`` is ``text``, ``json_object``, ``json_schema`` or Kestrel's ``regex`` and
+``choice`` (docs/structured.md); ``logprobs`` come in OpenAI's ``choices[0].logprobs.content``
+shape, streamed with the chunks whose text their tokens complete. Fields the server cannot
+honour (``tools``, ``n`` > 1, ...) are a 400 naming the field; a JSON ``null`` is "not set"
+for every optional field OpenAI defines. ``stream_options`` without ``"stream": true`` is a
+400. Image parts must be ``data:image/...;base64,`` URLs (or bare base64); they are decoded
+here, in a worker thread, under the server's pixel limit. Everything else about the messages
+is the engine's to check (:mod:`kestrel.engine.chat`).
 
 The answer is a ``chat.completion`` object, or ``chat.completion.chunk`` server-sent events
 ending in ``data: [DONE]``. ``usage`` counts KV positions: ``prompt_tokens`` includes the
@@ -27,29 +30,33 @@ from starlette.responses import JSONResponse, Response
 
 from kestrel.engine.chat import MAX_IMAGES
 from kestrel.errors import InvalidInputError
-from kestrel.results import ChatResult, RequestMetrics
+from kestrel.grammar import parse_response_format
+from kestrel.results import ChatResult, RequestMetrics, TokenLogprob
 from kestrel.server.errors import ApiError
 from kestrel.server.payloads import Prepare, decode_data_url, load_object, typed
 from kestrel.server.protocol import ServedEngine
 from kestrel.server.responses import EventStream
+from kestrel.skills.stops import parse_stop
 
 __all__ = ["ChatCall", "chat_response", "parse_chat", "start_chat"]
 
 _FIELDS = frozenset({
     "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
     "temperature", "top_p", "seed", "reasoning", "adapter", "variant", "cache_salt", "user",
+    "stop", "response_format", "logprobs", "top_logprobs",
 })  # fmt: skip
+MAX_TOP_LOGPROBS = 20
 # Optional OpenAI fields this server does not honour: a JSON null means "not set" (clients
 # such as SGLang's send ``"top_logprobs": null``); any other value is a 400.
 _NULL_OK = frozenset({
-    "top_logprobs", "response_format", "tools", "logit_bias", "metadata", "service_tier",
+    "tools", "logit_bias", "metadata", "service_tier",
     "reasoning_effort", "functions", "function_call", "store", "prediction", "modalities",
     "audio", "web_search_options", "suffix", "echo", "best_of",
 })  # fmt: skip
 # Accepted only at the value that changes nothing (what some clients always send).
 _NEUTRAL: dict[str, Any] = {
-    "n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": False,
-    "parallel_tool_calls": True, "stop": None, "tool_choice": "none",
+    "n": 1, "presence_penalty": 0, "frequency_penalty": 0,
+    "parallel_tool_calls": True, "tool_choice": "none",
 }  # fmt: skip
 
 
@@ -65,6 +72,9 @@ class ChatCall:
     reasoning: bool
     stream: bool
     include_usage: bool
+    stop: tuple[str, ...] = ()
+    response_format: dict[str, Any] | None = None
+    logprobs: int | None = None  # None: not asked; else top_logprobs (0 to 20)
 
 
 def _invalid(message: str) -> ApiError:
@@ -94,6 +104,27 @@ def _settings(obj: Mapping[str, Any]) -> dict[str, Any]:
         "seed": typed(obj, "seed", (int,), "an integer"),
     }
     return {k: v for k, v in raw.items() if v is not None}
+
+
+def _answer_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``stop``, ``response_format`` and the engine's ``logprobs`` (top_logprobs), checked."""
+    try:
+        stop = parse_stop(obj.get("stop"))
+        response_format = typed(obj, "response_format", (dict,), "an object")
+        parse_response_format(response_format)  # a 400 before anything is decoded
+    except InvalidInputError as exc:
+        raise _invalid(str(exc)) from None
+    wanted = bool(typed(obj, "logprobs", (bool,), "true or false"))
+    top = typed(obj, "top_logprobs", (int,), "an integer")
+    if top is not None and not wanted:
+        raise _invalid("'top_logprobs' needs \"logprobs\": true")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise _invalid(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    return {
+        "stop": stop,
+        "response_format": response_format,
+        "logprobs": (top or 0) if wanted else None,
+    }
 
 
 def _image_parts(messages: list[Any]) -> list[dict[str, Any]]:
@@ -163,16 +194,37 @@ def parse_chat(body: bytes, *, prepare: Prepare) -> ChatCall:
         stream=stream,
         include_usage=stream
         and bool(typed(options or {}, "include_usage", (bool,), "true or false")),
+        **_answer_fields(obj),
         messages=_decoded(messages, prepare),  # last: the costly part
     )
 
 
 def start_chat(engine: ServedEngine, call: ChatCall) -> Any:
     """The engine coroutine of a validated call (a ChatResult, or a stream)."""
+    answer: dict[str, Any] = {}  # only what was asked (any ServedEngine takes the rest)
+    if call.stop:
+        answer["stop"] = list(call.stop)
+    if call.response_format is not None:
+        answer["response_format"] = call.response_format
+    if call.logprobs is not None:
+        answer["logprobs"] = call.logprobs
     return engine.achat(
         call.messages, settings=call.settings, adapter=call.adapter,
-        cache_salt=call.cache_salt, reasoning=call.reasoning, stream=call.stream,
+        cache_salt=call.cache_salt, reasoning=call.reasoning, stream=call.stream, **answer,
     )  # fmt: skip
+
+
+def _logprob(t: TokenLogprob) -> dict[str, Any]:
+    # -9999.0 stands for -inf, as OpenAI writes it (JSON has no infinity)
+    return {"token": t.token, "logprob": max(t.logprob, -9999.0), "bytes": list(t.bytes)}
+
+
+def logprobs_body(found: Any) -> dict[str, Any] | None:
+    """OpenAI's ``choices[].logprobs`` of some answer tokens (None: not asked for)."""
+    if found is None:
+        return None
+    content = [{**_logprob(t), "top_logprobs": [_logprob(a) for a in t.top]} for t in found]
+    return {"content": content, "refusal": None}
 
 
 def usage(metrics: RequestMetrics) -> dict[str, Any]:
@@ -199,7 +251,8 @@ def _envelope(request_id: str, model: str, kind: str) -> dict[str, Any]:
 
 def completion_body(result: ChatResult, request_id: str, model: str) -> dict[str, Any]:
     """The ``chat.completion`` object of a finished request."""
-    choice = {"index": 0, "message": result.message, "finish_reason": result.finish_reason}
+    choice = {"index": 0, "message": result.message, "finish_reason": result.finish_reason,
+              "logprobs": logprobs_body(result.logprobs)}  # fmt: skip
     return {
         **_envelope(request_id, model, "chat.completion"),
         "choices": [choice],
@@ -221,21 +274,30 @@ class ChatEventStream(EventStream):
         self.model = model
         self.include_usage = include_usage
         self._role_sent = False
+        self._logprobs_sent = 0  # answer tokens whose logprobs went out with a delta
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    def _chunk(
+        self, delta: dict[str, Any], finish_reason: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
         if not self._role_sent:
             delta = {"role": "assistant", **delta}
             self._role_sent = True
         choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs_body(logprobs)
         return {**_envelope(self.request_id, self.model, "chat.completion.chunk"),
                 "choices": [choice]}  # fmt: skip
 
     def delta_event(self, delta: str) -> dict[str, Any]:
-        return self._chunk({"content": delta}, None)
+        found = getattr(delta, "logprobs", None)  # a TextDelta of a call with logprobs
+        if found is not None:
+            self._logprobs_sent += len(found)
+        return self._chunk({"content": str(delta)}, None, found)
 
     def final_events(self, result: Any) -> list[dict[str, Any]]:
         delta = {} if result.reasoning is None else {"reasoning": result.reasoning.to_dict()}
-        events = [self._chunk(delta, result.finish_reason)]
+        rest = None if result.logprobs is None else result.logprobs[self._logprobs_sent :]
+        events = [self._chunk(delta, result.finish_reason, rest)]
         if self.include_usage:
             env = _envelope(self.request_id, self.model, "chat.completion.chunk")
             events.append({**env, "choices": [], "usage": usage(result.metrics)})

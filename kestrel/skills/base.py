@@ -29,7 +29,7 @@ from kestrel.tokens import CoordToken, SizeToken, TextToken
 if TYPE_CHECKING:
     from kestrel.moondream.config import TokenizerConfig
 
-__all__ = ["Draw", "PromptToken", "Skill", "SkillOps", "TextSink"]
+__all__ = ["Constraint", "Draw", "PromptToken", "Skill", "SkillOps", "TextSink"]
 
 PromptToken = TextToken | CoordToken | SizeToken
 
@@ -41,7 +41,10 @@ class Draw(NamedTuple):
     ``temperature`` 0 is greedy; ``banned`` ids are suppressed first; ``u`` in [0, 1) is the
     uniform number of the draw, taken from the request's own random stream. ``final``: the
     token it chooses ends the output and is never fed (the step after it would be wasted: a
-    driver that computes steps ahead leaves such a row out).
+    driver that computes steps ahead leaves such a row out). ``constraint``: the row's grammar
+    (a :class:`Constraint`): only the tokens it allows now can be chosen. ``logprobs``: -1
+    none; else the chosen token's log-probability and the ``logprobs`` most likely tokens'
+    are read back with it.
 
     An immutable value, as a NamedTuple rather than a frozen dataclass: a sampled request
     makes one per token, for every row of every step, and a tuple is several times cheaper to
@@ -54,6 +57,22 @@ class Draw(NamedTuple):
     u: float = 0.0
     top_k: int = 0
     final: bool = False
+    constraint: Any = None
+    logprobs: int = -1
+
+
+class Constraint(Protocol):
+    """A grammar the answer must follow (``kestrel.grammar.RowGrammar``): a driver asks it
+    which tokens may come next, as a bitmask, before it chooses the row's token."""
+
+    def fill(self, mask_W: Any) -> None:
+        """Write the allowed next tokens into ``mask_W`` (int32 [ceil(V / 32)] on the host:
+        bit ``i % 32`` of word ``i // 32`` set for an allowed id ``i``)."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """Advance past the chosen token (raises for a token the grammar does not allow)."""
+        ...
 
 
 class TextSink(Protocol):
@@ -116,6 +135,7 @@ class Skill(ABC):
     prompt: list[PromptToken]
     max_feeds: int
     finish_reason: str | None = None  # "stop" | "length" once finished
+    shaped: bool = False  # its draws may carry a constraint or ask for logprobs
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kestrel.skills.base import PromptToken, SkillOps
 from kestrel.skills.prompts import PromptError, query_prompt
@@ -75,11 +76,15 @@ class ChatSkill(QuerySkill):
         *,
         reasoning: bool = False,
         record: bool = False,
+        **answer: Any,
     ) -> None:
+        """``answer``: the query skill's ``stop``, ``constraint`` and ``logprobs``."""
         self.turns = tuple(turns)
         if not self.turns:
             raise PromptError("a conversation needs at least one user turn")
-        super().__init__(ops, self.turns[-1].user, settings, reasoning=reasoning, record=record)
+        super().__init__(
+            ops, self.turns[-1].user, settings, reasoning=reasoning, record=record, **answer
+        )
 
     def _build_prompt(
         self, question: str, spatial: Sequence[PromptToken], reasoning: bool

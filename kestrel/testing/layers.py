@@ -6,6 +6,12 @@ ones (under ``if TYPE_CHECKING:``) and function-local ones included. A unit is a
 one above the highest unit it imports. ``from pkg import name`` where ``name`` is a submodule
 counts as importing that submodule alone, as ``import pkg.name`` does.
 
+Beyond the layers: the model (``kestrel/moondream``) imports only itself, the tokens and the
+kernels; the image wing (``kestrel/crops``) only itself, the model, the images and the
+kernels; the runtime, the wing and the model stand in that order, each on a higher layer than
+the next (``ORDER``); and no module loads another from its file (``PATH_LOADS``), an import
+no reading of the imports could see.
+
 :func:`read_house` measures a tree (the repository's, or a copy of it); :func:`breaches` lists
 every broken rule as one readable line each: ``scripts/package_map.py`` prints them and
 ``tests/unit/test_layers.py`` fails on them.
@@ -14,15 +20,20 @@ every broken rule as one readable line each: ``scripts/package_map.py`` prints t
 from __future__ import annotations
 
 import ast
+import itertools
 import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "CROPS",
+    "CROPS_MAY_USE",
     "MAX_LINES",
     "MODEL",
     "MODEL_MAY_USE",
+    "ORDER",
+    "PATH_LOADS",
     "ROOT_MODULES",
     "TESTING",
     "House",
@@ -37,6 +48,11 @@ __all__ = [
 PACKAGES = ("kestrel", "kestrel_kernels")
 MODEL = "kestrel/moondream"
 MODEL_MAY_USE = frozenset({"kestrel/moondream", "kestrel/tokens.py", "kestrel_kernels"})
+CROPS = "kestrel/crops"  # the image wing: a decoded image -> the vision encoder's input
+CROPS_MAY_USE = frozenset({CROPS, MODEL, "kestrel/images", "kestrel_kernels"})
+ORDER = ("kestrel/runtime", CROPS, MODEL)  # each unit strictly above the next
+# calls that load a module from a file (unseen by an import reading): none in the packages
+PATH_LOADS = frozenset({"spec_from_file_location", "run_path", "SourceFileLoader"})
 TESTING = "kestrel/testing"  # fixture makers and these rules: for tests and scripts only
 ROOT_MODULES = frozenset({
     "kestrel/__init__.py", "kestrel/__main__.py", "kestrel/errors.py",
@@ -229,6 +245,43 @@ def model_uses(house: House) -> list[str]:
     ]
 
 
+def crops_uses(house: House) -> list[str]:
+    """Imports from the image wing to anything but itself, the model, the images and the
+    kernels (above all, nothing of the runtime that asks it for crops)."""
+    return [
+        f"{m} -> {d}"
+        for m in sorted(house.imports)
+        if house.unit[m] == CROPS
+        for d in sorted(house.imports[m])
+        if house.unit[d] not in CROPS_MAY_USE
+    ]
+
+
+def out_of_order(house: House) -> list[str]:
+    """Each pair of ``ORDER`` whose first unit is not on a higher layer than the second."""
+    layer = house.layer()
+    return [
+        f"{a} (layer {layer.get(a)}) is not above {b} (layer {layer.get(b)})"
+        for a, b in itertools.pairwise(ORDER)
+        if a not in layer or b not in layer or layer[a] <= layer[b]
+    ]
+
+
+def path_loads(house: House) -> list[str]:
+    """Calls (or mentions) of ``PATH_LOADS`` in the packages, as ``path:line name``: a module
+    loaded from its file is an import these rules cannot read."""
+    out = []
+    for name in sorted(house.modules):
+        path = house.modules[name]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            found = getattr(node, "attr", None) or getattr(node, "id", None)
+            if isinstance(node, ast.alias):
+                found = node.name.rsplit(".", 1)[-1]
+            if found in PATH_LOADS:
+                out.append(f"{path.relative_to(house.root).as_posix()}:{node.lineno} {found}")
+    return out
+
+
 def testing_users(house: House) -> list[str]:
     """Imports of the testing room from any other part of the packages."""
     return [
@@ -249,6 +302,9 @@ def breaches(house: House) -> dict[str, list[str]]:
         "root modules beyond the listed ones": sorted(roots - ROOT_MODULES),
         f"files over {MAX_LINES} lines outside tests/": long_files(house.root),
         "model package imports beyond itself, tokens and kernels": model_uses(house),
+        "image wing imports beyond itself, the model, images and kernels": crops_uses(house),
+        "runtime, image wing and model out of layer order": out_of_order(house),
+        "modules loaded by their file path": path_loads(house),
         "imports of the testing room from the packages": testing_users(house),
     }
 

@@ -10,7 +10,9 @@
   reason; an exemption that is no longer needed is itself a breach;
 * ``import kestrel`` and ``import kestrel_kernels`` in a fresh CPU-only interpreter load none of
   :data:`OPTIONAL_MODULES`: the modules only an optional extra installs, and the heavy parts of
-  torch and of kestrel that wait until something asks for them.
+  torch and of kestrel that wait until something asks for them;
+* the scripts' two rules (:mod:`kestrel.testing.script_rules`): no script touches a private
+  member, and every script with a ``main`` is named by a test.
 
 Each check reads a tree at ``root`` (the repository's, or a copy of it) and returns one readable
 line per breach, ``path:line name: what``: :func:`style_breaches` gathers them by rule for
@@ -26,6 +28,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+from kestrel.testing.script_rules import private_access, scripts_without_test
 
 __all__ = [
     "EXTRA_MODULES",
@@ -64,6 +68,8 @@ EXTRA_MODULES = {
     "uvicorn": ("uvicorn",),
     "prometheus-client": ("prometheus_client",),
     "ray": ("ray",),
+    "llguidance": ("llguidance",),
+    "jsonschema": ("jsonschema",),
     "matplotlib": ("matplotlib",),
     "triton": ("triton",),
     "flash-attn-4": ("flash_attn", "flash_attn_interface", "cutlass"),  # cutlass: its CuTe DSL
@@ -288,6 +294,8 @@ def style_breaches(root: Path, imports: bool = True) -> dict[str, list[str]]:
         "modules off the typing dialect": typing_dialect(root),
         "dataclasses without slots": unslotted_dataclasses(root),
         f"functions over {MAX_FUNCTION_LINES} lines": long_functions(root),
+        "private members touched by scripts": private_access(root),
+        "scripts run by no test": scripts_without_test(root),
     }
     if imports:
         out["optional modules loaded by import kestrel"] = eager_imports(root)

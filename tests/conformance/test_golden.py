@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from kestrel.crops.device import make_crops
+from kestrel.crops.overlap import overlap_crops, select_tiling
+from kestrel.crops.resample import crop_plan
 from kestrel.images import load_image
-from kestrel.moondream.device_crops import make_crops
 from kestrel.moondream.region import encode_coordinate, encode_size, spatial_ref_tokens
-from kestrel.moondream.resample import crop_plan
-from kestrel.moondream.vision import normalize_pixels, overlap_crops, select_tiling
+from kestrel.moondream.vision import normalize_pixels
 from kestrel.skills.prompts import token_ids
 from tests.conformance.cases import check_region_case, check_text_case, run_case
 from tests.conformance.golden import assert_close, fixture_params

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from kestrel.crops import device as device_crops
+from kestrel.crops.overlap import overlap_crops
+from kestrel.crops.pool import CropPool
 from kestrel.images import prepare_image
-from kestrel.moondream import device_crops
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.moondream.crops import overlap_crops
 from kestrel.moondream.vision import normalize_pixels
-from kestrel.runtime.crop_pool import CropPool
 
 pytestmark = pytest.mark.gpu
 

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from kestrel import Engine
+from kestrel.crops import device as device_crops
+from kestrel.crops import maker as crop_maker
+from kestrel.crops import staging as crop_staging
+from kestrel.crops.pool import CropPool
 from kestrel.errors import InvalidInputError
 from kestrel.images import prepare_image
-from kestrel.moondream import device_crops
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.runtime import crop_maker, crop_staging
-from kestrel.runtime.crop_pool import CropPool
 from kestrel.runtime.vision_graphs import VisionGraphs
 from tests.integration.conftest import FIXTURE_MODEL, GREEDY, assert_idle, text_tokens
 
@@ -95,7 +96,7 @@ def test_device_crops_land_in_the_encoders_own_buffer(make_runtime, model, image
         copies.clear()
         monkeypatch.setattr(torch.Tensor, "copy_", _watching(real_copy, buffer, copies))
         with torch.inference_mode():
-            embeddings[on] = rt._encode_image(image)
+            embeddings[on] = rt.encode_image(image)
         monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
         if on:
             want = rt.crops.pixels(image).encoder_input(rt.dtype, "cpu")
@@ -151,9 +152,9 @@ def test_under_a_backlog_the_host_makes_the_crops(monkeypatch) -> None:
     release = threading.Event()
     real = crop_maker.Cropper._for_device
 
-    def held_back(self, pixels):
+    def held_back(self, pixels, size):
         release.wait(10)  # the first image's crops stay in the making
-        return real(self, pixels)
+        return real(self, pixels, size)
 
     monkeypatch.setattr(crop_maker.Cropper, "_for_device", held_back)
     pool = CropPool(VISION, normalize=False, on_device=True, processes=False, workers=3)

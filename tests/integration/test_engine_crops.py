@@ -7,8 +7,10 @@ from __future__ import annotations
 import threading
 
 from kestrel import Engine
-from kestrel.moondream import crops, vision
-from kestrel.runtime import crop_maker, crop_staging
+from kestrel.crops import maker as crop_maker
+from kestrel.crops import overlap as crops
+from kestrel.crops import staging as crop_staging
+from kestrel.moondream import vision
 from tests.integration.conftest import FIXTURE_MODEL, GREEDY, assert_idle
 
 

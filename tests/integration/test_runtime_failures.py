@@ -22,7 +22,7 @@ POINTS = [
     ("page_table", "map_pages"),
     ("prefix_cache", "lock"),
     ("page_table", "allocate_pages"),
-    ("runtime", "_encode_image"),
+    ("runtime", "encode_image"),
     ("prefill", "text_forward"),
     ("module", "lm_head"),
     ("prefix_cache", "insert"),
@@ -52,7 +52,7 @@ def test_failure_releases_everything(make_runtime, model, images, monkeypatch, o
             m.setattr(runtime_mod if owner == "module" else prefill_mod, attr, _raise)
         else:
             m.setattr(target[owner], attr, _raise)
-        if attr == "_encode_image" and hit:
+        if attr == "encode_image" and hit:
             # A hit never runs the vision encoder, so there is nothing to fail.
             s, _ = rt.start_sequence(query_prompt(cfg, [302, 333, 272]), img, max_new_tokens=4)
             assert not s.vision_encoded

@@ -10,9 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
+from kestrel.crops.overlap import overlap_crops
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.text import lm_head
-from kestrel.moondream.vision import normalize_pixels, overlap_crops
+from kestrel.moondream.vision import normalize_pixels
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tiny import train_forward as tf
 from kestrel.tokens import TextToken

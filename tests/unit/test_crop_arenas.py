@@ -14,12 +14,15 @@ import numpy as np
 import pytest
 import torch
 
+from kestrel.crops import arenas as crop_arenas
+from kestrel.crops import maker as crop_maker
+from kestrel.crops import overlap as crops_mod
+from kestrel.crops import procs as crop_procs
+from kestrel.crops import staging as crop_staging
+from kestrel.crops.pool import CropPool, processes_supported
+from kestrel.crops.worker import NOT_MAPPED, serve
 from kestrel.images import prepare_image
-from kestrel.moondream import crops as crops_mod
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.runtime import crop_arenas, crop_maker, crop_procs, crop_staging
-from kestrel.runtime.crop_pool import CropPool, processes_supported
-from kestrel.runtime.crop_worker import NOT_MAPPED, serve
 
 VISION = MoondreamConfig().vision
 needs_memfd = pytest.mark.skipif(not processes_supported(), reason="needs memfd_create")

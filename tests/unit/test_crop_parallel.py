@@ -20,19 +20,17 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kestrel.crops import arenas as crop_arenas
+from kestrel.crops import maker as crop_maker
+from kestrel.crops import overlap as crops_mod
+from kestrel.crops import pool as crop_pool
+from kestrel.crops import procs as crop_procs
+from kestrel.crops import staging as crop_staging
+from kestrel.crops import worker as crop_worker
+from kestrel.crops.pool import CropPool
+from kestrel.crops.worker import serve
 from kestrel.images import PreparedImage, prepare_image
-from kestrel.moondream import crops as crops_mod
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.runtime import (
-    crop_arenas,
-    crop_maker,
-    crop_pool,
-    crop_procs,
-    crop_staging,
-    crop_worker,
-)
-from kestrel.runtime.crop_pool import CropPool
-from kestrel.runtime.crop_worker import serve
 
 VISION = MoondreamConfig().vision  # Moondream 2's geometry: 378-pixel crops, up to 12
 SIZES = [(960, 1280), (378, 378), (1, 1), (1, 700), (2000, 500), (733, 1111), (379, 1000)]

@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 import torch
 
+from kestrel.crops import overlap as crops_mod
+from kestrel.crops import pool as crop_pool
+from kestrel.crops import procs as crop_procs
+from kestrel.crops.overlap import CropError, overlap_crops
+from kestrel.crops.pool import CropPixels, CropPool, processes_supported
+from kestrel.crops.worker import serve
 from kestrel.images import PreparedImage, prepare_image
-from kestrel.moondream import crops as crops_mod
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.moondream.crops import CropError, overlap_crops
 from kestrel.moondream.vision import normalize_pixels, pixel_table
-from kestrel.runtime import crop_pool, crop_procs
-from kestrel.runtime.crop_pool import CropPixels, CropPool, processes_supported
-from kestrel.runtime.crop_worker import serve
 from tests.scripts import on_path
 
 VISION = MoondreamConfig().vision  # Moondream 2's geometry: 378-pixel crops, up to 12
@@ -249,8 +250,7 @@ def test_the_engine_starts_the_crop_workers_before_it_loads_a_cuda_model(
         order.append("load")
         raise OSError("stop here")
 
-    monkeypatch.setattr(setup, "_load", load)
-    with pytest.raises(setup.ModelLoadError, match="stop here"):
+    with setup.model_loader(load), pytest.raises(setup.ModelLoadError, match="stop here"):
         setup.load_runtime(None, device=device, dtype=None, kv_cache_pages=None,
                            max_batch_size=1, enable_prefix_cache=True,
                            attention_backend="auto")  # fmt: skip

@@ -1,8 +1,9 @@
 """The house rules as tests (docs/architecture.md, "The map"): imports point down the layers, no
 file imports itself round a circle, the package root holds only its listed modules, no source
-file outside tests/ passes 400 lines, the model package imports nothing of the runtime, and
-nothing in the packages imports the testing room. Each check fails naming the offending import
-or file; a planted breach in a copy of the tree shows that it can."""
+file outside tests/ passes 400 lines, the model package imports nothing of the runtime, the
+image wing (``kestrel/crops``) stands between the runtime above and the model below, no module
+is loaded from its file, and nothing in the packages imports the testing room. Each check fails
+naming the offending import or file; a planted breach in a copy of the tree shows that it can."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def house():
         "root modules beyond the listed ones",
         f"files over {MAX_LINES} lines outside tests/",
         "model package imports beyond itself, tokens and kernels",
+        "image wing imports beyond itself, the model, images and kernels",
+        "runtime, image wing and model out of layer order",
+        "modules loaded by their file path",
         "imports of the testing room from the packages",
     ],
 )
@@ -55,6 +59,9 @@ def test_the_layers_read_from_the_tree(house) -> None:
     assert layer["kestrel/engine"] > layer["kestrel/scheduler"] > layer["kestrel/skills"]
     assert layer["kestrel/runtime"] > layer["kestrel/prefix_cache"] > layer["kestrel/kv"]
     assert "kestrel/runtime" in house.units["kestrel/engine"]
+    assert layer["kestrel/runtime"] > layer["kestrel/crops"] > layer["kestrel/moondream"]
+    assert "kestrel/crops" in house.units["kestrel/runtime"]
+    assert "kestrel/moondream" in house.units["kestrel/crops"]
 
 
 def _copy(tmp_path: Path) -> Path:
@@ -94,6 +101,27 @@ def test_planted_breaches_of_the_other_rules_are_caught(tmp_path: Path) -> None:
     assert found["root modules beyond the listed ones"] == ["kestrel/extra.py"]
     assert [f.split(":")[0] for f in found[f"files over {MAX_LINES} lines outside tests/"]] == [
         "kestrel_kernels/transfer.py"
+    ]
+
+
+def test_the_wing_stays_between_the_runtime_and_the_model(tmp_path: Path) -> None:
+    """The image wing importing the runtime, or the model importing the wing, breaks a rule
+    (each also runs an import back up); so does a module loaded from its file."""
+    root = _copy(tmp_path)
+    _plant(root, "kestrel/crops/maker.py", "from kestrel.runtime import sequence")
+    _plant(root, "kestrel/moondream/vision.py", "from kestrel.crops.overlap import CropError")
+    _plant(root, "kestrel/crops/procs.py", "import runpy; runpy.run_path('worker.py')")
+    found = breaches(read_house(root))
+    assert found["image wing imports beyond itself, the model, images and kernels"] == [
+        "kestrel.crops.maker -> kestrel.runtime.sequence"
+    ]
+    assert found["model package imports beyond itself, tokens and kernels"] == [
+        "kestrel.moondream.vision -> kestrel.crops.overlap"
+    ]
+    assert found["runtime, image wing and model out of layer order"]
+    assert found["imports running back up"]
+    assert [f.split(":")[0] for f in found["modules loaded by their file path"]] == [
+        "kestrel/crops/procs.py"
     ]
 
 

@@ -1,5 +1,5 @@
-"""libvips' resize copied as integer weights (``moondream/resample.py``) run as tensor
-arithmetic (``moondream/device_crops.py``): the bytes
+"""libvips' resize copied as integer weights (``crops/resample.py``) run as tensor
+arithmetic (``crops/device.py``): the bytes
 of the installed pyvips for every kind of pass (grown, reduced, box-shrunk, mixed), the crops
 of ``overlap_crops``, the kernels a GPU launches for them, and the start-up probe that decides
 whether a device makes the crops."""
@@ -13,13 +13,14 @@ import pytest
 import pyvips
 import torch
 
-from kestrel.moondream import device_crops, resample
+from kestrel.crops import device as device_crops
+from kestrel.crops import resample
+from kestrel.crops.device import encoder_crops, make_crops, resize
+from kestrel.crops.maker import crops_on_device
+from kestrel.crops.overlap import overlap_crops
+from kestrel.crops.resample import crop_plan, resize_plan
 from kestrel.moondream.config import MoondreamConfig
-from kestrel.moondream.crops import overlap_crops
-from kestrel.moondream.device_crops import encoder_crops, make_crops, resize
-from kestrel.moondream.resample import crop_plan, resize_plan
 from kestrel.moondream.vision import normalize_pixels
-from kestrel.runtime.crop_maker import crops_on_device
 from kestrel_kernels.counting import LaunchCounter
 
 VISION = MoondreamConfig().vision

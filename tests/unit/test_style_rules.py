@@ -1,7 +1,9 @@
 """The house rules read from the syntax (docs/architecture.md, "The map"): one typing dialect,
 slotted dataclasses, functions under 60 lines (bar named exemptions that must still be needed),
-and ``import kestrel`` / ``import kestrel_kernels`` loading no optional extra's module. Each check
-fails naming ``file:line`` and the function or class; a planted breach shows that it can.
+``import kestrel`` / ``import kestrel_kernels`` loading no optional extra's module, and the
+scripts' two: no private member touched from ``scripts/`` (bar named third-party exemptions),
+and every script with a ``main`` named by a test. Each check fails naming ``file:line`` and the
+function or class; a planted breach shows that it can.
 
 ``tests/unit/test_kernels.py`` and ``tests/unit/test_compile_op.py`` check that *using* the
 kernels and the compile op loads neither FlashAttention nor dynamo; here the plain imports are
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kestrel.testing.layers import SOURCES, copy_sources
+from kestrel.testing.script_rules import PRIVATE_ACCESS, private_access, scripts_without_test
 from kestrel.testing.style_rules import (
     EXTRA_MODULES,
     LONG_FUNCTIONS,
@@ -48,6 +51,8 @@ def found() -> dict[str, list[str]]:
         "modules off the typing dialect",
         "dataclasses without slots",
         f"functions over {MAX_FUNCTION_LINES} lines",
+        "private members touched by scripts",
+        "scripts run by no test",
     ],
 )
 def test_rule_holds(found, rule: str) -> None:
@@ -101,7 +106,10 @@ def test_the_listed_modules_are_what_the_extras_install() -> None:
 
 
 def _copy(tmp_path: Path) -> Path:
-    return copy_sources(ROOT, tmp_path, SOURCES)
+    return copy_sources(ROOT, tmp_path, SOURCES)  # no tests/: every script named by none
+
+
+NAMING = "scripts run by no test"  # (in a copy without tests/, every script with a main)
 
 
 def _write(root: Path, rel: str, source: str) -> None:
@@ -112,7 +120,8 @@ def _write(root: Path, rel: str, source: str) -> None:
 
 def test_planted_breaches_in_a_copy_are_caught(tmp_path: Path) -> None:
     root = _copy(tmp_path)
-    assert not any(style_breaches(root, imports=False).values())  # as clean as the tree
+    clean = style_breaches(root, imports=False)
+    assert not any(v for k, v in clean.items() if k != NAMING)  # as clean as the tree
     tokens = root / "kestrel" / "tokens.py"
     tokens.write_text(tokens.read_text().replace("from __future__ import annotations\n", "", 1))
     line = ast.parse(tokens.read_text()).body[1].lineno  # its first statement after the doc
@@ -140,6 +149,13 @@ def test_planted_breaches_in_a_copy_are_caught(tmp_path: Path) -> None:
     assert found[f"functions over {MAX_FUNCTION_LINES} lines"] == [
         f"scripts/planted.py:6 f: {MAX_FUNCTION_LINES + 1} lines"
     ]
+    doc = '"""Doc."""\n\nfrom __future__ import annotations\n\n\n'
+    name = "_".join(("planted", "main"))  # no string in the tests names it
+    _write(root, f"scripts/{name}.py", doc + "def main(engine):\n    return engine._runner\n")
+    assert private_access(root) == [f"scripts/{name}.py:7 main: engine._runner (a private member)"]
+    assert set(scripts_without_test(root)) - set(clean[NAMING]) == {
+        f"scripts/{name}.py:6 main: no test names {name!r} (run it, --smoke)"
+    }
 
 
 def test_the_typing_dialect_reads_the_syntax(tmp_path: Path) -> None:
@@ -259,3 +275,73 @@ def test_a_planted_eager_import_is_caught(tmp_path: Path) -> None:
         want.add("sortedcontainers")
     found = eager_imports(root, forbidden=forbidden)
     assert {f"import kestrel, kestrel_kernels loads {m}" for m in want} <= set(found), found
+
+
+def test_private_access_reads_the_syntax(tmp_path: Path) -> None:
+    _write(
+        tmp_path,
+        "scripts/s.py",
+        """\
+        from __future__ import annotations
+
+        import torch._dynamo
+        from kestrel.engine import setup
+        from kestrel.engine.setup import _load
+        from kestrel._private import x
+
+        class Bench:
+            def run(self, engine, point):
+                self._rows = engine._runner.lookahead  # self is fine, engine is not
+                setattr(engine, "_scheduler", None)
+                return point._replace(x=1), type(self).__name__, engine.__dict__
+
+        def main():
+            setup._load = None
+        """,
+    )
+    assert private_access(tmp_path, exempt={}) == [
+        "scripts/s.py:3 <module>: import torch._dynamo (a private member)",
+        "scripts/s.py:5 <module>: from kestrel.engine.setup import _load (a private member)",
+        "scripts/s.py:6 <module>: from kestrel._private import ... (a private member)",
+        "scripts/s.py:10 Bench.run: engine._runner (a private member)",
+        "scripts/s.py:11 Bench.run: setattr(..., '_scheduler') (a private member)",
+        "scripts/s.py:15 main: setup._load (a private member)",
+    ]
+    exempt = {"scripts/s.py: engine._runner": "a planted reason", "scripts/s.py: gone._x": "old"}
+    found = private_access(tmp_path, exempt=exempt)
+    assert "scripts/s.py:10 Bench.run: engine._runner (a private member)" not in found
+    assert found[-1] == "scripts/s.py: gone._x: exempted but not found (stale exemption)"
+
+
+def test_the_private_access_exemptions_are_exact_sites_with_reasons() -> None:
+    assert not private_access(ROOT)  # none stale, none missing
+    for key, why in PRIVATE_ACCESS.items():
+        assert key.startswith("scripts/") and ": " in key, key
+        assert len(why.split()) >= 8, key
+
+
+def test_every_script_with_a_main_is_named_by_a_test(tmp_path: Path) -> None:
+    main = 'def main(argv=None):\n    pass\n\n\nif __name__ == "__main__":\n    main()\n'
+    for name in ("named", "by_path", "in_a_docstring", "unnamed"):
+        _write(tmp_path, f"scripts/{name}.py", main)
+    _write(tmp_path, "scripts/shared.py", "import os\n\nX = 1\n\n\ndef f():\n    os.sync()\n")
+    _write(tmp_path, "scripts/runs_on_import.py", "import os\n\nos.sync()\n")
+    _write(
+        tmp_path,
+        "tests/test_x.py",
+        '''\
+        """Runs scripts/in_a_docstring.py (a docstring names nothing)."""
+
+        import importlib
+
+        def test_it():
+            """in_a_docstring"""
+            importlib.import_module("named").main(["--smoke"])
+            assert SCRIPTS / "by_path.py"
+        ''',
+    )
+    assert scripts_without_test(tmp_path) == [
+        "scripts/in_a_docstring.py:1 main: no test names 'in_a_docstring' (run it, --smoke)",
+        "scripts/runs_on_import.py:3: runs code on import and has no main",
+        "scripts/unnamed.py:1 main: no test names 'unnamed' (run it, --smoke)",
+    ]

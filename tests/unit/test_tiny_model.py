@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kestrel.crops.overlap import overlap_crops
 from kestrel.moondream import MoondreamModel, MoondreamTokenizer, load_adapter
 from kestrel.moondream.text import lm_head
-from kestrel.moondream.vision import normalize_pixels, overlap_crops
+from kestrel.moondream.vision import normalize_pixels
 from kestrel.reference.eager import EagerMoondream
 from kestrel.tiny import MODEL_DIR, synthetic
 from kestrel.tiny.train_forward import (

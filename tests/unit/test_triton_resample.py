@@ -1,5 +1,5 @@
 """The crops cut by the Triton resample kernel (``kestrel_kernels/triton_resample.py``, laid
-out by ``kestrel/moondream/crop_stages.py``), under the interpreter: libvips' bytes for every
+out by ``kestrel/crops/stages.py``), under the interpreter: libvips' bytes for every
 kind of pass (shrunk, box-shrunk first, enlarged, one axis each way, no pass at all), the
 encoder's input equal to the torch path's and written where it is asked to be, one launch per
 step, and an sm_90 build without spills.
@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kestrel.moondream import device_crops
+from kestrel.crops import device as device_crops
+from kestrel.crops.overlap import overlap_crops
+from kestrel.crops.resample import crop_plan
+from kestrel.crops.stages import _stages, kernel_plan
 from kestrel.moondream.config import MoondreamConfig, VisionConfig
-from kestrel.moondream.crop_stages import _stages, kernel_plan
-from kestrel.moondream.crops import overlap_crops
-from kestrel.moondream.resample import crop_plan
 from kestrel_kernels import fused
 from kestrel_kernels.counting import LaunchCounter
 from kestrel_kernels.triton_resample import FIELDS

@@ -1,11 +1,11 @@
 """Cropper: one image's crops, made by worker processes, on part threads, or on the device.
 
-What ``CropPool`` (``crop_pool.py``) runs for each image: the crops of ``crops.py`` in parts
-(``crops.crop_parts``), sent together to as many worker processes (``crop_procs.py``) through
-shared memory (``crop_arenas.py``), else made on part threads here; staged in pinned memory
-for a CUDA model (``crop_staging.py``). Where the encoder's device makes the crops itself
+What ``CropPool`` (``pool.py``) runs for each image: the crops of ``overlap.py`` in parts
+(``overlap.crop_parts``), sent together to as many worker processes (``procs.py``) through
+shared memory (``arenas.py``), else made on part threads here; staged in pinned memory
+for a CUDA model (``staging.py``). Where the encoder's device makes the crops itself
 (``on_device``; ``crops_on_device`` decides at start-up) the image is staged instead and
-``device_crops.encoder_crops`` cuts it on the device: the same bytes, no host work but a copy.
+``device.encoder_crops`` cuts it on the device: the same bytes, no host work but a copy.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kestrel.images import PreparedImage
-from kestrel.moondream.config import VisionConfig
-from kestrel.moondream.crops import (
+from kestrel.crops.arenas import ARENAS, Arena, one_off
+from kestrel.crops.device import device_disagrees
+from kestrel.crops.overlap import (
     CropGeometry,
     CropPart,
     check_pixels,
@@ -32,12 +32,12 @@ from kestrel.moondream.crops import (
     vips_image,
     write_crops,
 )
-from kestrel.moondream.device_crops import device_disagrees
-from kestrel.moondream.resample import crop_plan
+from kestrel.crops.procs import WORKERS, CropWorkerError, WorkerGone, processes_supported
+from kestrel.crops.resample import crop_plan
+from kestrel.crops.staging import CropPixels, CropStaging
+from kestrel.images import PreparedImage
+from kestrel.moondream.config import VisionConfig
 from kestrel.moondream.vision import pixel_table
-from kestrel.runtime.crop_arenas import ARENAS, Arena, one_off
-from kestrel.runtime.crop_procs import WORKERS, CropWorkerError, WorkerGone, processes_supported
-from kestrel.runtime.crop_staging import CropPixels, CropStaging
 
 __all__ = ["Cropper", "crops_on_device"]
 
@@ -50,7 +50,7 @@ def crops_on_device(
 ) -> bool:
     """Whether the encoder's device makes the crops: asked for (``wanted``), or by default
     where the host stages pinned memory (CUDA), and its bytes equal this process's libvips on
-    the probe images (``device_crops.device_disagrees``; if not, it says why in the log)."""
+    the probe images (``device.device_disagrees``; if not, it says why in the log)."""
     if not (pins if wanted is None else wanted):
         return False
     why = device_disagrees(config, device)
@@ -113,7 +113,7 @@ class Cropper:
         return CropPixels(crops_hwc, (g.rows, g.cols))
 
     def _for_device(self, pixels: np.ndarray, size: tuple[int, int]) -> CropPixels | None:
-        """The image itself, staged for crops on the device (``device_crops.py``); None
+        """The image itself, staged for crops on the device (``device.py``); None
         for an image larger than a staging slot (~1.86 million pixels; its crops are smaller)."""
         plan = crop_plan(pixels.shape[0], pixels.shape[1], self.config, size)
         if self.staging is None:  # a device that takes plain memory (a CPU: tests)
@@ -172,7 +172,7 @@ class Cropper:
 
     def _shipped(self, pixels: np.ndarray, g: CropGeometry, parts: list[CropPart]) -> CropPixels:
         """The worker processes make the crops in shared memory: in a reused arena
-        (``crop_arenas.py``), copied into pinned staging where there is some, else lent with
+        (``arenas.py``), copied into pinned staging where there is some, else lent with
         the crops (``_handed_out``), or, when no arena is free, in a file of this image's own,
         which they stay in. A fresh file's pages cost more than a copy, float32 crops' too: a
         1280 x 960 image's took 17 ms through a file of their own, 8 ms through an arena and a
@@ -243,7 +243,7 @@ class Cropper:
 
 def core_shares(n: int) -> list[list[int]] | None:
     """The cores this process may run on, dealt out to ``n`` parts of one image in contiguous
-    shares (each part's worker runs on its own share: ``crop_worker._Cores``); None for one
+    shares (each part's worker runs on its own share: ``worker._Cores``); None for one
     part, or more parts than cores (then the kernel places them)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if n < 2 or len(cores) < n:

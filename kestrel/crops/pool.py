@@ -1,21 +1,21 @@
 """CropPool: an image's crops made off the scheduler thread, started when a request is submitted.
 
-The crops and their normalization (``moondream/crops.py``, ``vision.normalize_pixels``) cost
+The crops and their normalization (``overlap.py``, ``vision.normalize_pixels``) cost
 some milliseconds of host work per new image. Made on the scheduler thread they stall every
 running sequence; made on a plain worker thread they stall on the GIL: every libvips, numpy or
 torch call that lets the GIL go has to win it back from the process's busy Python threads,
 about one switch interval (5 ms) each time. So the pool hands each image to a crop worker
-process (``crop_worker.py``, started by ``crop_procs.py``) through shared memory: its threads
+process (``worker.py``, started by ``procs.py``) through shared memory: its threads
 only copy the pixels in, send one message and wait for the reply; the result is a tensor over
 that shared memory, or, for a CUDA model, copied once into pinned staging taken at start-up
-(whose upload then needs no host sync: ``crop_staging.py``) out of one of the process's
-reused shared-memory arenas (``crop_arenas.py``: no fresh pages to allocate per image). The
+(whose upload then needs no host sync: ``staging.py``) out of one of the process's
+reused shared-memory arenas (``arenas.py``: no fresh pages to allocate per image). The
 crops are channels last, as libvips makes them (the device reorders them for free). A lone
 image's crops spread over the host's cores: split into parts (bands of the resized copy) sent
 together to as many worker processes, each part made on its share of libvips threads. Where
 the model's GPU makes crops (``on_device``, a CUDA runtime's default; the making is in
-``crop_maker.py``) a lone image is only staged here and cut there, libvips' bytes exactly
-(``moondream/device_crops.py``); images that arrive while others' crops are in the making
+``maker.py``) a lone image is only staged here and cut there, libvips' bytes exactly
+(``device.py``); images that arrive while others' crops are in the making
 still go to the workers, which then run beside the GPU's work.
 
 - ``hold(images)``: the Engine calls it on the caller's thread when it submits a request; the
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kestrel.crops.maker import Cropper, crops_on_device
+from kestrel.crops.procs import WORKERS, processes_supported
+from kestrel.crops.staging import CropPixels, CropStaging
 from kestrel.images import PreparedImage
 from kestrel.moondream.config import VisionConfig
-from kestrel.runtime.crop_maker import Cropper, crops_on_device
-from kestrel.runtime.crop_procs import WORKERS, processes_supported
-from kestrel.runtime.crop_staging import CropPixels, CropStaging
 
 __all__ = ["CropHold", "CropPixels", "CropPool", "processes_supported", "start_workers"]
 
@@ -114,7 +114,7 @@ class CropPool:
 
     ``normalize``: float32 crops ready for the encoder (on a CPU model), else uint8 crops that
     ``CropPixels.encoder_input`` normalizes on the device (4x less to upload); ``pin_memory``:
-    uint8 crops staged in pinned memory taken now, once (``crop_staging.py``; a CUDA model's:
+    uint8 crops staged in pinned memory taken now, once (``staging.py``; a CUDA model's:
     uploaded without a host sync). ``parallel``: the parts one image's crops are split into and
     made at once by as many worker processes; ``threads``: the libvips threads each part is
     made with (worker processes only; the in-process fallback keeps the process's setting).

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from kestrel.moondream.resample import AxisPass, CropPlan, ResizePlan
+from kestrel.crops.resample import AxisPass, CropPlan, ResizePlan
 from kestrel_kernels.triton_resample import FIELDS
 
 __all__ = ["KernelPlan", "kernel_plan"]

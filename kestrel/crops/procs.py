@@ -1,6 +1,6 @@
 """Crop worker processes: started ahead of the first request (``ensure``; or on demand), one
 request at a time each, shared by every crop pool of the process, kept while idle and stopped
-at exit (``crop_worker.py`` is what each one runs; ``crop_pool.py`` hands them images)."""
+at exit (``worker.py`` is what each one runs; ``pool.py`` hands them images)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,11 @@ import atexit
 import os
 import socket
 import subprocess
-import sys
 import threading
 
-from kestrel.runtime.crop_worker import CROPS_SOURCE, NOT_MAPPED
+from kestrel.crops.worker import NOT_MAPPED, command
 
 __all__ = ["WORKERS", "CropWorkerError", "WorkerGone", "processes_supported"]
-
-WORKER_SCRIPT = CROPS_SOURCE.parents[1] / "runtime" / "crop_worker.py"
-# Run the worker script by its path, without the current directory on sys.path.
-_BOOT = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_name='__main__')"
 
 
 def processes_supported() -> bool:
@@ -41,8 +36,7 @@ class _Worker:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             fd = theirs.fileno()
-            cmd = [sys.executable, "-c", _BOOT, str(WORKER_SCRIPT), str(fd)]
-            self.proc = subprocess.Popen(cmd, pass_fds=[fd], stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(command(fd), pass_fds=[fd], stdin=subprocess.DEVNULL)
         except BaseException:
             ours.close()
             raise
@@ -117,7 +111,7 @@ class _Workers:
         self._all: set[_Worker] = set()
 
     def ensure(self, count: int) -> int:
-        """Start idle workers until the process has ``count`` (``crop_pool.start_workers``:
+        """Start idle workers until the process has ``count`` (``pool.start_workers``:
         ahead of the first request, so none waits for a worker's ~80 ms of imports); returns
         how many it started. One that cannot start ends the attempt: requests then start
         their own."""

@@ -1,8 +1,8 @@
 """libvips' lanczos3 resize of a uint8 RGB image as tables of integer weights (numpy only).
 
-Moondream's crops come from ``pyvips.Image.resize`` (``crops.py``): on a GPU host that is
+Moondream's crops come from ``pyvips.Image.resize`` (``overlap.py``): on a GPU host that is
 ~9 ms of host work per new image, on the critical path of a lone request, so a CUDA runtime
-makes the same bytes on the GPU (``device_crops.py``). libvips resizes an 8-bit image with
+makes the same bytes on the GPU (``device.py``). libvips resizes an 8-bit image with
 fixed-point integer arithmetic (coefficients in 1/4096ths, positions in 1/64ths of a pixel), so
 a copy of its arithmetic gives its exact output, not an approximation. This module is that
 copy's host half: what each pass of a resize reads and with which integer weights.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kestrel.moondream.crops import CropGeometry, crop_geometry
+from kestrel.crops.overlap import CropGeometry, crop_geometry
 
 if TYPE_CHECKING:
     from kestrel.moondream.config import VisionConfig

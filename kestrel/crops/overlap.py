@@ -9,8 +9,9 @@ so the crops are byte-identical to the reference's (the fixture's PNG crops chec
 
 Per image there are two resizes (each one libvips call that renders its whole result) and one
 array copy that cuts every local crop out of the upscaled copy at once. This module imports
-neither torch nor the rest of kestrel: the crop worker process (``kestrel/runtime/
-crop_worker.py``) loads it by its path and runs it without them.
+neither torch nor the rest of kestrel (its one kestrel name, ``VisionConfig``, is a type only):
+the crop worker process (``worker.py``) imports it, and nothing else of kestrel, without them
+(``tests/unit/test_crop_worker_imports.py`` holds it to that).
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ class PartRenders:
     both built on ``source``. Building them is ~0.35 ms of libvips set-up each, rendering a
     one-row band ~0.1 ms more; they can be rendered again, by one thread at a time, after
     the pixels in ``source``'s memory change: ``source.invalidate()`` first (the crop worker
-    keeps them for its reused shared memory, ``runtime/crop_worker.py``)."""
+    keeps them for its reused shared memory, ``worker.py``)."""
 
     source: pyvips.Image
     part: CropPart

@@ -1,15 +1,18 @@
 """The crop worker process: makes an image's crops outside the serving process, so no thread
 of that process waits on the GIL while they are made.
 
-``CropPool`` (``crop_pool.py``) starts it as ``python -c BOOT crop_worker.py FD``: FD is one end
-of a ``SOCK_SEQPACKET`` socket pair. It imports numpy, pyvips and ``kestrel/moondream/
-crops.py`` (loaded by its path, so neither torch nor the rest of kestrel is imported) and
-serves one request at a time:
+``CropPool`` (``pool.py``) starts it (``procs.py``) as ``python -c BOOT ROOT FD``: ROOT is the
+folder that holds ``kestrel/``, FD one end of a ``SOCK_SEQPACKET`` socket pair. ``BOOT`` makes
+``kestrel`` and ``kestrel.crops`` bare packages (their folders, their ``__init__`` not run:
+``import kestrel`` loads torch and the engine, ~1.6 s and ~1,300 modules a worker never uses),
+then imports this module the ordinary way. It imports numpy, pyvips and ``overlap.py`` (the
+crops, numpy and pyvips only), nothing else of kestrel and no torch
+(``tests/unit/test_crop_worker_imports.py``), and serves one request at a time:
 
 - request: one JSON line (``size`` of the shared memory, the image's ``height`` and
   ``width``, whose H x W x 3 uint8 pixels start at offset 0, the ``geometry`` fields, the
   ``out`` offset, optionally ``part`` = [whole, top, bottom]: only those crops,
-  ``crops.CropPart``, ``threads``: the libvips threads to make them with, and ``cpus``: the
+  ``overlap.CropPart``, ``threads``: the libvips threads to make them with, and ``cpus``: the
   cores to make them on, a part's share of them; without it, every core), then, when the
   crops are to be normalized, the 256-entry float32 pixel table. The memory is a
   shared-memory file (``memfd``) passed with the message: for this request alone, or, with
@@ -17,7 +20,7 @@ serves one request at a time:
   slot until a later generation of it replaces it (its descriptor comes only with the slot's
   first request to this worker; later ones reuse the mapping, so neither side maps or faults
   in fresh pages per image);
-- work: ``crops.write_part`` writes the crops [N, crop, crop, 3] (or the part's) at ``out``
+- work: ``overlap.write_part`` writes the crops [N, crop, crop, 3] (or the part's) at ``out``
   (float32 through the table, else uint8); several workers may write parts of one image's
   crops into the same memory at once. The libvips pipelines an arena request renders are
   kept (``_Kept``) and rendered again for the next image of that size in that arena;
@@ -30,7 +33,6 @@ It exits when the other end of the socket closes.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import mmap
 import os
@@ -41,37 +43,54 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:  # the worker loads crops.py by its path (load_crops), not this one
-    from kestrel.moondream.crops import PartRenders
+from kestrel.crops import overlap
+from kestrel.crops.overlap import PartRenders
 
-__all__ = ["CROPS_SOURCE", "NOT_MAPPED", "batch_policy", "load_crops", "serve"]
+__all__ = [
+    "BARE_PACKAGES",
+    "BOOT",
+    "IMPORT",
+    "NOT_MAPPED",
+    "ROOT",
+    "batch_policy",
+    "command",
+    "serve",
+]
 
-CROPS_SOURCE = Path(__file__).resolve().parents[1] / "moondream" / "crops.py"
+ROOT = Path(__file__).resolve().parents[2]  # the folder that holds kestrel/
+BARE_PACKAGES = ("kestrel", "kestrel.crops")
+# What the worker's interpreter runs (``-c``; argv: ROOT, FD): no current directory on
+# sys.path, the packages above this module made bare (found by their folders, their
+# ``__init__`` not run), then this module imported and its ``main`` run. ``IMPORT`` is the
+# part before ``main``: the imports a worker makes, which the tests check for torch.
+IMPORT = (
+    "import sys, types\n"
+    "sys.path.pop(0)\n"
+    f"for name in {BARE_PACKAGES!r}:\n"
+    "    package = types.ModuleType(name)\n"
+    "    package.__path__ = [sys.argv[1] + '/' + name.replace('.', '/')]\n"
+    "    sys.modules[name] = package\n"
+    "from kestrel.crops import worker\n"
+)
+BOOT = IMPORT + "worker.main(sys.argv)\n"
 _MAX_MESSAGE = 1 << 16
 NOT_MAPPED = b"not mapped"
+
+
+def command(fd: int) -> list[str]:
+    """The command line of a worker process serving the socket ``fd``."""
+    return [sys.executable, "-c", BOOT, str(ROOT), str(fd)]
 
 
 class _NotMapped(LookupError):
     pass
 
 
-def load_crops() -> ModuleType:
-    """``kestrel/moondream/crops.py`` as a module of its own (nothing else of kestrel)."""
-    spec = importlib.util.spec_from_file_location("kestrel_crop_worker_crops", CROPS_SOURCE)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {CROPS_SOURCE}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 class _Kept:
-    """The libvips pipelines (``crops.PartRenders``) this worker built for its arenas, by
+    """The libvips pipelines (``overlap.PartRenders``) this worker built for its arenas, by
     what they make: an arena's slot and generation, the image's size, the geometry, the part
     and the pixel table. Serving an image of a size it served before in the same arena, the
     worker renders the kept pipeline again over the new pixels instead of building one (a
@@ -220,8 +239,9 @@ def _concurrency_calls(
 
 
 def serve(sock: socket.socket, crops: ModuleType, pin: bool = False) -> None:
-    """Answer requests on ``sock`` until its other end closes; ``pin``: run each request on
-    the cores it names (a worker process's own threads; ``_Cores``)."""
+    """Answer requests on ``sock`` until its other end closes, making the crops with ``crops``
+    (``overlap``; a test may pass a stand-in); ``pin``: run each request on the cores it names
+    (a worker process's own threads; ``_Cores``)."""
     crops.pyvips.cache_set_max(0)  # nothing may keep a request's memory alive
     state = _State(cores=_Cores() if pin and hasattr(os, "sched_setaffinity") else None)
     while True:
@@ -262,10 +282,7 @@ def batch_policy() -> None:
 
 
 def main(argv: list[str]) -> None:
+    """A worker process's life (``BOOT``): serve the socket whose descriptor ends ``argv``."""
     batch_policy()
     sock = socket.socket(fileno=int(argv[-1]))
-    serve(sock, load_crops(), pin=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv)
+    serve(sock, overlap, pin=True)

@@ -6,9 +6,9 @@ more than the copies: every page is allocated and faulted in on both sides (on t
 that measured it, ~2 us a page: ~6 ms of a 1280 x 960 image's ~13 ms). So the process keeps
 ``SLOTS`` arenas, shared by every crop pool like the workers themselves: a request takes a free
 one, grown (a new file, the slot's next ``generation``) when too small, and gives it back:
-when its crops are copied out, or, lent with them, when they are gone (``crop_maker.py``).
+when its crops are copied out, or, lent with them, when they are gone (``maker.py``).
 Each worker maps a slot's file once, with the slot's first request it serves, and keeps the
-mapping until that slot's next generation replaces it (``crop_worker.py``), so the pages
+mapping until that slot's next generation replaces it (``worker.py``), so the pages
 stay allocated and mapped across requests. A request larger than ``MAX_BYTES`` or one that
 finds every arena taken gets a file of its own, as before.
 """

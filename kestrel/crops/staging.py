@@ -8,7 +8,7 @@ collected), and the slot is reused once the upload queued from it (a CUDA event)
 Nothing is pinned per image, so no crop thread ever calls into the driver while the scheduler
 thread might capture a CUDA graph. With every slot in use, the crops stay in plain memory and
 their upload waits for the copy (``misses`` counts those). Where the GPU makes the crops
-(``moondream/device_crops.py``) a slot holds the image itself instead, when it fits (an image
+(``device.py``) a slot holds the image itself instead, when it fits (an image
 of up to a slot's bytes: ~1.86 million pixels for Moondream 2).
 """
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kestrel.crops.device import encoder_crops
+from kestrel.crops.resample import CropPlan
 from kestrel.moondream.config import VisionConfig
-from kestrel.moondream.device_crops import encoder_crops
-from kestrel.moondream.resample import CropPlan
 from kestrel.moondream.vision import normalize_pixels
 from kestrel_kernels import pinned
 
@@ -37,7 +37,7 @@ class CropPixels:
     normalized float32, or uint8 to be normalized on the device; ``tiling`` = (rows, cols).
     ``staging``: the slot of pinned memory ``pixels`` lies in (None: plain memory). With a
     ``plan`` ``pixels`` is the image itself (uint8 [H, W, 3]), cropped on the device
-    (``device_crops.encoder_crops``: the same bytes)."""
+    (``device.encoder_crops``: the same bytes)."""
 
     pixels: torch.Tensor
     tiling: tuple[int, int]

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kestrel.moondream.crop_stages import kernel_plan
-from kestrel.moondream.crops import overlap_crops
-from kestrel.moondream.resample import AxisPass, CropPlan, ResizePlan, crop_plan
+from kestrel.crops.overlap import overlap_crops
+from kestrel.crops.resample import AxisPass, CropPlan, ResizePlan, crop_plan
+from kestrel.crops.stages import kernel_plan
 from kestrel.moondream.vision import normalize_pixels, normalize_planar, pixel_table
 from kestrel_kernels import pinned
 from kestrel_kernels.fused import fused_backend
