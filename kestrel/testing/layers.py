@@ -234,27 +234,26 @@ def long_files(root: Path, max_lines: int = MAX_LINES) -> list[str]:
     return out
 
 
-def model_uses(house: House) -> list[str]:
-    """Imports from the model package to anything but itself, the tokens and the kernels."""
+def _uses_beyond(house: House, unit: str, allowed: frozenset[str]) -> list[str]:
+    """Imports from ``unit`` to any unit outside ``allowed``."""
     return [
         f"{m} -> {d}"
         for m in sorted(house.imports)
-        if house.unit[m] == MODEL
+        if house.unit[m] == unit
         for d in sorted(house.imports[m])
-        if house.unit[d] not in MODEL_MAY_USE
+        if house.unit[d] not in allowed
     ]
+
+
+def model_uses(house: House) -> list[str]:
+    """Imports from the model package to anything but itself, the tokens and the kernels."""
+    return _uses_beyond(house, MODEL, MODEL_MAY_USE)
 
 
 def crops_uses(house: House) -> list[str]:
     """Imports from the image wing to anything but itself, the model, the images and the
     kernels (above all, nothing of the runtime that asks it for crops)."""
-    return [
-        f"{m} -> {d}"
-        for m in sorted(house.imports)
-        if house.unit[m] == CROPS
-        for d in sorted(house.imports[m])
-        if house.unit[d] not in CROPS_MAY_USE
-    ]
+    return _uses_beyond(house, CROPS, CROPS_MAY_USE)
 
 
 def out_of_order(house: House) -> list[str]:
