@@ -51,7 +51,7 @@ from kestrel.images.budget import DecodeBudget
 from kestrel.images.formats import ACCEPTED_FORMATS, accepted_readers, stream, unaccepted
 from kestrel.images.orientation import read_orientation, upright
 from kestrel.images.pixels import ImageError, array_rgb
-from kestrel.images.shrink import Fit, plan_shrink, shrink_on_load
+from kestrel.images.shrink import Fit, Shrink, plan_shrink, shrink_on_load
 from kestrel.images.vips import decode_pixels, tagged
 
 __all__ = [
@@ -158,18 +158,32 @@ def _from_pil(
 Decoded = tuple[np.ndarray, tuple[int, int] | None]  # pixels, the size as sent if reduced
 
 
-def _from_header(
-    image: Image.Image, source: bytes | Path, max_pixels: int, opts: _Options, what: str
-) -> Decoded:
-    """An encoded image whose header PIL read: shrunk on load where its crops allow
-    (``images/shrink.py``), decoded by libvips where it decodes this kind to PIL's pixels
-    (``images/vips.py``), by PIL otherwise. The upright size as sent comes with the pixels
-    when they were reduced."""
-    _check_size(image.width, image.height, max_pixels, what)
+Planned = tuple[Shrink, int, tuple[int, int]]  # how it decodes, orientation, upright size
+
+
+def _planned(image: Image.Image, source: bytes | Path, opts: _Options) -> Planned:
+    """How ``image`` decodes (``images/shrink.py``), its EXIF orientation as read from the
+    header (1 where the header cannot tell: PIL then reads it as it decodes) and its upright
+    (height, width)."""
     orientation = read_orientation(image) if opts.exif_orientation and tagged(image) else 1
     turned = orientation in (5, 6, 7, 8)
     upright_size = (image.width, image.height) if turned else (image.height, image.width)
-    plan = plan_shrink(image, source, opts.fit, upright_size)
+    return plan_shrink(image, source, opts.fit, upright_size), orientation, upright_size
+
+
+def _from_header(
+    image: Image.Image,
+    source: bytes | Path,
+    planned: Planned,
+    max_pixels: int,
+    opts: _Options,
+    what: str,
+) -> Decoded:
+    """An encoded image whose header PIL read, decoded as ``planned``: shrunk on load where
+    its crops allow (``images/shrink.py``), decoded by libvips where it decodes this kind to
+    PIL's pixels (``images/vips.py``), by PIL otherwise. The upright size as sent comes with
+    the pixels when they were reduced."""
+    plan, orientation, upright_size = planned
     pixels = shrink_on_load(image, source, plan)
     sent = upright_size if plan.how == "draft" or pixels is not None else None
     if pixels is None and plan.how != "draft":
@@ -178,12 +192,6 @@ def _from_header(
         return _from_pil(image, max_pixels, opts, what), sent
     rgb = array_rgb(pixels, opts.background, what)
     return upright(rgb, orientation, copy=False), sent  # libvips' buffer is fresh: no copy
-
-
-def _decode_cost(image: Image.Image, source: bytes | Path, opts: _Options) -> int:
-    orientation = read_orientation(image) if opts.exif_orientation and tagged(image) else 1
-    size = (image.width, image.height) if orientation in (5, 6, 7, 8) else image.size[::-1]
-    return plan_shrink(image, source, opts.fit, size).peak_bytes()
 
 
 def _open_encoded(
@@ -196,12 +204,13 @@ def _open_encoded(
     try:
         # reads the header only, trying the accepted formats' readers alone
         with Image.open(stream(source), formats=accepted_readers()) as image:
-            if budget is None:
-                return _from_header(image, source, max_pixels, opts, what)
             _check_size(image.width, image.height, max_pixels, what)
-            charge = budget.take(_decode_cost(image, source, opts), what)
+            planned = _planned(image, source, opts)
+            if budget is None:
+                return _from_header(image, source, planned, max_pixels, opts, what)
+            charge = budget.take(planned[0].peak_bytes(), what)
             try:
-                pixels, sent = _from_header(image, source, max_pixels, opts, what)
+                pixels, sent = _from_header(image, source, planned, max_pixels, opts, what)
                 return charge.settle(pixels), sent
             except BaseException:
                 charge.release()
