@@ -36,6 +36,50 @@ def widened_tokenizer(src: Path, dst: Path, vocab_size: int) -> None:
     dst.write_text(json.dumps(data))
 
 
+def _byte_chars() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table)."""
+    shown = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    out = {b: chr(b) for b in shown}
+    for n, b in enumerate(b for b in range(256) if b not in out):
+        out[b] = chr(256 + n)
+    return out
+
+
+def _last_merge(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes]:
+    """The pair whose merge makes ``token``: BPE run on its bytes with the lower ranks."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        i = min(range(len(parts) - 1), key=lambda j: ranks.get(parts[j] + parts[j + 1], 1 << 30))
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts[0], parts[1]
+
+
+def gpt2_tokenizer(ranks_file: Path, dst: Path, vocab_size: int) -> None:
+    """A real 50,256-token byte-level BPE vocabulary in the fixture's layout (its 10 special
+    ids first, then GPT-2's tokens from id 10, as Moondream 2's own tokenizer is built), padded
+    with placeholders to ``vocab_size``. ``ranks_file``: GPT-2's ranks in tiktoken's format
+    (base64 token, rank per line), e.g. ``whisper/assets/gpt2.tiktoken`` from the
+    ``openai-whisper`` source package (``pip download openai-whisper --no-deps --no-binary
+    :all:``)."""
+    import base64
+
+    ranks = {}
+    for line in ranks_file.read_text().splitlines():
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
+    chars = _byte_chars()
+    shown = {t: "".join(chars[b] for b in t) for t in ranks}
+    data = json.loads((FIXTURES["md2"] / "tokenizer.json").read_text())
+    specials = {a["content"]: a["id"] for a in data["added_tokens"]}
+    base = max(specials.values()) + 1
+    vocab = {**specials, **{shown[t]: base + r for t, r in ranks.items()}}
+    order = sorted((t for t in ranks if len(t) > 1), key=ranks.__getitem__)
+    merges = [[shown[a], shown[b]] for a, b in (_last_merge(t, ranks) for t in order)]
+    data["model"]["vocab"], data["model"]["merges"] = vocab, merges
+    dst.write_text(json.dumps(data))
+    widened_tokenizer(dst, dst, vocab_size)
+
+
 def _config(family: str, sections: dict | None):
     """The family's production dimensions (or ``sections`` over them), the fixture's
     tokenizer section."""

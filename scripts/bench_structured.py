@@ -15,9 +15,17 @@ rows of the schema walked through a valid answer token by token, all rows filled
 (llguidance's thread pool) and one row at a time (us per row). Compile: a new ``Grammars``
 (its tokenizer built first, timed apart) compiling the schema, then the same spec again.
 
-Without ``--model`` the CPU runs kestrel-tiny (430 ids); with CUDA it writes a random-weight
-Moondream 2 once (``bench_gpu_models``: 51,200 ids, the fixture's tokenizer widened).
-"""
+Every variant runs in each of ``--rounds`` rounds, interleaved (0, half, all, then again), and a
+figure is the median over the rounds (min-max beside it).
+
+The model, unless ``--model`` names one: a random-weight Moondream 2 written once
+(``bench_gpu_models``), whose rows run to ``max_tokens`` (random weights seldom choose the end
+token), so every variant times the same steps: on CUDA of Moondream 2's dimensions, on the CPU
+narrow (``CPU_MODEL``: a cheap step, the hard case for a mask's cost) but of its 51,200 ids.
+``--bpe-ranks`` gives it a real byte-level BPE vocabulary (GPT-2's 50,256 tokens, as Moondream
+2's tokenizer has, from tiktoken's ``gpt2.tiktoken``); without it the fixture's 1,014 tokens
+are widened with placeholders, which a grammar's mask walks more cheaply. ``--smoke``: kestrel-tiny
+(430 ids), tiny counts."""
 
 from __future__ import annotations
 
@@ -54,13 +62,30 @@ ANSWER = ('{"colour":"red","shape":"circle","count":3,"size":0.25,"label":"ball"
 FORMAT = {"type": "json_schema", "json_schema": {"name": "scene", "schema": SCHEMA}}
 
 
-def _model(args: argparse.Namespace) -> str | None:
-    if args.model or args.smoke or not torch.cuda.is_available():
-        return args.model  # None: kestrel-tiny
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_gpu_models import random_md2_checkpoint
+CPU_MODEL = {  # Moondream 2's structure and vocabulary, narrow enough for a 2-core CPU
+    "text": {"dim": 256, "ff_dim": 1024, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4},
+    "vision": {"enc_dim": 32, "enc_ff_dim": 64, "enc_n_layers": 1, "enc_n_heads": 2,
+               "proj_out_dim": 256, "proj_inner_dim": 512, "crop_size": 56, "max_crops": 2,
+               "overlap_margin": 1},
+    "region": {"dim": 256, "inner_dim": 512},
+}  # fmt: skip
 
-    return str(random_md2_checkpoint(Path(args.model_dir)))
+
+def _model(args: argparse.Namespace) -> str | None:
+    """The checkpoint to serve (None: kestrel-tiny)."""
+    if args.model or args.smoke:
+        return args.model
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_gpu_models import gpt2_tokenizer, random_md2_checkpoint
+
+    cuda = torch.cuda.is_available()
+    tag = ("md2" if cuda else "cpu") + ("-gpt2" if args.bpe_ranks else "")
+    folder = random_md2_checkpoint(Path(args.model_dir) / tag, None if cuda else CPU_MODEL)
+    marker = folder / "tokenizer.gpt2"
+    if args.bpe_ranks and not marker.exists():
+        gpt2_tokenizer(Path(args.bpe_ranks), folder / "tokenizer.json", 51200)
+        marker.write_text(str(args.bpe_ranks))
+    return str(folder)
 
 
 class _Timed:
@@ -153,6 +178,10 @@ def compile_row(engine) -> dict:
             "cold_ms": (t2 - t1) * 1e3, "cached_ms": (t3 - t2) * 1e3}  # fmt: skip
 
 
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def run(args: argparse.Namespace) -> dict:
     from kestrel import Engine
 
@@ -160,22 +189,42 @@ def run(args: argparse.Namespace) -> dict:
     dtype = "float32" if device == "cpu" else "bfloat16"
     batch = 4 if args.smoke else args.batch
     steps = 6 if args.smoke else args.steps
-    with Engine(_model(args), device=device, dtype=dtype, max_batch_size=batch) as engine:
+    rounds = 1 if args.smoke else args.rounds
+    model = _model(args)
+    with Engine(model, device=device, dtype=dtype, max_batch_size=batch) as engine:
         compiled = compile_row(engine)
         engine.query(None, "warm up", settings={"max_tokens": 2}, response_format=FORMAT)
-        decode = [decode_row(engine, batch, k, steps) for k in (0, batch // 2, batch)]
+        decode_row(engine, batch, 0, 4)  # the batch's first wave: graphs, pages, caches
+        variants = (0, batch // 2, batch)
+        runs: dict[int, list[dict]] = {k: [] for k in variants}
+        for _ in range(rounds):  # interleaved: every variant once a round
+            for k in variants:
+                runs[k].append(decode_row(engine, batch, k, steps))
+        decode = [{"constrained": k, "steps": min(r["steps"] for r in runs[k]),
+                   "step_ms": _spread([r["step_ms"] for r in runs[k]]),
+                   "mask_host_us": _spread([r["mask_host_us"] for r in runs[k]])}
+                  for k in variants]  # fmt: skip
         fill = fill_row(engine, batch)
+        vocab = "GPT-2 BPE" if args.bpe_ranks else ("kestrel-tiny" if model is None else "widened")
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "batch": batch, "decode": decode, "fill": fill, "compile": compiled}  # fmt: skip
+            "model": model or "kestrel-tiny", "vocabulary": vocab, "batch": batch,
+            "rounds": rounds, "decode": decode, "fill": fill, "compile": compiled}  # fmt: skip
+
+
+def _cell(f: dict, fmt: str) -> str:
+    return f"{f['median']:{fmt}} ({f['min']:{fmt}}-{f['max']:{fmt}})"
 
 
 def table(out: dict) -> str:
-    base = out["decode"][0]["step_ms"]
-    head = "| constrained rows | step ms | vs none | mask host us / step |"
-    lines = [f"{out['device']}, batch {out['batch']}", head, "|---|---|---|---|"]
+    base = out["decode"][0]["step_ms"]["median"]
+    head = "| constrained rows | full-batch steps | step ms | vs none | mask host us / step |"
+    lines = [f"{out['device']}, batch {out['batch']}, {out['model']} ({out['vocabulary']} "
+             f"vocabulary), median (min-max) of {out['rounds']} interleaved rounds",
+             head, "|---|---|---|---|---|"]  # fmt: skip
     for r in out["decode"]:
-        lines.append(f"| {r['constrained']} | {r['step_ms']:.2f} | {r['step_ms'] / base:.2f}x "
-                     f"| {r['mask_host_us']:.0f} |")  # fmt: skip
+        ratio = r["step_ms"]["median"] / base
+        lines.append(f"| {r['constrained']} | {r['steps']} | {_cell(r['step_ms'], '.2f')} "
+                     f"| {ratio:.2f}x | {_cell(r['mask_host_us'], '.0f')} |")  # fmt: skip
     f, c = out["fill"], out["compile"]
     lines.append(
         f"mask fill: {f['pool_us_per_row']:.1f} us/row (all rows at once), "
@@ -192,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model-dir", default="/tmp/kestrel-bench-md2", help="the random model")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the variants")
+    p.add_argument("--bpe-ranks", help="GPT-2's BPE ranks (tiktoken format): a real vocabulary")
     p.add_argument("--smoke", action="store_true", help="kestrel-tiny on the CPU, tiny counts")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
     args = p.parse_args(argv)

@@ -19,20 +19,24 @@ through the Engine's own pieces (request factory, scheduler, runner) on this thr
 
 Rows (Moondream 2; Moondream 3 has the greedy decode rows and the two prefills, ``md3_*`` in
 the JSON): a decode step at batch 1 and 64, greedy and with Moondream's default sampling
-(temperature 0.5, top-p 0.3): launches inside the graph body and outside it, syncs, blocking
-uploads; a hit prefill (13 new positions after a cached image), a miss prefill (9 crops and
-~743 positions, crops and encoder included), the vision encoder on 9 crops (its crops
-included) -- for these three the graph bodies (run uncaptured) and the launches outside them,
-a graph launch counted as one (``*_eager`` in the JSON) --, the crops alone as a CUDA runtime
-cuts them (``crops/device.py``) for a new image size and a seen one, and the host microseconds
-of one scheduler decode step at batch 64 with the model math stubbed (fixed logits over 16 ids
-stand in for the forward: the sampler's ops pay their per-op host cost, no arithmetic to speak
-of; sampling, skills, streams and bookkeeping run). Take the host time on an idle machine.
+(temperature 0.5, top-p 0.3), and greedy with every row under a grammar (``JSON_ANSWER``: an
+object holding one string of 40-60 characters; its mask filled on the host and uploaded without
+blocking; needs llguidance, the row is left out without it): launches inside the graph body and
+outside it, syncs, blocking uploads; a hit prefill (13 new positions after a cached image), a
+miss prefill (9 crops and ~743 positions, crops and encoder included), the vision encoder on 9
+crops (its crops included) -- for these three the graph bodies (run uncaptured) and the
+launches outside them, a graph launch counted as one (``*_eager`` in the JSON) --, the crops
+alone as a CUDA runtime cuts them (``crops/device.py``) for a new image size and a seen one,
+and the host microseconds of one scheduler decode step at batch 64 with the model math stubbed
+(fixed logits over 16 ids stand in for the forward: the sampler's ops pay their per-op host
+cost, no arithmetic to speak of; sampling, skills, streams and bookkeeping run). Take the host
+time on an idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -50,6 +54,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from kernel_counts import (  # noqa: E402
     GREEDY,
+    JSON_ANSWER,
     QUESTION,
     SAMPLED,
     build,
@@ -118,9 +123,12 @@ def measure(sites: bool, families: tuple[str, ...], smoke: bool = False) -> tupl
     with gpu_branches(triton=not smoke):
         for family in families:
             modes = (("greedy", GREEDY), ("sampled", SAMPLED))[: 2 if family == "md2" else 1]
+            shapes = [(name, settings, None) for name, settings in modes]
+            if family == "md2" and importlib.util.find_spec("llguidance") is not None:
+                shapes.append(("constrained", GREEDY, JSON_ANSWER))
             for batch in batches:
-                for name, settings in modes:
-                    r = decode_rows(batch, settings, sites, family, layers, smoke)
+                for name, settings, shape in shapes:
+                    r = decode_rows(batch, settings, sites, family, layers, smoke, shape)
                     rows.append((f"{family} decode b{batch} {name}", r))
                     all_sites[rows[-1][0]] = r.pop("sites")
             pre[family] = prefill_rows(family, layers, smoke)
@@ -165,6 +173,21 @@ def md2_summary(by: dict, pre: dict) -> dict:
         "uploads_per_prefill": max(
             pre["prefill_hit"].uploads_blocking, pre["prefill_miss"].uploads_blocking
         ),
+        **constrained_summary(by),
+    }
+
+
+def constrained_summary(by: dict) -> dict:
+    """The grammar row's figures against the greedy row's (empty without llguidance)."""
+    row = by.get("md2 decode b64 constrained")
+    if row is None:
+        return {}
+    return {
+        "decode_b64_constrained": row["graph_body"],
+        "decode_b64_outside_constrained": row["outside"],
+        "syncs_per_decode_step_constrained": row["syncs"],
+        "uploads_blocking_per_decode_step_constrained": row["uploads_blocking"],
+        "uploads_nonblocking_per_decode_step_constrained": row["uploads_nonblocking"],
     }
 
 

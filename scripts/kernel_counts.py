@@ -144,8 +144,12 @@ def build(max_batch: int, family: str = "md2", layers: int = 24, small: bool = F
 _ids = iter(range(1, 1 << 30))
 
 
-def submit(sched: Scheduler, factory: RequestFactory, image, question: str, settings) -> Future:
-    d = factory.query(image, question, settings, None, reasoning=False, spatial_refs=None)
+def submit(
+    sched: Scheduler, factory: RequestFactory, image, question: str, settings, shape=None
+) -> Future:
+    """``question`` about ``image`` into ``sched``; ``shape``: a ``response_format``."""
+    d = factory.query(image, question, settings, None, reasoning=False, spatial_refs=None,
+                      response_format=shape)  # fmt: skip
     fut: Future = Future()
     sched.submit(
         Request(
@@ -177,6 +181,12 @@ def pictures(small: bool):
 
 
 QUESTION = "What is the total revenue shown for the third quarter of the year in this chart?"
+JSON_ANSWER = {  # the constrained row's grammar: a long string keeps every row running
+    "type": "json_schema",
+    "json_schema": {"name": "note", "schema": {
+        "type": "object", "required": ["note"], "additionalProperties": False,
+        "properties": {"note": {"type": "string", "minLength": 40, "maxLength": 60}}}},
+}  # fmt: skip
 
 
 def counted(fn, sites: bool) -> tuple[LaunchCounter, object]:
@@ -198,11 +208,14 @@ def torch_forms():
 
 def decode_rows(
     batch: int, settings: dict, sites: bool, family: str = "md2", layers: int = 24,
-    small: bool = False,
+    small: bool = False, shape: dict | None = None,
 ) -> dict:  # fmt: skip
+    """One decode step of ``batch`` running rows, counted; ``shape``: every row's
+    ``response_format`` (a grammar's mask in the step)."""
     _rt, _runner, sched, factory = build(max(batch, 1), family, layers, small)
     image = pictures(small)(1)
-    futures = [submit(sched, factory, image, f"{QUESTION} {i}", settings) for i in range(batch)]
+    futures = [submit(sched, factory, image, f"{QUESTION} {i}", settings, shape)
+               for i in range(batch)]  # fmt: skip
     with torch_forms():
         while sched.waiting or len(sched.running) < batch:
             sched.step()

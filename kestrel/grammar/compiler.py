@@ -9,9 +9,10 @@ a row is inside the budget.
 
 :class:`Grammars` belongs to an engine: the llguidance tokenizer is built on the first
 constrained call (~0.35 s at 51,200 ids), each spec is compiled once into a pristine matcher
-(kept in an LRU by ``GrammarSpec.key``), and a request gets a copy of it (~1 us), a
-:class:`RowGrammar`. A grammar that cannot be compiled raises ``InvalidInputError`` on the
-caller's thread, before anything is queued.
+(kept in an LRU by ``GrammarSpec.key``, bounded in count and in the bytes of the grammars'
+text, ``CACHED_GRAMMARS`` and ``CACHED_GRAMMAR_BYTES``: a compiled grammar's size grows with its
+text), and a request gets a copy of it (~1 us), a :class:`RowGrammar`. A grammar that cannot
+be compiled raises ``InvalidInputError`` on the caller's thread, before anything is queued.
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ from typing import Any
 from kestrel.errors import InvalidInputError, UnsupportedError
 from kestrel.grammar.spec import GrammarSpec
 
-__all__ = ["CACHED_GRAMMARS", "GrammarError", "Grammars", "RowGrammar", "grammar_text"]
+__all__ = [
+    "CACHED_GRAMMARS",
+    "CACHED_GRAMMAR_BYTES",
+    "GrammarError",
+    "Grammars",
+    "RowGrammar",
+    "grammar_text",
+]
 
 CACHED_GRAMMARS = 256
+CACHED_GRAMMAR_BYTES = 32 << 20  # of grammar text; a larger grammar is compiled, not kept
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: no runs of blank space
 
 
@@ -101,11 +110,18 @@ class Grammars:
     the ``tokenizer.json`` text; ``vocab_size``: the model's logits width; ``eos_id``: the
     token that ends an answer (allowed where the grammar may end)."""
 
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_id: int) -> None:
+    def __init__(
+        self,
+        tokenizer_json: Callable[[], str],
+        vocab_size: int,
+        eos_id: int,
+        max_bytes: int = CACHED_GRAMMAR_BYTES,
+    ) -> None:
         self._json, self.vocab_size, self.eos_id = tokenizer_json, vocab_size, eos_id
         self.width = (vocab_size + 31) // 32
         self._tokenizer: Any = None
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # key: (matcher, bytes)
+        self.max_bytes, self.cached_bytes = max_bytes, 0
         self._lock = threading.Lock()
         self.compiles = 0  # specs compiled (cache misses)
         self.compile_ms = 0.0
@@ -126,7 +142,7 @@ class Grammars:
             found = self._cache.get(spec.key)
             if found is not None:
                 self._cache.move_to_end(spec.key)
-                return found
+                return found[0]
         tok = self.tokenizer()
         lib = _llguidance()
         t0 = time.perf_counter()
@@ -144,10 +160,19 @@ class Grammars:
         with self._lock:
             self.compiles += 1
             self.compile_ms += (time.perf_counter() - t0) * 1e3
-            self._cache[spec.key] = matcher
-            while len(self._cache) > CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+            self._keep(spec.key, matcher, len(text.encode()))
         return matcher
+
+    def _keep(self, key: str, matcher: Any, size: int) -> None:
+        """Cache ``matcher`` (``size`` bytes of grammar text), least recently used out first,
+        within the count and the bytes (under the lock)."""
+        if size > self.max_bytes or key in self._cache:
+            return
+        self._cache[key] = (matcher, size)
+        self.cached_bytes += size
+        while len(self._cache) > CACHED_GRAMMARS or self.cached_bytes > self.max_bytes:
+            _, (_, gone) = self._cache.popitem(last=False)
+            self.cached_bytes -= gone
 
     def row(self, spec: GrammarSpec) -> RowGrammar:
         """A new request's grammar, at its start."""

@@ -26,8 +26,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from kestrel_kernels.counting import active_counter
 
 __all__ = [
     "SamplingError",
@@ -220,18 +223,36 @@ def _bit_shifts(device: torch.device) -> Tensor:
 
 def allowed_tokens(mask_BW: Tensor, vocab: int) -> Tensor:
     """bool [B, vocab] from int32 bitmasks [B, W] (module doc); ids past ``32 * W`` are not
-    allowed. An arithmetic shift keeps the sign bit, so ``& 1`` reads bit 31 as well."""
-    bits = (mask_BW.unsqueeze(-1) >> _bit_shifts(mask_BW.device)) & 1
-    flat = bits.reshape(mask_BW.shape[0], -1)
+    allowed. On the CPU numpy unpacks the bits in one pass; on a device, shifts (and so in a
+    counted run, which stands in for a GPU's ops: ``kestrel_kernels.counting``)."""
+    if mask_BW.device.type == "cpu" and active_counter() is None:
+        flat = _unpacked_bits(mask_BW)
+    else:
+        flat = _shifted_bits(mask_BW)
     if flat.shape[1] < vocab:
         flat = torch.nn.functional.pad(flat, (0, vocab - flat.shape[1]))
+    if flat.dtype == torch.uint8:  # 0 / 1 bytes read as bools: no pass over them
+        return flat[:, :vocab].view(torch.bool)
     return flat[:, :vocab] != 0
+
+
+def _unpacked_bits(mask_BW: Tensor) -> Tensor:
+    """uint8 [B, 32 W] of 0 / 1: each little-endian word's bytes unpacked bit 0 first."""
+    raw = mask_BW.contiguous().numpy().view(np.uint8)
+    return torch.from_numpy(np.unpackbits(raw, axis=1, bitorder="little"))
+
+
+def _shifted_bits(mask_BW: Tensor) -> Tensor:
+    """int32 [B, 32 W] of 0 / 1; the arithmetic shift keeps the sign bit, so ``& 1`` reads
+    bit 31 as well."""
+    bits = (mask_BW.unsqueeze(-1) >> _bit_shifts(mask_BW.device)) & 1
+    return bits.reshape(mask_BW.shape[0], -1)
 
 
 def mask_tokens(logits_BV: Tensor, mask_BW: Tensor) -> Tensor:
     """``logits_BV`` with every id its row's bitmask does not allow set to -inf (a copy)."""
     allowed = allowed_tokens(mask_BW, logits_BV.shape[-1])
-    return logits_BV.masked_fill(~allowed, float("-inf"))
+    return torch.where(allowed, logits_BV, float("-inf"))
 
 
 def token_logprobs(logits_BV: Tensor, chosen_B: Tensor, k: int) -> Tensor:

@@ -159,6 +159,11 @@ def test_count_kernels(script, capsys) -> None:
     out = last_json(capsys.readouterr().out)
     assert out["syncs_per_decode_step"] == 0 and out["decode_b1"] > 0
     assert out["prefill_miss"] > out["prefill_hit"] > 0 and out["host_us_step_b64"] > 0
+    # a grammar's mask: the same graph, no sync, its table uploaded without blocking
+    assert out["decode_b64_constrained"] == out["decode_b64"]
+    assert out["syncs_per_decode_step_constrained"] == 0
+    assert out["uploads_blocking_per_decode_step_constrained"] == 0
+    assert out["uploads_nonblocking_per_decode_step_constrained"] >= 2  # the step's + the mask
 
 
 def test_eval_tiny(script, capsys) -> None:

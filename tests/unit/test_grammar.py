@@ -183,3 +183,35 @@ def test_logprobs_with_the_choice() -> None:
     assert all(abs(v - float(lp[0, i])) <= 1e-6 for i, v in top)
     assert rows[1].logprobs is None
     assert json.dumps(top)  # plain floats and ints
+
+
+def test_the_cpu_and_device_bit_readings_agree() -> None:
+    """The CPU's one-pass unpacking and the devices' shifts read the same bits, every word's
+    sign bit included."""
+    from kestrel.moondream.sampling import _shifted_bits, _unpacked_bits
+
+    g = torch.Generator().manual_seed(5)
+    mask = torch.randint(-(2**31), 2**31 - 1, (7, 50), dtype=torch.int32, generator=g)
+    mask[0, 0], mask[1, 3] = -1, -(2**31)
+    assert torch.equal(_unpacked_bits(mask).to(torch.int32), _shifted_bits(mask))
+    assert _unpacked_bits(mask).sum() > 0
+
+
+def test_the_cache_is_bounded_in_bytes_of_grammar(tok) -> None:
+    """Past ``max_bytes`` of grammar text the least recently used grammars leave the cache
+    (its bytes counted back); one larger than the whole budget is compiled but not kept."""
+    from kestrel.grammar.compiler import grammar_text
+
+    specs = [parse_response_format({"type": "choice", "choices": [f"word{i}"]}) for i in range(6)]
+    size = len(grammar_text(specs[0]).encode())
+    small = Grammars(tok.to_json, tok.vocab_size, 0, max_bytes=3 * size + size // 2)
+    for spec in specs:
+        small.row(spec)
+    assert len(small._cache) == 3 and small.cached_bytes <= small.max_bytes
+    assert small.cached_bytes == sum(n for _, n in small._cache.values())
+    assert list(small._cache) == [s.key for s in specs[3:]]  # the oldest went first
+    small.row(specs[5])
+    assert small.compiles == 6  # a hit: nothing compiled again
+    huge = parse_response_format({"type": "choice", "choices": ["x" * (4 * size)]})
+    small.row(huge)
+    assert huge.key not in small._cache and small.compiles == 7
