@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kestrel.engine import Engine
+from kestrel.engine import Engine, EngineOptions
 from kestrel.engine.streams import AsyncTextStream, TextStream
 from kestrel.errors import (
     CapacityError,
@@ -41,6 +41,7 @@ __all__ = [
     "DetectResult",
     "Engine",
     "EngineClosedError",
+    "EngineOptions",
     "EngineStats",
     "InvalidInputError",
     "KestrelError",

@@ -4,7 +4,7 @@ A forward over ``[B, T]`` new positions needs, besides its embeddings, the same 
 every layer: each position's absolute position (RoPE) and the page its K/V go to, each row's
 page-table row, key and query counts and bidirectional blocks, and the host-known facts the
 attention plan is built from (a bound on the causal queries, whether padding rows must be
-zeros, the backend). ``AttentionBatch`` holds them, checked once when it is made (shapes,
+zeros, the backend object). ``AttentionBatch`` holds them, checked once when it is made (shapes,
 dtypes, devices: ``contract.validate_batch_inputs``; no host read, so it can be made inside a
 captured or compiled step). ``kestrel_kernels.plan_batch`` turns it into the forward's
 ``AttentionPlan`` and ``kestrel_kernels.attend`` runs one layer's attention from that plan.
@@ -18,12 +18,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from kestrel_kernels.contract import KernelInputError, validate_batch_inputs
+from kestrel_kernels.contract import AttentionMeta, KernelInputError, validate_batch_inputs
 from kestrel_kernels.transfer import upload
+
+if TYPE_CHECKING:
+    from kestrel_kernels.plan import AttentionBackend
 
 __all__ = ["AttentionBatch", "RowSpan", "RowsLayout", "RowsMeta"]
 
@@ -39,7 +43,7 @@ class AttentionBatch:
     ``bidir_regions``: int32 ``[B, 2]`` or ``[B, R, 2]`` blocks (None: none). ``causal_rows``:
     a host-known bound on each row's real queries outside its blocks (None: ``T``);
     ``zero_padding=False``: padding queries' outputs may hold anything; ``backend``: the
-    attention backend name (``kestrel_kernels.resolve_backend``).
+    attention backend (``kestrel_kernels.resolve_backend``; None: ``"auto"`` when planned).
     """
 
     positions_BT: Tensor
@@ -50,7 +54,7 @@ class AttentionBatch:
     bidir_regions: Tensor | None = None
     causal_rows: int | None = None
     zero_padding: bool = True
-    backend: str = "auto"
+    backend: AttentionBackend | None = None
 
     def __post_init__(self) -> None:
         validate_batch_inputs(
@@ -68,6 +72,11 @@ class AttentionBatch:
     @property
     def q_len(self) -> int:
         return int(self.positions_BT.shape[1])
+
+    @property
+    def meta(self) -> AttentionMeta:
+        """The attention metadata of its (causal) calls."""
+        return AttentionMeta(self.page_table, self.seqused_k, self.seqused_q, self.bidir_regions)
 
     @classmethod
     def from_pages(
@@ -100,7 +109,7 @@ class AttentionBatch:
     @classmethod
     def decode(
         cls, pages_BK: Tensor, lengths_B: Tensor, *, live_B: Tensor | None = None,
-        backend: str = "auto",
+        backend: AttentionBackend | None = None,
     ) -> AttentionBatch:  # fmt: skip
         """One new position per row at ``lengths_B`` (int64, KV length before it), written to
         ``pages_BK[b, lengths_B[b]]``; rows where the bool ``live_B`` is False write nothing
@@ -114,7 +123,7 @@ class AttentionBatch:
     @classmethod
     def decode_host(
         cls, page_table_RP: Tensor, rows: Sequence[int], lengths: Sequence[int], *,
-        backend: str = "auto",
+        backend: AttentionBackend | None = None,
     ) -> AttentionBatch:  # fmt: skip
         """``decode`` of batch rows ``rows`` (of the runtime's page table ``page_table_RP``)
         at the host's ``lengths``: one upload, the table cut to the longest row."""

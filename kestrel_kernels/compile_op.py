@@ -10,8 +10,10 @@ attention plan (``plan_attention``: the resolved backend and, for ``fa``, the se
 traced as plain tensor ops, once per forward; its tensors are passed to the op so no layer
 rebuilds them.
 
-The backend is resolved while tracing (``resolved_backend``) and baked into the graph as a
-constant, like a CUDA graph bakes in its kernels.
+The backend is an object chosen before tracing (``backends.resolve_backend``); the op is handed
+its name, a constant of the graph like a CUDA graph's kernels, and turns it back into the
+object (``plan.BACKENDS``). This op is the one function of the package whose parameters are a
+flat list (a ``torch.library`` schema takes tensors and scalars, not values made of them).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor
 
 from kestrel_kernels.contract import KvScales, validate_attention_inputs
 from kestrel_kernels.dispatch import run_attention
+from kestrel_kernels.plan import BACKENDS, AttentionMeta, AttentionPlan
 from kestrel_kernels.segments import SegmentPlan
 
 __all__ = ["OP_NAME", "attention_op"]
@@ -58,22 +61,18 @@ def _paged_attention_op(
     k_scale: Tensor | None,
     v_scale: Tensor | None,
 ) -> Tensor:
-    """What the eager ``paged_attention`` does with a plan (every device): validate, then
-    run ``backend`` ("torch" or "fa", resolved while tracing) with the forward's segments."""
+    """What the eager ``AttentionBackend.forward`` does (every device): validate, then run
+    ``backend`` ("torch" or "fa", chosen before tracing) with the forward's segments."""
     scales = None if k_scale is None or v_scale is None else KvScales(k_scale, v_scale)
-    shape = validate_attention_inputs(
-        q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions, scales
-    )
+    meta = AttentionMeta(page_table, seqused_k, seqused_q, bidir_regions, causal)
+    shape = validate_attention_inputs(q, k_cache, v_cache, meta, scales)
     segments = None
     if cu_seqlens_q is not None:
         segments = SegmentPlan(
             segs_per_row, cu_seqlens_q, causal_k, noncausal_k, inside_BL, valid_BL
         )
-    out = run_attention(
-        q, k_cache, v_cache, page_table, seqused_k, shape, backend=backend, seqused_q=seqused_q,
-        causal=causal, bidir_regions=bidir_regions, softmax_scale=softmax_scale,
-        segments=segments, segment_pages=segment_pages, kv_scales=scales,
-    )  # fmt: skip
+    plan = AttentionPlan(BACKENDS[backend], shape.q_len, meta, segments, segment_pages)
+    out = run_attention(q, k_cache, v_cache, plan, shape, softmax_scale, scales)
     return out.contiguous()  # the fake promises a fresh contiguous tensor
 
 
@@ -86,30 +85,22 @@ def attention_op(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    page_table: Tensor,
-    seqused_k: Tensor,
-    *,
-    seqused_q: Tensor | None,
-    causal: bool,
-    bidir_regions: Tensor | None,
+    plan: AttentionPlan,
     softmax_scale: float,
-    backend: str,
-    segments: SegmentPlan | None,
-    segment_pages: Tensor | None,
     kv_scales: KvScales | None,
 ) -> Tensor:
-    """Call ``kestrel::paged_attention`` (``backend`` already resolved: "torch" or "fa")."""
-    s = segments
+    """Call ``kestrel::paged_attention`` over ``plan`` (its tensors and its backend's name)."""
+    s, m = plan.segments, plan.meta
     return torch.ops.kestrel.paged_attention(
-        q, k_cache, v_cache, page_table, seqused_k, seqused_q, bidir_regions, causal,
-        float(softmax_scale), backend,
+        q, k_cache, v_cache, m.page_table, m.seqused_k, m.seqused_q, m.bidir_regions, m.causal,
+        float(softmax_scale), plan.backend.name,
         0 if s is None else s.segs_per_row,
         None if s is None else s.cu_seqlens_q,
         None if s is None else s.causal_k,
         None if s is None else s.noncausal_k,
         None if s is None else s.inside_BL,
         None if s is None else s.valid_BL,
-        segment_pages,
+        plan.segment_pages,
         None if kv_scales is None else kv_scales.k,
         None if kv_scales is None else kv_scales.v,
     )  # fmt: skip

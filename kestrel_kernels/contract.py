@@ -1,7 +1,7 @@
 """The attention / KV-write contract shared by every backend.
 
-``paged_attention(q, k_cache, v_cache, page_table, seqused_k, *, seqused_q, causal, bidir_regions,
-softmax_scale)`` with
+``paged_attention(q, k_cache, v_cache, AttentionMeta(page_table, seqused_k, seqused_q,
+bidir_regions, causal), softmax_scale=)`` with
 
 - ``q_BLHD``: ``[B, Lq, Hq, D]``; row ``b`` holds ``seqused_q[b]`` real queries (all ``Lq`` when
   ``seqused_q`` is None), the rest is padding and comes back as zeros.
@@ -44,6 +44,7 @@ from torch import Tensor
 
 __all__ = [
     "KV_FP8_DTYPE",
+    "AttentionMeta",
     "AttentionShape",
     "BackendUnavailableError",
     "KernelInputError",
@@ -88,6 +89,20 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here (no CUDA, wrong GPU, package missing, dtype)."""
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class AttentionMeta:
+    """One call's metadata: ``page_table`` int32 ``[B, max_pages]``, ``seqused_k`` int32
+    ``[B]`` (keys per row, this call's new keys included), ``seqused_q`` int32 ``[B]`` (real
+    queries per row; None: all ``Lq``), ``bidir_regions`` int32 ``[B, 2]`` or ``[B, R, 2]``
+    (None: none) and ``causal`` (False: every real query sees every valid key)."""
+
+    page_table: Tensor
+    seqused_k: Tensor
+    seqused_q: Tensor | None = None
+    bidir_regions: Tensor | None = None
+    causal: bool = True
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionShape:
     """Dimensions of one validated ``paged_attention`` call."""
@@ -126,13 +141,11 @@ def validate_attention_inputs(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    page_table: Tensor,
-    seqused_k: Tensor,
-    seqused_q: Tensor | None,
-    bidir_regions: Tensor | None,
+    meta: AttentionMeta,
     kv_scales: KvScales | None = None,
 ) -> AttentionShape:
-    """Check shapes, dtypes and devices (always) and lengths / page ids (CPU tensors only).
+    """Check shapes, dtypes and devices (always) and lengths / page ids (CPU tensors only) of
+    ``q``, the caches and ``meta``.
     With ``kv_scales`` the caches are the scaled-KV case's e4m3 pages (``validate_scaled_kv``).
 
     Value checks need the numbers on the host; on CUDA that would be a sync per layer, so there
@@ -167,14 +180,17 @@ def validate_attention_inputs(
         kv_heads > 0 and q_heads % kv_heads == 0,
         f"Hq ({q_heads}) must be a multiple of Hkv ({kv_heads})",
     )
-    several = _check_metadata(batch, q.device, page_table, seqused_k, seqused_q, bidir_regions)
+    page_table = meta.page_table
+    several = _check_metadata(
+        batch, q.device, page_table, meta.seqused_k, meta.seqused_q, meta.bidir_regions
+    )
     shape = AttentionShape(
         batch, q_len, q_heads, kv_heads, head_dim, n_pages, int(page_table.shape[1])
     )
     if q.device.type == "cpu" and not _value_checks_paused:
-        _check_values(shape, page_table, seqused_k, seqused_q)
+        _check_values(shape, page_table, meta.seqused_k, meta.seqused_q)
         if several:
-            _check_regions(bidir_regions)
+            _check_regions(meta.bidir_regions)
     return shape
 
 

@@ -29,11 +29,16 @@ import logging
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from kestrel_kernels.contract import AttentionMeta, default_scale
 from kestrel_kernels.triton_decode import DecodeConfig
+
+if TYPE_CHECKING:
+    from kestrel_kernels.plan import AttentionBackend
 
 __all__ = [
     "CANDIDATES",
@@ -89,6 +94,10 @@ class DecodeCase:
     v_cache: Tensor
     page_table: Tensor
     seqused_k: Tensor
+
+    @property
+    def meta(self) -> AttentionMeta:
+        return AttentionMeta(self.page_table, self.seqused_k)
 
 
 def decode_case(
@@ -180,29 +189,30 @@ def tune_pool(
     width: int,
     heads: int,
     *,
-    softmax_scale: float,
-    baseline: str = "fa",
+    baseline: AttentionBackend | None = None,
     timer: Callable[[Callable[[], Tensor]], float] = graph_ms,
     candidates: Sequence[DecodeConfig] = CANDIDATES,
 ) -> list[DecodeTrial]:
     """One trial per batch size over the pool's pages ``k_cache`` / ``v_cache`` (one layer's,
-    idle: their values are overwritten); ``baseline``: the backend the Triton kernel is
-    measured against ("torch" in the CPU tests); ``candidates``: its configurations."""
-    import kestrel_kernels as kk
+    idle: their values are overwritten), at the default softmax scale; ``baseline``: the
+    backend the Triton kernel is measured against (None: FlashAttention; the torch backend in
+    the CPU tests); ``candidates``: its configurations."""
+    from kestrel_kernels.backends import FLASH
     from kestrel_kernels.dispatch import decode_kernel_forced
     from kestrel_kernels.triton_decode import paged_decode
 
+    baseline = baseline or FLASH
+    softmax_scale = default_scale(k_cache.shape[-1], None)
     trials = []
     for i, batch in enumerate(batches):  # the pool is filled once, for the first case
         c = decode_case(k_cache, v_cache, batch, width, heads, seed=batch, fill=i == 0)
-        plan = kk.plan_attention(1, c.page_table, c.seqused_k, backend=baseline, dtype=c.q.dtype)
+        plan = baseline.plan(AttentionMeta(c.page_table, c.seqused_k), 1)
 
         def fa(c: DecodeCase = c, plan=plan) -> Tensor:
-            return kk.paged_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.seqused_k,
-                                      softmax_scale=softmax_scale, plan=plan)  # fmt: skip
+            return baseline.forward(c.q, c.k_cache, c.v_cache, plan, softmax_scale=softmax_scale)
 
         def triton(config: DecodeConfig, c: DecodeCase = c) -> Tensor:
-            return paged_decode(c.q[:, 0], c.k_cache, c.v_cache, c.page_table, c.seqused_k,
+            return paged_decode(c.q[:, 0], c.k_cache, c.v_cache, c.meta,
                                 softmax_scale=softmax_scale, config=config)[:, None]  # fmt: skip
 
         fns = {config: functools.partial(triton, config) for config in candidates}
@@ -229,7 +239,8 @@ def check_fp8(
     """Whether the Triton kernel over FP8 pages (with their ``scales``) agrees with the scaled
     torch reference at each batch size; nothing is timed (the reference reads lengths on the
     host, so it cannot be graph-captured: the kernel serves FP8 decode wherever it agrees)."""
-    import kestrel_kernels as kk
+    from kestrel_kernels.attention import paged_attention
+    from kestrel_kernels.backends import TORCH
     from kestrel_kernels.dispatch import decode_kernel_forced
     from kestrel_kernels.triton_decode import paged_decode
 
@@ -238,10 +249,9 @@ def check_fp8(
         c = decode_case(k_cache, v_cache, batch, width, heads, seed=batch, q_dtype=q_dtype,
                         fill=i == 0)  # fmt: skip
         with decode_kernel_forced("fa"):
-            want = kk.paged_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.seqused_k,
-                                      softmax_scale=softmax_scale, backend="torch",
-                                      kv_scales=scales)  # fmt: skip
-        got = paged_decode(c.q[:, 0], c.k_cache, c.v_cache, c.page_table, c.seqused_k,
+            want = paged_attention(c.q, c.k_cache, c.v_cache, c.meta, backend=TORCH,
+                                   softmax_scale=softmax_scale, kv_scales=scales)  # fmt: skip
+        got = paged_decode(c.q[:, 0], c.k_cache, c.v_cache, c.meta,
                            softmax_scale=softmax_scale, kv_scales=scales)[:, None]  # fmt: skip
         diff = _relative_diff(want, got)
         ok = diff <= TOLERANCE

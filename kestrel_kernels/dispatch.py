@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from kestrel_kernels import fa_backend, torch_backend
+from kestrel_kernels import torch_backend
 from kestrel_kernels.contract import (
     AttentionShape,
     BackendUnavailableError,
@@ -36,7 +36,7 @@ from kestrel_kernels.contract import (
     env_choice,
 )
 from kestrel_kernels.fused import triton_available
-from kestrel_kernels.segments import SegmentPlan
+from kestrel_kernels.plan import AttentionPlan
 from kestrel_kernels.triton_decode import DecodeConfig
 
 __all__ = [
@@ -138,16 +138,14 @@ def _wanted(q: Tensor, scaled: bool) -> bool:
     return _decode_table.get(int(q.shape[0])) == "triton"
 
 
-def uses_triton_decode(
-    q: Tensor, shape: AttentionShape, backend: str, bidir_regions: Tensor | None, scaled: bool
-) -> bool:
+def uses_triton_decode(q: Tensor, shape: AttentionShape, plan: AttentionPlan, scaled: bool) -> bool:
     """Whether this call runs ``triton_decode`` (module doc): chosen, not tracing, a decode
-    shape, backend "fa" or FP8 pages, on CUDA (or a CPU under the interpreter)."""
+    shape, the ``fa`` backend or FP8 pages, on CUDA (or a CPU under the interpreter)."""
     if _decode_kernel == "fa" or torch.compiler.is_compiling():
         return False
-    if shape.q_len != 1 or bidir_regions is not None or not (backend == "fa" or scaled):
+    if shape.q_len != 1 or plan.meta.bidir_regions is not None:
         return False
-    if not _wanted(q, scaled):
+    if not (plan.backend.name == "fa" or scaled) or not _wanted(q, scaled):
         return False
     if not triton_available():
         if _decode_kernel == "auto":
@@ -160,46 +158,24 @@ def run_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    page_table: Tensor,
-    seqused_k: Tensor,
+    plan: AttentionPlan,
     shape: AttentionShape,
-    *,
-    backend: str,
-    seqused_q: Tensor | None,
-    causal: bool,
-    bidir_regions: Tensor | None,
     softmax_scale: float,
-    segments: SegmentPlan | None,
-    segment_pages: Tensor | None,
     kv_scales: KvScales | None,
 ) -> Tensor:
-    """Inputs already validated (``shape``) and ``backend`` resolved ("torch" or "fa"): a
-    decode shape with the decode switch on runs ``triton_decode``; else FP8 pages run the
-    scaled torch reference on every device; ``fa`` runs the forward's segments (an empty ``q``
-    needs no kernel); else the torch reference."""
-    if uses_triton_decode(q, shape, backend, bidir_regions, kv_scales is not None):
+    """Inputs already validated (``shape``): a decode shape with the decode switch on runs
+    ``triton_decode``; else FP8 pages run the scaled torch reference on every device; else the
+    plan's backend runs its own kernel (``AttentionBackend.kernel``)."""
+    meta = plan.meta
+    if uses_triton_decode(q, shape, plan, kv_scales is not None):
         from kestrel_kernels.triton_decode import paged_decode
 
-        out = paged_decode(
-            q[:, 0], k_cache, v_cache, page_table, seqused_k, softmax_scale=softmax_scale,
-            kv_scales=kv_scales, seqused_q=seqused_q, config=_decode_configs.get(q.shape[0]),
-        )  # fmt: skip
+        config = _decode_configs.get(q.shape[0])
+        out = paged_decode(q[:, 0], k_cache, v_cache, meta, softmax_scale=softmax_scale,
+                           kv_scales=kv_scales, config=config)  # fmt: skip
         return out.unsqueeze(1)
-    kwargs = dict(
-        seqused_q=seqused_q, causal=causal, bidir_regions=bidir_regions,
-        softmax_scale=softmax_scale,
-    )  # fmt: skip
     if kv_scales is not None:
         return torch_backend.paged_attention_scaled_torch(
-            q, k_cache, v_cache, page_table, seqused_k, shape, scales=kv_scales, **kwargs
+            q, k_cache, v_cache, meta, shape, kv_scales, softmax_scale
         )
-    if backend == "fa":
-        if q.numel() == 0:
-            return q.new_zeros(q.shape)
-        return fa_backend.paged_attention_fa(
-            q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs, segments=segments,
-            segment_pages=segment_pages,
-        )  # fmt: skip
-    return torch_backend.paged_attention_torch(
-        q, k_cache, v_cache, page_table, seqused_k, shape, **kwargs
-    )
+    return plan.backend.kernel(q, k_cache, v_cache, plan, shape, softmax_scale)

@@ -37,7 +37,8 @@ from kestrel_kernels.contract import (
     AttentionShape,
     BackendUnavailableError,
 )
-from kestrel_kernels.segments import SegmentPlan, choose_segment_plan, run_segmented
+from kestrel_kernels.plan import AttentionPlan
+from kestrel_kernels.segments import VarlenSeqs, run_segmented
 
 __all__ = ["INSTALL_HINT", "PACKAGE", "FaProbe", "load_binding", "paged_attention_fa", "probe"]
 
@@ -111,44 +112,30 @@ def _paged_kernel(
     k_cache: Tensor,
     v_cache: Tensor,
     page_table_BP: Tensor,
-    segs_per_row: int,
-    seqlens_k: Tensor,
-    cu_seqlens_q: Tensor,
-    max_seqlen_q: int,
-    causal: bool,
-    softmax_scale: float,
+    seqs: VarlenSeqs,
     *,
     pages_SP: Tensor | None = None,
 ) -> Tensor:
     """One varlen call over the paged cache; sequence ``s`` reads page-table row ``s // segs``
     (``pages_SP``: those rows already expanded, one per sequence)."""
     if pages_SP is None:
-        pages_SP = pages_per_segment(page_table_BP, segs_per_row)
+        pages_SP = pages_per_segment(page_table_BP, seqs.segs_per_row)
     out = load_binding()(
         q_THD,
         k_cache.unsqueeze(1),  # [n_pages, page_size=1, Hkv, D]
         v_cache.unsqueeze(1),
-        cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_seqlen_q,
-        seqused_k=seqlens_k,
+        cu_seqlens_q=seqs.cu_seqlens_q,
+        max_seqlen_q=seqs.max_seqlen_q,
+        seqused_k=seqs.seqlens_k,
         page_table=pages_SP,
-        softmax_scale=softmax_scale,
-        causal=causal,
+        softmax_scale=seqs.softmax_scale,
+        causal=seqs.causal,
     )
     return _first(out)
 
 
 def _gather_kernel(
-    q_THD: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    page_table_BP: Tensor,
-    segs_per_row: int,
-    seqlens_k: Tensor,
-    cu_seqlens_q: Tensor,
-    max_seqlen_q: int,
-    causal: bool,
-    softmax_scale: float,
+    q_THD: Tensor, k_cache: Tensor, v_cache: Tensor, page_table_BP: Tensor, seqs: VarlenSeqs
 ) -> Tensor:
     """Fallback: gather the rows' pages into contiguous K/V, then ``cu_seqlens_k`` offsets."""
     batch, max_pages = page_table_BP.shape
@@ -157,18 +144,18 @@ def _gather_kernel(
     # Every segment of row b starts at b's offset; seqused_k gives its length.
     starts = torch.arange(batch, device=q_THD.device, dtype=torch.int32) * max_pages
     total = torch.full((1,), batch * max_pages, device=q_THD.device, dtype=torch.int32)
-    cu_seqlens_k = torch.cat([starts.repeat_interleave(segs_per_row), total])
+    cu_seqlens_k = torch.cat([starts.repeat_interleave(seqs.segs_per_row), total])
     out = load_binding()(
         q_THD,
         k_flat,  # [B * max_pages, Hkv, D]
         v_flat,
-        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_q=seqs.cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_q=max_seqlen_q,
+        max_seqlen_q=seqs.max_seqlen_q,
         max_seqlen_k=max_pages,
-        seqused_k=seqlens_k,
-        softmax_scale=softmax_scale,
-        causal=causal,
+        seqused_k=seqs.seqlens_k,
+        softmax_scale=seqs.softmax_scale,
+        causal=seqs.causal,
     )
     return _first(out)
 
@@ -200,27 +187,19 @@ def paged_attention_fa(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    page_table: Tensor,
-    seqused_k: Tensor,
+    plan: AttentionPlan,
     shape: AttentionShape,
-    *,
-    seqused_q: Tensor | None,
-    causal: bool,
-    bidir_regions: Tensor | None,
     softmax_scale: float,
-    segments: SegmentPlan | None = None,
-    segment_pages: Tensor | None = None,
 ) -> Tensor:
-    """``paged_attention`` on FlashAttention (inputs already validated; see ``contract``).
-
-    ``segments`` / ``segment_pages``: the forward's plan (``plan_attention``), built once for
-    all layers; without them each call builds its own.
-    """
+    """``paged_attention`` on FlashAttention (inputs already validated; see ``contract``)
+    over the forward's ``plan`` (``backends.FlashBackend.plan``: its segments and, for the
+    paged kernel, the per-segment page table, built once for all layers)."""
     check_fa_inputs(q, shape)
-    if segments is None:
-        segments = choose_segment_plan(shape.q_len, seqused_k, seqused_q, bidir_regions, causal)
+    segments, page_table = plan.segments, plan.meta.page_table
+    assert segments is not None, "an fa plan holds its segments"
     kernel: Callable[..., Tensor] = _gather_kernel
     if _paged_enabled():
+        segment_pages = plan.segment_pages
         if segment_pages is None:
             segment_pages = pages_per_segment(page_table.contiguous(), segments.segs_per_row)
         kernel = functools.partial(_paged_kernel, pages_SP=segment_pages)

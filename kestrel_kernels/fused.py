@@ -1,6 +1,6 @@
 """Fused ops of the decoder and the vision encoder: one launch where torch takes several.
 
-    q = rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, n_heads=, n_kv_heads=, head_dim=)
+    q = rope_write_kv(qkv, cos, sin, KvWrite(k_cache, v_cache, slots), HeadLayout(H, Hkv, D))
     x, h = add_layer_norm(x, (attn_out, mlp_out), ln_weight, ln_bias, eps)
     y = linear_gelu(x, weight, bias)
 
@@ -42,13 +42,15 @@ from torch import Tensor
 from kestrel_kernels.contract import (
     BackendUnavailableError,
     KernelInputError,
-    KvScales,
     env_choice,
 )
 from kestrel_kernels.counting import opaque
+from kestrel_kernels.kv_write import HeadLayout, KvWrite
 from kestrel_kernels.torch_backend import write_kv_indexed, write_kv_scaled
 
 __all__ = [
+    "HeadLayout",
+    "KvWrite",
     "add_layer_norm",
     "fused_backend",
     "get_fused_backend",
@@ -114,32 +116,28 @@ def rope_write_kv(
     qkv_BTX: Tensor,
     cos_BTR: Tensor,
     sin_BTR: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slots: Tensor,
+    kv: KvWrite,
+    heads: HeadLayout,
     *,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
     tau_q: Tensor | None = None,
     tau_v: Tensor | None = None,
-    kv_scales: KvScales | None = None,
 ) -> Tensor:
-    """Rotate q and k of ``qkv_BTX`` ``[B, T, (H + 2 Hkv) D]``, write k and v to the pages
-    ``slots`` (int64 ``[B*T]``, < 0 = none); return q ``[B, T, H, D]`` (contiguous).
+    """Rotate q and k of ``qkv_BTX`` ``[B, T, (H + 2 Hkv) D]`` (``heads``), write k and v to
+    the pages ``kv`` names; return q ``[B, T, H, D]`` (contiguous).
 
     ``cos_BTR`` / ``sin_BTR``: float32 ``[B, T, R]`` (``2R`` dims of a head rotate, half-split);
     ``tau_q`` ``[B, T, H]`` / ``tau_v`` ``[B, T, Hkv]``: Moondream 3's factors, or None.
-    ``kv_scales``: the pages are the contract's scaled (FP8) case; its torch form runs.
+    ``kv.kv_scales``: the pages are the contract's scaled (FP8) case; its torch form runs.
     """
     B, T, _ = qkv_BTX.shape
-    H, G, D = n_heads, n_kv_heads, head_dim
+    H, G, D = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    k_cache, v_cache, slots, kv_scales = kv.k_cache, kv.v_cache, kv.slots, kv.kv_scales
     if kv_scales is None and fused_backend(qkv_BTX.device) == "triton":
         from kestrel_kernels.triton_fused import rope_write_kv_triton
 
         q = rope_write_kv_triton(
             qkv_BTX.reshape(B * T, -1), cos_BTR.reshape(B * T, -1), sin_BTR.reshape(B * T, -1),
-            k_cache, v_cache, slots, H, G, D,
+            kv, heads,
             None if tau_q is None else tau_q.reshape(B * T, H),
             None if tau_v is None else tau_v.reshape(B * T, G),
         )  # fmt: skip

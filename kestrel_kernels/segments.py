@@ -34,6 +34,7 @@ __all__ = [
     "SINGLE_CALL_MAX_CAUSAL_ROWS",
     "SegmentPlan",
     "VarlenPagedKernel",
+    "VarlenSeqs",
     "build_segment_plan",
     "build_single_call_plan",
     "choose_segment_plan",
@@ -209,29 +210,34 @@ def choose_segment_plan(
     return build_segment_plan(q_len, seqused_k, seqused_q, bidir_regions, causal)
 
 
+@dataclass(frozen=True, slots=True)
+class VarlenSeqs:
+    """The sequences of one varlen call: sequence ``s`` (packed query rows
+    ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``) reads keys ``0 .. seqlens_k[s] - 1`` through
+    page-table row ``s // segs_per_row``; ``max_seqlen_q``: a launch hint; ``causal``:
+    right-aligned causal (else every key); ``softmax_scale``: the scores' scale."""
+
+    segs_per_row: int
+    seqlens_k: Tensor
+    cu_seqlens_q: Tensor
+    max_seqlen_q: int
+    causal: bool
+    softmax_scale: float
+
+
 class VarlenPagedKernel(Protocol):
     """A varlen attention over paged K/V (the shape of FA3's ``flash_attn_with_kvcache``).
 
-    ``q_THD`` packs the sequences; sequence ``s`` (rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``,
-    ``n`` of them) reads keys ``0 .. seqlens_k[s] - 1`` through page-table row
-    ``page_table_BP[s // segs_per_row]``; with ``causal`` its row ``i`` sees keys
-    ``j <= seqlens_k[s] - n + i`` (right-aligned). Rows that see no key may hold anything:
-    callers discard them.
+    ``q_THD`` packs the sequences ``seqs`` (``VarlenSeqs``) describes; sequence ``s``'s row
+    ``i`` of ``n`` sees keys ``j <= seqlens_k[s] - n + i`` when causal (right-aligned), through
+    ``page_table_BP[s // segs_per_row]``. Rows that see no key may hold anything: callers
+    discard them.
     """
 
     def __call__(
-        self,
-        q_THD: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        page_table_BP: Tensor,
-        segs_per_row: int,
-        seqlens_k: Tensor,
-        cu_seqlens_q: Tensor,
-        max_seqlen_q: int,
-        causal: bool,
-        softmax_scale: float,
-    ) -> Tensor: ...
+        self, q_THD: Tensor, k_cache: Tensor, v_cache: Tensor, page_table_BP: Tensor,
+        seqs: VarlenSeqs,
+    ) -> Tensor: ...  # fmt: skip
 
 
 def run_segmented(
@@ -248,10 +254,8 @@ def run_segmented(
     q_THD = q_BLHD.reshape(batch * q_len, q_heads, head_dim).contiguous()
 
     def call(k_S: Tensor, causal: bool) -> Tensor:
-        out_THD = kernel(
-            q_THD, k_cache, v_cache, page_table, plan.segs_per_row, k_S, plan.cu_seqlens_q,
-            q_len, causal, softmax_scale,
-        )  # fmt: skip
+        seqs = VarlenSeqs(plan.segs_per_row, k_S, plan.cu_seqlens_q, q_len, causal, softmax_scale)
+        out_THD = kernel(q_THD, k_cache, v_cache, page_table, seqs)
         return out_THD.reshape(batch, q_len, q_heads, head_dim)
 
     out_c = None if plan.causal_k is None else call(plan.causal_k, True)

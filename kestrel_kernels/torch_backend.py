@@ -8,6 +8,7 @@ kernel, so that ``paged_attention_segmented`` runs the exact orchestration of th
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
@@ -15,13 +16,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kestrel_kernels.contract import (
+    AttentionMeta,
     AttentionShape,
     KvScales,
     dequantize_kv,
     quantize_kv,
     regions_BR2,
 )
-from kestrel_kernels.segments import SegmentPlan, build_segment_plan, run_segmented
+from kestrel_kernels.segments import SegmentPlan, VarlenSeqs, build_segment_plan, run_segmented
 
 __all__ = [
     "build_attention_mask",
@@ -149,32 +151,25 @@ def paged_attention_torch(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    page_table: Tensor,
-    seqused_k: Tensor,
+    meta: AttentionMeta,
     shape: AttentionShape,
-    *,
-    seqused_q: Tensor | None,
-    causal: bool,
-    bidir_regions: Tensor | None,
     softmax_scale: float,
 ) -> Tensor:
     """Reference ``paged_attention`` (inputs already validated; see ``contract``)."""
     # Gather only the columns some row uses: one host read of max(seqused_k).
-    k_max = int(seqused_k.max()) if shape.batch else 0
+    k_max = int(meta.seqused_k.max()) if shape.batch else 0
     if k_max == 0 or shape.q_len == 0:
         return torch.zeros_like(q)
-    out = _shared_page_attention(
-        q, k_cache, v_cache, page_table[:, :k_max], seqused_k, shape,
-        seqused_q, causal, bidir_regions, softmax_scale,
-    )  # fmt: skip
+    cut = dataclasses.replace(meta, page_table=meta.page_table[:, :k_max])
+    out = _shared_page_attention(q, k_cache, v_cache, cut, shape, softmax_scale)
     if out is not None:
         return out
-    k_BKHD, v_BKHD = _gather_pages(k_cache, v_cache, page_table[:, :k_max])
+    k_BKHD, v_BKHD = _gather_pages(k_cache, v_cache, cut.page_table)
     mask_BLK, real_BL = build_attention_mask(
-        shape.q_len, k_max, seqused_k, seqused_q, bidir_regions, causal
+        shape.q_len, k_max, meta.seqused_k, meta.seqused_q, meta.bidir_regions, meta.causal
     )
     out = _grouped_sdpa(q, k_BKHD, v_BKHD, mask_BLK, shape.group, softmax_scale)
-    if seqused_q is not None:
+    if meta.seqused_q is not None:
         out = torch.where(real_BL[:, :, None, None], out, out.new_zeros(()))
     return out
 
@@ -183,12 +178,8 @@ def _shared_page_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    pages_BK: Tensor,
-    seqused_k: Tensor,
+    meta: AttentionMeta,
     shape: AttentionShape,
-    seqused_q: Tensor | None,
-    causal: bool,
-    bidir_regions: Tensor | None,
     scale: float,
 ) -> Tensor | None:
     """Attention over each distinct page once, for batches whose rows share pages (questions
@@ -198,8 +189,9 @@ def _shared_page_attention(
     masked by the key's logical position in the query's own row (-1 where the page is not in
     that row). The per-row gather instead copies a shared prefix once per row, which on a CPU
     costs more than the arithmetic. Same masking rule, so the same result up to float
-    summation order.
+    summation order. ``meta``'s page table is cut to the columns some row uses.
     """
+    pages_BK, seqused_k, seqused_q = meta.page_table, meta.seqused_k, meta.seqused_q
     batch, q_len = shape.batch, shape.q_len
     k_max = pages_BK.shape[1]
     if batch < 2:
@@ -216,7 +208,7 @@ def _shared_page_attention(
     if bool((hits_BU > 1).any()):
         return None  # a page twice in one row: keep the per-row reference path
     mask_BLU, real_BL = _mask_for_keys(
-        key_pos_BU[:, None, :], q_len, seqused_k, seqused_q, bidir_regions, causal
+        key_pos_BU[:, None, :], q_len, seqused_k, seqused_q, meta.bidir_regions, meta.causal
     )
     g, hkv, d = shape.group, shape.kv_heads, shape.head_dim
     m = batch * q_len * g
@@ -233,23 +225,14 @@ def _shared_page_attention(
 
 
 def varlen_paged_attention_torch(
-    q_THD: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    page_table_BP: Tensor,
-    segs_per_row: int,
-    seqlens_k: Tensor,
-    cu_seqlens_q: Tensor,
-    max_seqlen_q: int,
-    causal: bool,
-    softmax_scale: float,
+    q_THD: Tensor, k_cache: Tensor, v_cache: Tensor, page_table_BP: Tensor, seqs: VarlenSeqs
 ) -> Tensor:
     """Torch model of FlashAttention's varlen paged call (``segments.VarlenPagedKernel``).
 
     Each packed query row is treated as its own batch entry of length 1, with the right-aligned
     causal limit of its sequence; rows that see no key return zeros (as FlashAttention does).
     """
-    del max_seqlen_q  # only a launch hint for the real kernels
+    seqlens_k, cu_seqlens_q = seqs.seqlens_k, seqs.cu_seqlens_q  # max_seqlen_q: a launch hint
     total, q_heads, head_dim = q_THD.shape
     kv_heads = k_cache.shape[1]
     t = torch.arange(total, device=q_THD.device)
@@ -258,10 +241,10 @@ def varlen_paged_attention_torch(
     i = t - cu_seqlens_q[seq].long()
     k_len = seqlens_k.long()[seq]
     k_max = max(int(seqlens_k.max()), 1) if seqlens_k.numel() else 1
-    pages_TK = page_table_BP[seq // segs_per_row, :k_max]
+    pages_TK = page_table_BP[seq // seqs.segs_per_row, :k_max]
     j = torch.arange(k_max, device=q_THD.device)[None, :]
     visible_TK = j < k_len[:, None]
-    if causal:
+    if seqs.causal:
         visible_TK &= j <= (k_len - n + i)[:, None]
     seen = visible_TK.any(-1)
     visible_TK = torch.where(seen[:, None], visible_TK, j == 0)
@@ -270,7 +253,7 @@ def varlen_paged_attention_torch(
         *_gather_pages(k_cache, v_cache, pages_TK),
         visible_TK[:, None, :],
         q_heads // kv_heads,
-        softmax_scale,
+        seqs.softmax_scale,
     )  # [T, 1, Hq, D]
     return torch.where(seen[:, None, None], out[:, 0], out.new_zeros(()))
 
@@ -279,12 +262,8 @@ def paged_attention_segmented(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    page_table: Tensor,
-    seqused_k: Tensor,
+    meta: AttentionMeta,
     *,
-    seqused_q: Tensor | None,
-    causal: bool,
-    bidir_regions: Tensor | None,
     softmax_scale: float,
     segments: SegmentPlan | None = None,
 ) -> Tensor:
@@ -294,9 +273,11 @@ def paged_attention_segmented(
     path relies on against the explicit mask. ``segments``: the plan to run (default: the
     two-call ``build_segment_plan``; ``segments.build_single_call_plan`` is the other form).
     """
-    plan = segments or build_segment_plan(q.shape[1], seqused_k, seqused_q, bidir_regions, causal)
+    plan = segments or build_segment_plan(
+        q.shape[1], meta.seqused_k, meta.seqused_q, meta.bidir_regions, meta.causal
+    )
     return run_segmented(
-        q, k_cache, v_cache, page_table, plan, varlen_paged_attention_torch, softmax_scale
+        q, k_cache, v_cache, meta.page_table, plan, varlen_paged_attention_torch, softmax_scale
     )
 
 
@@ -336,29 +317,22 @@ def paged_attention_scaled_torch(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    page_table: Tensor,
-    seqused_k: Tensor,
+    meta: AttentionMeta,
     shape: AttentionShape,
-    *,
     scales: KvScales,
-    seqused_q: Tensor | None,
-    causal: bool,
-    bidir_regions: Tensor | None,
     softmax_scale: float,
 ) -> Tensor:
     """Reference attention over scaled pages: the pages this call reads (each row's first
     ``max(seqused_k)``) are gathered and widened to q's dtype, then the plain reference runs
     on them with a page table into that compact copy. Nothing else is widened."""
-    k_max = int(seqused_k.max()) if shape.batch else 0
+    k_max = int(meta.seqused_k.max()) if shape.batch else 0
     if k_max == 0 or shape.q_len == 0:
         return torch.zeros_like(q)
-    flat = page_table[:, :k_max].reshape(-1).long()
+    flat = meta.page_table[:, :k_max].reshape(-1).long()
     k = dequantize_kv(k_cache.index_select(0, flat), scales.k, q.dtype)
     v = dequantize_kv(v_cache.index_select(0, flat), scales.v, q.dtype)
     compact = torch.arange(flat.numel(), device=q.device, dtype=torch.int32).view(-1, k_max)
-    inner = AttentionShape(shape.batch, shape.q_len, shape.q_heads, shape.kv_heads,
-                           shape.head_dim, flat.numel(), k_max)  # fmt: skip
+    inner = dataclasses.replace(shape, n_pages=flat.numel(), max_pages=k_max)
     return paged_attention_torch(
-        q, k, v, compact, seqused_k, inner, seqused_q=seqused_q, causal=causal,
-        bidir_regions=bidir_regions, softmax_scale=softmax_scale,
-    )  # fmt: skip
+        q, k, v, dataclasses.replace(meta, page_table=compact), inner, softmax_scale
+    )

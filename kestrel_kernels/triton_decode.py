@@ -1,7 +1,7 @@
 """Flash-decoding in Triton: attention of one query position per row over paged K/V.
 
-    out_BHD = paged_decode(q_BHD, k_cache, v_cache, page_table, seqused_k,
-                           softmax_scale=, kv_scales=None, seqused_q=None)
+    out_BHD = paged_decode(q_BHD, k_cache, v_cache, AttentionMeta(page_table, seqused_k),
+                           softmax_scale=, kv_scales=None)
 
 The decode step of the attention contract (``kestrel_kernels.contract``): ``Lq = 1``, so the
 query of row ``b`` sits at position ``seqused_k[b] - 1`` and sees every key of its row (the
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kestrel_kernels.contract import KernelInputError, KvScales
+from kestrel_kernels.contract import AttentionMeta, KernelInputError, KvScales
 from kestrel_kernels.counting import opaque
 from kestrel_kernels.triton_fused import interpreting
 
@@ -234,18 +234,19 @@ def paged_decode(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    page_table: Tensor,
-    seqused_k: Tensor,
+    meta: AttentionMeta,
     *,
     softmax_scale: float,
     kv_scales: KvScales | None = None,
-    seqused_q: Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> Tensor:
     """Attention of ``q`` ``[B, H, D]`` (one position per row) over the paged K/V
-    ``[n_pages, Hkv, D]`` through ``page_table`` int32 ``[B, P]`` with ``seqused_k`` int32
-    ``[B]`` keys per row; returns ``[B, H, D]`` in q's dtype. Inputs are as the contract's
-    validation leaves them (not re-checked here); ``kv_scales``: FP8 pages and their scales."""
+    ``[n_pages, Hkv, D]`` through ``meta.page_table`` int32 ``[B, P]`` with ``meta.seqused_k``
+    int32 ``[B]`` keys per row (rows whose ``meta.seqused_q`` is 0: zeros; the causal limit and
+    regions change nothing for one query); returns ``[B, H, D]`` in q's dtype. Inputs are as the
+    contract's validation leaves them (not re-checked here); ``kv_scales``: FP8 pages and their
+    scales."""
+    page_table, seqused_k, seqused_q = meta.page_table, meta.seqused_k, meta.seqused_q
     batch, heads, dim = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if batch == 0 or heads == 0:

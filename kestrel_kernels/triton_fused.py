@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from kestrel_kernels.counting import opaque
+from kestrel_kernels.kv_write import HeadLayout, KvWrite
 
 __all__ = [
     "add_layer_norm_triton",
@@ -139,12 +140,13 @@ def _next_pow2(n: int) -> int:
 
 
 def rope_write_kv_triton(
-    qkv_NX: Tensor, cos_NR: Tensor, sin_NR: Tensor, k_cache: Tensor, v_cache: Tensor,
-    slots_N: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+    qkv_NX: Tensor, cos_NR: Tensor, sin_NR: Tensor, kv: KvWrite, heads: HeadLayout,
     tau_q_NH: Tensor | None, tau_v_NG: Tensor | None,
 ) -> Tensor:  # fmt: skip
     """One launch (a program per token): rotate q and k, write k and v to their pages
-    (slot < 0: no write); the rotated queries come back ``[N, H, D]``."""
+    (``kv``: 16-bit pages; slot < 0: no write); the rotated queries come back ``[N, H, D]``."""
+    n_heads, n_kv_heads, head_dim = heads.n_heads, heads.n_kv_heads, heads.head_dim
+    k_cache, v_cache, slots_N = kv.k_cache, kv.v_cache, kv.slots
     n = qkv_NX.shape[0]
     q_out = torch.empty(n, n_heads, head_dim, dtype=qkv_NX.dtype, device=qkv_NX.device)
     if n == 0:

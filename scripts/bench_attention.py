@@ -42,10 +42,12 @@ def _case(
         q=torch.randn(batch, q_len, heads, head_dim),
         k_cache=torch.randn(n_pages, heads, head_dim),
         v_cache=torch.randn(n_pages, heads, head_dim),
-        page_table=table.contiguous(),
-        seqused_k=torch.full((batch,), k_len, dtype=torch.int32),
-        bidir_regions=torch.tensor([[0, region]] * batch, dtype=torch.int32),
-        backend="torch",
+        meta=kk.AttentionMeta(
+            table.contiguous(),
+            torch.full((batch,), k_len, dtype=torch.int32),
+            bidir_regions=torch.tensor([[0, region]] * batch, dtype=torch.int32),
+        ),
+        backend=kk.resolve_backend("torch"),
     )
 
 
@@ -99,18 +101,18 @@ def _decode_fns(case: dict, config) -> dict:
     """name -> (call, K/V bytes per call) for the decode kernels on ``case``."""
     from kestrel_kernels.triton_decode import paged_decode
 
-    q, pt, sk = case["q"], case["page_table"], case["seqused_k"]
+    q, meta = case["q"], kk.AttentionMeta(case["page_table"], case["seqused_k"])
     k, v = case["k_cache"], case["v_cache"]
     bytes16 = 2 * case["positions"] * k.shape[1] * k.shape[2] * k.element_size()
     scales = KvScales(torch.tensor([0.05], device="cuda"), torch.tensor([0.05], device="cuda"))
     k8, v8 = quantize_kv(k, scales.k), quantize_kv(v, scales.v)
     fns = {}
     if "fa" in kk.available_backends("cuda"):
-        plan = kk.plan_attention(1, pt, sk, backend="fa", dtype=q.dtype)
-        fns["fa"] = (lambda: kk.paged_attention(q, k, v, pt, sk, plan=plan), bytes16)
-    fns["triton"] = (lambda: paged_decode(q[:, 0], k, v, pt, sk, softmax_scale=0.125,
+        plan = kk.plan_attention(meta, 1, backend=kk.resolve_backend("fa"), dtype=q.dtype)
+        fns["fa"] = (lambda: kk.attend(q, k, v, plan), bytes16)
+    fns["triton"] = (lambda: paged_decode(q[:, 0], k, v, meta, softmax_scale=0.125,
                                           config=config)[:, None], bytes16)  # fmt: skip
-    fns["triton fp8"] = (lambda: paged_decode(q[:, 0], k8, v8, pt, sk, softmax_scale=0.125,
+    fns["triton fp8"] = (lambda: paged_decode(q[:, 0], k8, v8, meta, softmax_scale=0.125,
                                               kv_scales=scales, config=config)[:, None],
                          bytes16 // 2)  # fmt: skip
     return fns

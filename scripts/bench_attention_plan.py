@@ -52,9 +52,11 @@ def layers_ms(args: dict, plan, layers: int, reps: int, gpu: bool) -> float:
 
     def call():
         if gpu:
-            return kk.paged_attention(**args, plan=plan)
-        return paged_attention_segmented(**args, causal=True, softmax_scale=scale,
-                                         segments=plan)  # fmt: skip
+            return kk.attend(args["q"], args["k_cache"], args["v_cache"], plan)
+        meta = kk.AttentionMeta(args["page_table"], args["seqused_k"], args["seqused_q"],
+                                args["bidir_regions"])  # fmt: skip
+        return paged_attention_segmented(args["q"], args["k_cache"], args["v_cache"], meta,
+                                         softmax_scale=scale, segments=plan)  # fmt: skip
 
     times = []
     for _ in range(reps + 1):
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         dev, dtype, prefix, heads, dim, rows = "cpu", torch.float32, 20, 2, 16, (2, 4)
         args.layers, args.reps, args.batch, gpu = 2, 1, 2, False
     else:
-        if kk.resolve_backend("fa", "cuda") != "fa":
+        if "fa" not in kk.available_backends("cuda"):
             raise SystemExit("needs the fa backend (CUDA sm90 + flash-attn-4); try --smoke")
         dev, dtype, prefix, heads, dim, rows = "cuda", torch.bfloat16, 730, 32, 64, (8, 16, 32, 64)
         gpu = True
@@ -92,12 +94,11 @@ def main(argv: list[str] | None = None) -> None:
             meta = (a["q"].shape[1], a["seqused_k"], None, a["bidir_regions"])
             plans = [build_single_call_plan(*meta, n), build_segment_plan(*meta, True)]
             if gpu:  # the fa backend with the forward's plan, as text_forward hands it over
-                plans = [
-                    kk.plan_attention(meta[0], a["page_table"], a["seqused_k"],
-                                      bidir_regions=a["bidir_regions"], backend="fa",
-                                      causal_rows=rows_bound)
-                    for rows_bound in (n, meta[0])
-                ]  # fmt: skip
+                fa = kk.resolve_backend("fa", "cuda")
+                whole = kk.AttentionMeta(a["page_table"], a["seqused_k"],
+                                         bidir_regions=a["bidir_regions"])  # fmt: skip
+                plans = [fa.plan(whole, meta[0], causal_rows=rows_bound)
+                         for rows_bound in (n, meta[0])]  # fmt: skip
                 assert plans[0].segments.causal_k is None and plans[1].segments.causal_k is not None
             one, two = (layers_ms(a, plan, args.layers, args.reps, gpu) for plan in plans)
             print(f"{batch:5d}  {n:9d}  {one:8.3f}  {two:17.3f}")

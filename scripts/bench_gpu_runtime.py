@@ -142,15 +142,17 @@ def profile_request(rt: MoondreamRuntime) -> None:
     q = torch.randn(1, 1, text.n_heads, text.head_dim, device=rt.device, dtype=rt.dtype)
     pt = rt.page_table.page_table[:1]
     sk = torch.ones(1, dtype=torch.int32, device=rt.device)
-    for backend in kestrel_kernels.available_backends(rt.device):
-        kestrel_kernels.paged_attention(q, kv.k[0], kv.v[0], pt, sk, backend=backend)
+    meta = kestrel_kernels.AttentionMeta(pt, sk)
+    for name in kestrel_kernels.available_backends(rt.device):
+        backend = kestrel_kernels.resolve_backend(name, rt.device)
+        kestrel_kernels.paged_attention(q, kv.k[0], kv.v[0], meta, backend=backend)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(100):
-            kestrel_kernels.paged_attention(q, kv.k[0], kv.v[0], pt, sk, backend=backend)
+            kestrel_kernels.paged_attention(q, kv.k[0], kv.v[0], meta, backend=backend)
         host = (time.perf_counter() - t0) / 100
         torch.cuda.synchronize()
-        print(f"paged_attention host time per decode call, {backend}: {1e6 * host:.0f} us")
+        print(f"paged_attention host time per decode call, {name}: {1e6 * host:.0f} us")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     holder = []
     with torch.profiler.profile(activities=acts) as prof:
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     rt = MoondreamRuntime(model, max_batch_size=max(batches),
                           kv_memory_fraction=args.kv_memory_fraction)  # fmt: skip
     t_rt = time.perf_counter() - t_rt
-    backend = kestrel_kernels.resolve_backend("auto", "cuda")
+    backend = rt.attention_backend.name
     fused_ops = kestrel_kernels.fused.fused_backend(torch.device("cuda"))
     print(f"device: {name}; attention backend: {backend}; fused ops: {fused_ops}; decode "
           f"kernel: {kestrel_kernels.get_decode_kernel()}; torch {torch.__version__}")  # fmt: skip

@@ -7,8 +7,8 @@ mask fill per row, and grammar compiles cold and cached (docs/structured.md).
 The schema is a 10-field object (enums, bounded integers and numbers, bounded strings, a
 boolean, an array; every field required, so a grammar row keeps its mask busy). Decode: one
 Engine (``max_batch_size`` = batch), ``batch`` queries at once with ``max_tokens`` = steps, of
-which 0, batch/2 or batch carry the schema; every decode call of the runner is timed while
-all rows run (median wall ms from one step's choice, ``runner.choose``, to the next), and so
+which 0, batch/2 or batch carry the schema; every decode call of the executor is timed while
+all rows run (median wall ms from one step's choice, ``executor.choose``, to the next), and so
 is the host's mask work inside it (median us per step: ``token_masks.mask_table``, the bitmask
 fill and its upload). Mask fill: ``batch``
 rows of the schema walked through a valid answer token by token, all rows filled per step
@@ -105,10 +105,10 @@ class _Timed:
 
 def decode_row(engine, batch: int, constrained: int, steps: int) -> dict:
     """Median decode step (ms) and mask host work per step (us) with ``constrained`` rows."""
-    from kestrel.runtime import heads, runner
+    from kestrel.runtime import executor, heads
 
-    step, masks = _Timed(runner.choose), _Timed(heads.mask_table)
-    runner.choose, heads.mask_table = step, masks
+    step, masks = _Timed(executor.choose), _Timed(heads.mask_table)
+    executor.choose, heads.mask_table = step, masks
     try:
         image = REPO / "kestrel" / "tiny" / "assets" / "demo" / "scene_0.png"
         settings = {"temperature": 0, "max_tokens": steps}
@@ -118,7 +118,7 @@ def decode_row(engine, batch: int, constrained: int, steps: int) -> dict:
         for f in futures:
             f.result()
     finally:
-        runner.choose, heads.mask_table = step.fn, masks.fn
+        executor.choose, heads.mask_table = step.fn, masks.fn
     full = [t0 for t0, _, rows in step.calls if rows == batch]  # every row running
     walls = [b - a for a, b in itertools.pairwise(full)] or [0.0]
     fills = [wall for _, wall, rows in masks.calls if rows == batch] or [0.0]

@@ -15,7 +15,7 @@ widths. The runtime runs the branches a GPU takes: the ``fa`` attention backend
 contract test does), the static decode step that CUDA graphs capture (run uncaptured; its
 launches are the graph body), the fused Triton kernels under ``TRITON_INTERPRET=1`` when
 Triton is installed (one launch each), Hopper's FP8 grouped GEMM for FP8 experts. Requests go
-through the Engine's own pieces (request factory, scheduler, runner) on this thread.
+through the Engine's own pieces (request factory, scheduler, executor) on this thread.
 
 Rows (Moondream 2; Moondream 3 has the greedy decode rows and the two prefills, ``md3_*`` in
 the JSON): a decode step at batch 1 and 64, greedy and with Moondream's default sampling
@@ -81,7 +81,7 @@ def host_us(
     """Median host time of one scheduler decode step, the forward replaced by fixed logits
     (the setup's prefills use the torch forms: the interpreter is slow, and it is not timed)."""
     fused.set_fused_backend("torch")
-    rt, _runner, sched, factory = build(batch, layers=layers, small=small)
+    rt, _executor, sched, factory = build(batch, layers=layers, small=small)
     image = pictures(small)(1)
     for i in range(batch):
         submit(sched, factory, image, f"{QUESTION} {i}", {**settings, "max_tokens": 400})

@@ -34,15 +34,16 @@ from kestrel.moondream.config import MoondreamConfig, TextMoeConfig
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
 from kestrel.runtime.cuda_graphs import DecodeGraphs
+from kestrel.runtime.executor import BatchExecutor
 from kestrel.runtime.heads import ModelHeads
 from kestrel.runtime.prefill_graphs import PrefillGraphs
-from kestrel.runtime.runner import BatchExecutor
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.runtime.vision_graphs import VisionGraphs
 from kestrel.scheduler import Request, Scheduler
 from kestrel.testing.random_weights import random_model
 from kestrel_kernels import contract, fa_backend, fused
 from kestrel_kernels.counting import LaunchCounter
+from kestrel_kernels.segments import VarlenSeqs
 from kestrel_kernels.torch_backend import varlen_paged_attention_torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +61,8 @@ def fake_binding(
     from kestrel_kernels.counting import opaque
 
     with opaque("flash_attn"):
-        args = (page_table, 1, seqused_k, cu_seqlens_q, max_seqlen_q, causal, softmax_scale)
-        out = varlen_paged_attention_torch(q, k[:, 0], v[:, 0], *args)
+        seqs = VarlenSeqs(1, seqused_k, cu_seqlens_q, max_seqlen_q, causal, softmax_scale)
+        out = varlen_paged_attention_torch(q, k[:, 0], v[:, 0], page_table, seqs)
     return out, None
 
 
@@ -127,18 +128,18 @@ def build(max_batch: int, family: str = "md2", layers: int = 24, small: bool = F
         rt.kv,
         rt.page_table.page_table,
         max_batch_size=max_batch,
-        backend="fa",
+        backend=rt.attention_backend,
         capture=False,
     )
     # the prefill and vision graphs, uncaptured: their launches are the graph bodies
     rt.prefill_graphs = PrefillGraphs(
-        model, rt.kv, rt.page_table.page_table, max_batch_size=max_batch, backend="fa",
-        capture=False,
+        model, rt.kv, rt.page_table.page_table, max_batch_size=max_batch,
+        backend=rt.attention_backend, capture=False,
     )  # fmt: skip
     rt.vision_graphs = VisionGraphs(model, capture=False)
-    runner = BatchExecutor(rt, lookahead=True)  # as on CUDA
+    executor = BatchExecutor(rt, lookahead=True)  # as on CUDA
     factory = RequestFactory(ModelHeads(model, rt.tokenizer), cfg)
-    return rt, runner, Scheduler(runner), factory
+    return rt, executor, Scheduler(executor), factory
 
 
 _ids = iter(range(1, 1 << 30))
@@ -212,7 +213,7 @@ def decode_rows(
 ) -> dict:  # fmt: skip
     """One decode step of ``batch`` running rows, counted; ``shape``: every row's
     ``response_format`` (a grammar's mask in the step)."""
-    _rt, _runner, sched, factory = build(max(batch, 1), family, layers, small)
+    _rt, _executor, sched, factory = build(max(batch, 1), family, layers, small)
     image = pictures(small)(1)
     futures = [submit(sched, factory, image, f"{QUESTION} {i}", settings, shape)
                for i in range(batch)]  # fmt: skip
@@ -255,7 +256,7 @@ def prefill_rows(family: str = "md2", layers: int = 24, small: bool = False) -> 
     """The miss and hit prefill counts (sites always kept: ``readbacks`` reads them), and
     for Moondream 2 the vision encoder's and the crops'."""
     sites, pic = True, pictures(small)
-    rt, _runner, sched, factory = build(4, family, layers, small)
+    rt, _executor, sched, factory = build(4, family, layers, small)
     out = {}
     with torch.inference_mode():  # the image size seen before (a new one: ``crops_new_size``)
         rt.crops.pixels(pic(9)).encoder_input(rt.dtype, rt.device)

@@ -1,7 +1,8 @@
 """The output file of batch image-QA: one JSON line per request, appended; resume support.
 
-An answered request is ``{"id", "image", "question", ["adapter",] "answer", "finish_reason",
-"metrics"}``; a failed one ``{"id", "image", "question", ["adapter",] "error", "error_type"}``.
+An answered request is ``{"id", "image", "question", ["adapter",] "answer", ["parsed",]
+"finish_reason", "metrics"}`` (``parsed``: with a job's ``response_format``, the answer's
+value); a failed one ``{"id", "image", "question", ["adapter",] "error", "error_type"}``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ def _head(request: BatchRequest) -> dict[str, Any]:
     return head
 
 
-def result_record(request: BatchRequest, result: QueryResult) -> dict[str, Any]:
+def result_record(
+    request: BatchRequest, result: QueryResult, *, parsed: bool = False
+) -> dict[str, Any]:
+    shaped = {"parsed": result.parsed} if parsed else {}
     return {
         **_head(request),
         "answer": result.answer,
+        **shaped,
         "finish_reason": result.finish_reason,
         "metrics": result.metrics.to_dict(),
     }

@@ -5,6 +5,10 @@ appends one JSON line per request as results arrive:
     {"id", "image", "question", "answer", "finish_reason", "metrics": {...}}   or
     {"id", "image", "question", "error", "error_type"}
 
+With a ``response_format`` (a JSON schema for the whole job, docs/structured.md) every answer
+is held to it and its line carries ``"parsed"``: the answer's JSON value (null for an answer
+cut short by ``max_tokens``), so the fields can be read as columns.
+
 Resuming: ids already in the output file are skipped (error lines count as done; delete them
 to retry). A bad image gives an error line for each of its requests; the run goes on. Bad
 settings or an unknown adapter fail the run before a line is written; a closed engine stops it
@@ -59,6 +63,7 @@ def run_batch(
     adapter: str | None = None,
     max_in_flight: int = 64,
     progress: bool = True,
+    response_format: dict[str, Any] | None = None,
 ) -> BatchSummary:
     """Answer every request whose id is not yet in ``out``, appending one JSON line per request
     (flushed as each result arrives). ``max_in_flight`` bounds the submitted-but-unfinished
@@ -68,6 +73,8 @@ def run_batch(
     check_unique(requests)
     # What would fail every request fails the run instead, before a line is written.
     parse_settings(settings)
+    if response_format is not None:
+        engine.check_response_format(response_format)  # a schema that cannot compile
     named = {adapter, *(r.adapter for r in requests)} - {None}
     for name in sorted(named - set(engine.adapters() if named else ())):
         raise UnknownAdapterError(f"no adapter named {name!r} is loaded")
@@ -90,9 +97,10 @@ def run_batch(
             bar.set_postfix(errors=tally.errors, refresh=False)
             bar.update(1)
 
-        RequestFeed(engine, record, max_in_flight, settings=settings, adapter=adapter).run(
-            _group_by_image(todo)
-        )
+        shaped = {} if response_format is None else {"response_format": response_format}
+        feed = RequestFeed(engine, record, max_in_flight, settings=settings, adapter=adapter,
+                           **shaped)  # fmt: skip
+        feed.run(_group_by_image(todo))
     wall_s = time.perf_counter() - start
     return _summarize(tally, ttft_ms, len(requests) - len(todo), wall_s, before, engine.stats())
 
@@ -114,7 +122,8 @@ class RequestFeed:
     def __init__(self, engine: Engine, record: Callable[[dict[str, Any]], None],
                  max_in_flight: int, **kwargs: Any) -> None:  # fmt: skip
         self.engine, self.record, self.max_in_flight = engine, record, max_in_flight
-        self.kwargs = kwargs  # settings=, adapter= of every submit_query
+        self.kwargs = kwargs  # settings=, adapter=, response_format= of every submit_query
+        self.parsed = "response_format" in kwargs  # the lines carry "parsed"
         self.in_flight: dict[Future[QueryResult], BatchRequest] = {}
 
     def run(self, groups: list[tuple[Path | None, list[BatchRequest]]]) -> None:
@@ -155,7 +164,7 @@ class RequestFeed:
         for future in finished:
             request = self.in_flight.pop(future)
             try:
-                self.record(result_record(request, future.result()))
+                self.record(result_record(request, future.result(), parsed=self.parsed))
             except EngineClosedError:
                 raise  # not the request's fault: no line, so it runs again on resume
             except KestrelError as exc:

@@ -10,6 +10,7 @@ from kestrel import batch
 from kestrel.errors import KestrelError
 
 from . import common
+from .query import response_format
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="NAME=PATH",
         help='load a LoRA adapter under NAME for JSONL lines with "adapter": NAME (repeatable)',
     )
+    parser.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        type=Path,
+        help='hold every answer to the JSON schema in FILE; each line gets "parsed", its value',
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     common.add_ray_options(
@@ -62,9 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     requests = _requests(args)  # bad input fails here, before the model loads
+    shape = response_format(args.json_schema)
     adapters = [_named_path(spec) for spec in args.load_adapter]
     max_in_flight = args.max_in_flight or 4 * args.max_batch_size
     if args.ray:
+        if shape is not None:
+            raise common.UsageError("--json-schema is not yet supported with --ray")
         return _run_ray(args, requests, adapters, max_in_flight)
     with common.open_engine(args) as engine:
         for name, path in adapters:
@@ -77,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             adapter=common.adapter_name(args),
             max_in_flight=max_in_flight,
             progress=not args.no_progress,
+            response_format=shape,
         )
     if args.json:
         common.print_json(summary.to_dict())

@@ -8,17 +8,14 @@ from . import common
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "caption",
-        help="describe an image",
+    parser = common.add_command(
+        subparsers, "caption", run, "IMAGE", help="describe an image",
         description="Describe an image. IMAGE may be '-' to read it from stdin.",
-    )
-    parser.add_argument("image", metavar="IMAGE")
+    )  # fmt: skip
     parser.add_argument("--length", choices=("short", "normal", "long"), default="normal")
     common.add_output_options(parser)
     common.add_engine_options(parser)
     common.add_generation_options(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

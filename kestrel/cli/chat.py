@@ -28,13 +28,12 @@ _IMAGE_COMMAND = "/image"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "chat",
-        help="hold a conversation (about images, if given)",
+    parser = common.add_command(
+        subparsers, "chat", run, help="hold a conversation (about images, if given)",
         description="Hold a conversation: type a line, the answer streams; '/image PATH' adds "
         "an image to the next turn; Ctrl-D ends. With --json, read messages from stdin "
         "(JSON Lines) and print one JSON line per answer.",
-    )
+    )  # fmt: skip
     parser.add_argument("images", metavar="IMAGE", nargs="*", help="images for the first turn")
     parser.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     parser.add_argument("--reasoning", action="store_true", help="think before answering")
@@ -43,7 +42,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     common.add_engine_options(parser)
     common.add_generation_options(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""What every subcommand shares: engine and generation options, engine construction, result
-printing and the one-line error convention (``kestrel: error: ...``).
+"""What every subcommand shares: engine options (their flags are ``engine_flags.py``'s) and
+generation options, engine construction, result printing and the one-line error convention
+(``kestrel: error: ...``).
 
 The engine module is imported inside :func:`open_engine`, when a command first needs one.
 """
@@ -8,14 +9,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
-import math
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kestrel.cli.engine_flags import (
+    add_engine_options,
+    add_model_loading_options,
+    budget_number,
+    engine_kwargs,
+    engine_options,
+    int_in,
+    positive_int,
+)
 from kestrel.errors import InvalidInputError, KestrelError
 
 if TYPE_CHECKING:
@@ -25,13 +34,16 @@ __all__ = [
     "ADAPTER",
     "UsageError",
     "adapter_name",
+    "add_command",
     "add_engine_options",
     "add_generation_options",
     "add_model_loading_options",
     "add_output_options",
     "add_region_command",
+    "budget_number",
     "check_image_arg",
     "engine_kwargs",
+    "engine_options",
     "int_in",
     "note_if_empty",
     "open_engine",
@@ -51,106 +63,6 @@ _SETTINGS_KEYS = ("temperature", "top_p", "max_tokens", "max_objects", "seed")
 
 class UsageError(InvalidInputError):
     """A bad command line: a file or folder that is not there, a model that cannot be read."""
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        default=None,
-        help="checkpoint directory or Hugging Face repo id (default: the embedded default model)",
-    )
-    group.add_argument("--device", default="auto", help='"auto", "cpu", "cuda", "cuda:1", ...')
-    group.add_argument("--dtype", default=None, help='"float32", "bfloat16" (default: auto)')
-    group.add_argument("--max-batch-size", type=positive_int, default=16, metavar="N")
-    group.add_argument(
-        "--kv-cache-pages", type=positive_int, default=None, metavar="N",
-        help="KV page pool size (default: sized from free device memory)",
-    )  # fmt: skip
-    group.add_argument(
-        "--no-prefix-cache", action="store_true", help="disable prefix (KV) reuse across requests"
-    )
-    group.add_argument("--attention-backend", default="auto", metavar="NAME")
-    group.add_argument(
-        "--compile", action="store_true",
-        help="run the decode step through torch.compile (opt-in, experimental: each batch "
-        "size compiles on first use, about a minute per shape for Moondream 2)",
-    )  # fmt: skip
-    group.add_argument(
-        "--no-lookahead", action="store_true",
-        help="read each decode step's tokens before queueing the next (on CUDA the next step "
-        "is queued first by default; docs/kernels.md)",
-    )  # fmt: skip
-    group.add_argument(
-        "--keep-exif-orientation", action="store_true",
-        help="read images in their stored orientation instead of turning them upright by their "
-        "EXIF orientation tag (coordinates then refer to the stored pixels)",
-    )  # fmt: skip
-    group.add_argument(
-        "--image-memory-mb", type=_memory_mb, default=None, metavar="MB",
-        help="decoded image bytes held at once by requests in flight; past it a decode waits "
-        "(the server answers 503 + Retry-After after 30 s). Default: a sixteenth of the "
-        "machine's memory, 256 to 1024 MB",
-    )  # fmt: skip
-    for flag, unit, text in _TIER_FLAGS:  # the cache tiers past the KV pool
-        group.add_argument(flag, type=budget_number, default=None, metavar=unit, help=text)
-    group.add_argument(
-        "--host-crops", action="store_true",
-        help="make every image's crops on the host's crop workers (by default a CUDA model cuts "
-        "a lone new image's crops on the GPU, to libvips' bytes)",
-    )  # fmt: skip
-    add_model_loading_options(group)
-
-
-_TIER_FLAGS = (
-    ("--embedding-cache-mb", "MB", "budget of the image-embedding tier, which keeps what the "
-     "vision encoder made for an image after its KV is evicted (default: sized from the KV "
-     "pool; 0: off)"),
-    ("--host-kv-gb", "GB", "CUDA only: keep KV pages the prefix cache evicts in this much "
-     "pinned host memory and copy them back on a later match (default and 0: off)"),
-)  # fmt: skip
-
-# --moe-weights / --kv-dtype: the command-line spelling -> the Engine kwarg ("auto" is None)
-MOE_WEIGHTS_CHOICES = ("auto", "fp8", "dequantize")
-KV_DTYPE_CHOICES = ("auto", "fp8")
-
-
-def add_model_loading_options(group: argparse._ActionsContainer) -> None:
-    """``--moe-weights`` and ``--kv-dtype``: how a Moondream 3 checkpoint's experts and the KV
-    pages are held (``Engine(moe_weights=..., kv_dtype=...)``; docs/cli.md). The values are
-    checked by the Engine's own checks, so a bad one gets the API's message."""
-    group.add_argument(
-        "--moe-weights", type=_moe_weights, default=None, metavar="{auto,fp8,dequantize}",
-        help="Moondream 3 experts: fp8 keeps FP8 experts as FP8 (fetching a repo's FP8 file), "
-        "dequantize widens them to the model dtype; auto (default) keeps what the file holds",
-    )  # fmt: skip
-    group.add_argument(
-        "--kv-dtype", type=_kv_dtype, default=None, metavar="{auto,fp8}",
-        help="KV cache pages: fp8 stores them as float8_e4m3 with the checkpoint's scales (about "
-        "half the memory); auto (default) uses the model dtype",
-    )  # fmt: skip
-
-
-def _moe_weights(text: str) -> str | None:
-    from kestrel.engine.setup import check_moe_weights
-
-    return _checked(text, check_moe_weights, MOE_WEIGHTS_CHOICES)
-
-
-def _kv_dtype(text: str) -> str | None:
-    from kestrel.engine.setup import check_kv_dtype
-
-    return _checked(text, check_kv_dtype, KV_DTYPE_CHOICES)
-
-
-def _checked(text: str, check, choices: tuple[str, ...]) -> str | None:
-    """``auto`` -> None; anything else through the Engine's check, its message kept."""
-    value = None if text == "auto" else text
-    try:
-        check(value)
-    except InvalidInputError as exc:
-        raise argparse.ArgumentTypeError(f"{exc} (here: {', '.join(choices)})") from None
-    return value
 
 
 def add_generation_options(parser: argparse.ArgumentParser, *, objects: bool = False) -> None:
@@ -199,26 +111,55 @@ def add_ray_options(
     return group
 
 
-def add_region_command(subparsers, name: str, *, help: str, description: str, run) -> None:
-    """The parser shared by ``point`` and ``detect``: IMAGE OBJECT, greedy, --max-objects."""
+def add_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    run: Any,
+    *positionals: str,
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """A subcommand's parser, running ``run(args)``, with its ``positionals`` (metavars such as
+    ``IMAGE``; each one's ``args`` attribute is its lower case) first."""
     parser = subparsers.add_parser(name, help=help, description=description)
+    for metavar in positionals:
+        parser.add_argument(metavar.lower(), metavar=metavar)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def add_region_command(
+    subparsers: argparse._SubParsersAction, name: str, line: Any, *, help: str, description: str
+) -> None:
+    """The parser shared by ``point`` and ``detect``: IMAGE OBJECT, greedy, --max-objects;
+    the command prints ``line(item)`` for each item found."""
+    run = functools.partial(run_region_command, skill=name, line=line)
+    parser = add_command(subparsers, name, run, help=help, description=description)
     parser.add_argument("image", metavar="IMAGE", help="image file, or '-' for stdin")
     parser.add_argument("object", metavar="OBJECT", help='what to look for, e.g. "face"')
     add_output_options(parser, stream=False)
     add_engine_options(parser)
     add_generation_options(parser, objects=True)
-    parser.set_defaults(run=run)
 
 
-def run_region_command(args: argparse.Namespace, skill: str) -> Any:
-    """Run ``engine.point`` or ``engine.detect`` for the command line's IMAGE and OBJECT."""
+def run_region_command(args: argparse.Namespace, *, skill: str, line: Any) -> int:
+    """Run ``engine.point`` or ``engine.detect`` for the command line's IMAGE and OBJECT and
+    print the result: its JSON, or a line per point or box (a note when there is none)."""
     check_image_arg(args.image)
     image = read_image_arg(args.image)
     with open_engine(args) as engine:
         call = getattr(engine, skill)
-        return call(
+        result = call(
             image, args.object, settings=settings_from_args(args), adapter=adapter_name(args)
         )
+    if args.json:
+        print_json(result_to_dict(result))
+        return 0
+    found = result.points if skill == "point" else result.objects
+    for item in found:
+        print(line(item))
+    note_if_empty(found, args.object)
+    return 0
 
 
 def note_if_empty(found: Sequence[Any], what: str) -> None:
@@ -241,28 +182,6 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any] | None:
     return settings or None
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "device": args.device,
-        "dtype": args.dtype,
-        "kv_cache_pages": args.kv_cache_pages,
-        "max_batch_size": args.max_batch_size,
-        "enable_prefix_cache": not args.no_prefix_cache,
-        "attention_backend": args.attention_backend,
-        "compile": args.compile,
-        "lookahead": False if args.no_lookahead else None,
-        "exif_orientation": not args.keep_exif_orientation,
-        "moe_weights": args.moe_weights,
-        "kv_dtype": args.kv_dtype,
-        **({"embedding_cache_mb": args.embedding_cache_mb}
-           if args.embedding_cache_mb is not None else {}),
-        **({"host_kv_gb": args.host_kv_gb} if args.host_kv_gb is not None else {}),
-        **({"device_crops": False} if args.host_crops else {}),
-        **({"image_memory_mb": args.image_memory_mb}
-           if getattr(args, "image_memory_mb", None) is not None else {}),
-    }  # fmt: skip
-
-
 def open_engine(args: argparse.Namespace) -> Engine:
     """An Engine for the command's options, with ``--adapter`` loaded as :data:`ADAPTER`.
     A model that cannot be loaded (missing directory, bad checkpoint, offline hub id) is a
@@ -272,7 +191,7 @@ def open_engine(args: argparse.Namespace) -> Engine:
     if args.adapter is not None and not Path(args.adapter).expanduser().exists():
         raise UsageError(f"no such adapter file or folder: {args.adapter}")
     try:
-        engine = Engine(args.model, **engine_kwargs(args))
+        engine = Engine(args.model, engine_options(args))
     except KestrelError:
         raise
     except (OSError, ValueError) as exc:  # loader errors the engine did not wrap
@@ -321,37 +240,3 @@ def _jsonable(value: Any) -> Any:
 
 def print_json(obj: Any) -> None:
     print(json.dumps(obj, ensure_ascii=False))
-
-
-_DECIMAL = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")  # no inf, nan or words
-
-
-def budget_number(text: str) -> float:
-    """A cache budget: a finite number >= 0 (0 turns the tier off)."""
-    value = float(text) if _DECIMAL.fullmatch(text) else -1.0
-    if not math.isfinite(value) or value < 0:  # 1e999 is inf
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def _memory_mb(text: str) -> float:
-    value = budget_number(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected a number of megabytes > 0, got 0")
-    return value
-
-
-def int_in(text: str, low: int, high: int | None, what: str) -> int:
-    """``text`` as an integer in ``low..high`` (``high`` None: no upper bound); argparse's error
-    naming ``what`` otherwise."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if value < low or (high is not None and value > high):
-        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return int_in(text, 1, None, "a positive integer")

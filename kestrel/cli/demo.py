@@ -9,15 +9,14 @@ from . import common
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="answer questions about the bundled sample scenes",
+    parser = common.add_command(
+        subparsers, "demo", run, help="answer questions about the bundled sample scenes",
         description=(
             "Batch image-QA over the sample scenes shipped with Kestrel: questions, captions, "
             "points and boxes through the Engine, a PNG with the points and boxes drawn, and "
             "a cache summary. Runs on the embedded kestrel-tiny model by default."
         ),
-    )
+    )  # fmt: skip
     parser.add_argument(
         "--out",
         type=Path,
@@ -25,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="where to write the PNG (default: ./kestrel-demo.png)",
     )
     common.add_engine_options(parser)
-    parser.set_defaults(run=run, adapter=None)
+    parser.set_defaults(adapter=None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,13 +15,10 @@ from . import common
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "query",
-        help="answer a question about an image",
+    parser = common.add_command(
+        subparsers, "query", run, "IMAGE", "QUESTION", help="answer a question about an image",
         description="Answer a question about an image. IMAGE may be '-' to read it from stdin.",
-    )
-    parser.add_argument("image", metavar="IMAGE")
-    parser.add_argument("question", metavar="QUESTION")
+    )  # fmt: skip
     parser.add_argument("--reasoning", action="store_true", help="think before answering")
     parser.add_argument(
         "--json-schema",
@@ -34,7 +31,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common.add_output_options(parser)
     common.add_engine_options(parser)
     common.add_generation_options(parser)
-    parser.set_defaults(run=run)
 
 
 def response_format(path: Path | None) -> dict[str, Any] | None:

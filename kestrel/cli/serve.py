@@ -8,7 +8,6 @@ once) and listens once the model is ready; SIGTERM or Ctrl-C shut it down gracef
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 from pathlib import Path
@@ -21,20 +20,20 @@ API_KEY_ENV = "KESTREL_API_KEY"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "serve",
+    parser = common.add_command(
+        subparsers, "serve", run,
         help="serve the moondream HTTP API (md.vl(endpoint=...)); needs kestrel[serve]",
         description="Serve the model over HTTP with the API of the official moondream client: "
         "POST /v1/query, /v1/caption, /v1/point, /v1/detect, /v1/segment, /v1/chat/completions; "
         "GET /v1/health, /v1/models, /v1/stats, /metrics. Stop with SIGTERM or Ctrl-C "
         "(in-flight requests finish first).",
-    )
+    )  # fmt: skip
     _add_server_options(parser)
     _add_limit_options(parser)
     _add_ray_options(parser)
     _add_log_options(parser)
     common.add_engine_options(parser)
-    parser.set_defaults(run=run, adapter=None)  # adapter: the one-file option of other commands
+    parser.set_defaults(adapter=None)  # adapter: the one-file option of other commands
 
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
@@ -253,21 +252,14 @@ def _announce(args: argparse.Namespace, port: int, engine, api_key: str | None) 
 
 
 def _warn_if_open(args: argparse.Namespace, api_key: str | None) -> None:
-    if api_key is None and not _is_loopback(args.host):
+    from kestrel.server.guard import is_loopback_host  # the app's own reading of a host
+
+    if api_key is None and not is_loopback_host(args.host):
         print(
             f"kestrel serve: warning: listening on {args.host} without --api-key",
             file=sys.stderr,
             flush=True,
         )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _port(text: str) -> int:

@@ -46,7 +46,8 @@ class CrashOnce:
 @dataclass(frozen=True, slots=True)
 class ReplicaOptions:
     """How each replica builds its engine and asks its questions: the CLI's engine options
-    (``engine``: Engine keyword arguments), adapters to load (name, path), the generation
+    (``engine``: ``EngineOptions`` fields as Engine keywords, as ``cli.common.engine_kwargs``
+    gives them), adapters to load (name, path), the generation
     settings and default adapter of every request, and the in-flight bound per call."""
 
     model: str | None = None

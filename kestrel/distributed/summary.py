@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kestrel.batch.tally import Counts, RunFigures, run_figures, summary_rows, two_columns
@@ -103,16 +103,9 @@ def _percentile(hist: Counter[int], q: float) -> float | None:
 
 
 def _replica(name: str, c: Counts) -> ReplicaSummary:
-    return ReplicaSummary(
-        replica=name,
-        requests=c.requests,
-        errors=c.errors,
-        input_tokens=c.input_tokens,
-        cached_tokens=c.cached_tokens,
-        hit_rate=c.hit_rate,
-        vision_encodes=c.vision_encodes,
-        vision_encodes_skipped=c.vision_encodes_skipped,
-    )
+    """A replica's row: its name, then the counts of the same names (hit rate included)."""
+    names = [f.name for f in fields(ReplicaSummary)][1:]
+    return ReplicaSummary(name, *(getattr(c, n) for n in names))
 
 
 def format_ray_summary(summary: RaySummary) -> str:

@@ -1,222 +1,65 @@
-"""The Engine's blocking calls and their ``submit_*`` futures: ``query``, ``caption``, ``point``,
-``detect``, ``segment``, ``chat``. Each is a face over the request desk
-(:mod:`kestrel.engine.desk`): drafted on the caller's thread, then submitted."""
+"""The Engine's calls: for each skill (``query``, ``caption``, ``point``, ``detect``,
+``segment``, ``chat``) a blocking call, its ``submit_*`` future and its ``a*`` asyncio twin
+(``aio.py``). Each is a face over the request desk (:mod:`kestrel.engine.desk`): its arguments
+make the skill's call value (:mod:`kestrel.engine.skill_calls`), drafted on the caller's
+thread, then submitted. A call's keywords and signature are its value's fields."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from kestrel.engine.aio import awaiting
 from kestrel.engine.desk import Drafter, Submitter
+from kestrel.engine.skill_calls import (
+    CaptionCall,
+    ChatCall,
+    DetectCall,
+    PointCall,
+    QueryCall,
+    SegmentCall,
+    SkillCall,
+    face,
+    stream_of,
+)
 
-__all__ = ["BlockingCalls"]
+__all__ = ["SkillCalls", "faces"]
 
 
-class BlockingCalls:
-    """Mixed into :class:`kestrel.Engine`, whose two members it uses are
-    ``_drafts`` (a :class:`~kestrel.engine.desk.Drafter`) and ``_requests`` (a
-    :class:`~kestrel.engine.desk.Submitter`)."""
+def _submitting(call: type[SkillCall]) -> Any:
+    def method(self: Any, *args: Any, **options: Any) -> Future:
+        value = call(*args, **options)  # an unknown keyword: a TypeError, as for any call
+        return self._requests.submit(self._drafts.draft(value))
+
+    return face(method, call, "submit")
+
+
+def _blocking(call: type[SkillCall]) -> Any:
+    def method(self: Any, *args: Any, **options: Any) -> Any:
+        stream = stream_of(call, options)
+        value = call(*args, **options)
+        return self._requests.call(self._drafts.draft(value), stream)
+
+    return face(method, call, "blocking")
+
+
+def faces(call: type[SkillCall]) -> tuple[Any, Any, Any]:
+    """``call``'s three methods: ``submit_<skill>``, ``<skill>`` and ``a<skill>``."""
+    return _submitting(call), _blocking(call), awaiting(call)
+
+
+class SkillCalls:
+    """Mixed into :class:`kestrel.Engine`, whose two members it uses are ``_drafts`` (a
+    :class:`~kestrel.engine.desk.Drafter`) and ``_requests`` (a
+    :class:`~kestrel.engine.desk.Submitter`). ``help(Engine.query)`` gives a call's
+    arguments; every call takes ``settings``, ``adapter`` and ``cache_salt``."""
 
     _drafts: Drafter
     _requests: Submitter
 
-    # ------------------------------------------------------------------ futures
-    def submit_query(
-        self,
-        image: object,
-        question: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        reasoning: bool = False,
-        spatial_refs: Sequence[Sequence[float]] | None = None,
-        stop: str | Sequence[str] | None = None,
-        response_format: Any = None,
-        logprobs: int | None = None,
-    ) -> Future:
-        """Queue a question about ``image`` (None: text only); the future gives a QueryResult."""
-        d, r = self._drafts, self._requests
-        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
-        args = (image, question, settings, adapter, cache_salt, reasoning, spatial_refs)
-        return r.submit(d.query(*args, **answer))
-
-    def submit_caption(
-        self,
-        image: object,
-        *,
-        length: str = "normal",
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Future:
-        """Queue a caption ("short", "normal" or "long"); the future gives a CaptionResult."""
-        d, r = self._drafts, self._requests
-        return r.submit(d.caption(image, length, settings, adapter, cache_salt))
-
-    def submit_point(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Future:
-        """Queue pointing at every ``object``; the future gives a PointResult."""
-        d, r = self._drafts, self._requests
-        return r.submit(d.point(image, object, settings, adapter, cache_salt))
-
-    def submit_detect(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Future:
-        """Queue detecting every ``object``; the future gives a DetectResult."""
-        d, r = self._drafts, self._requests
-        return r.submit(d.detect(image, object, settings, adapter, cache_salt))
-
-    def submit_segment(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        spatial_refs: Sequence[Sequence[float]] | None = None,
-    ) -> Future:
-        """Queue outlining ``object``; the future gives a SegmentResult. A model without the
-        segment skill raises UnsupportedError here (``supports_segment`` says ahead)."""
-        d, r = self._drafts, self._requests
-        return r.submit(d.segment(image, object, settings, adapter, cache_salt, spatial_refs))
-
-    def submit_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        reasoning: bool = False,
-        stop: str | Sequence[str] | None = None,
-        response_format: Any = None,
-        logprobs: int | None = None,
-    ) -> Future:
-        """Queue the reply to a conversation; the future gives a ChatResult."""
-        d, r = self._drafts, self._requests
-        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
-        return r.submit(d.chat(messages, settings, adapter, cache_salt, reasoning, **answer))
-
-    # ------------------------------------------------------------------ blocking calls
-    def query(
-        self,
-        image: object,
-        question: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        reasoning: bool = False,
-        spatial_refs: Sequence[Sequence[float]] | None = None,
-        stream: bool = False,
-        stop: str | Sequence[str] | None = None,
-        response_format: Any = None,
-        logprobs: int | None = None,
-    ):
-        """Answer ``question`` (QueryResult), or with ``stream=True`` a TextStream of deltas.
-
-        ``stop``: strings that end the answer (not returned); ``response_format``: the shape
-        the answer must take (a JSON schema, any JSON object, a regex, a choice; the result's
-        ``parsed`` is its value; docs/structured.md); ``logprobs``: each answer token's
-        log-probability and that many most likely alternatives (0 to 20)."""
-        d, r = self._drafts, self._requests
-        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
-        draft = d.query(image, question, settings, adapter, cache_salt, reasoning, spatial_refs,
-                        **answer)  # fmt: skip
-        return r.call(draft, stream)
-
-    def caption(
-        self,
-        image: object,
-        *,
-        length: str = "normal",
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        stream: bool = False,
-    ):
-        """Caption ``image`` (CaptionResult), or with ``stream=True`` a TextStream of deltas."""
-        d, r = self._drafts, self._requests
-        return r.call(d.caption(image, length, settings, adapter, cache_salt), stream)
-
-    def point(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ):
-        """Centers of every ``object`` in the image (PointResult, coordinates in [0, 1])."""
-        d, r = self._drafts, self._requests
-        return r.call(d.point(image, object, settings, adapter, cache_salt), False)
-
-    def detect(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-    ):
-        """Boxes of every ``object`` in the image (DetectResult, coordinates in [0, 1])."""
-        d, r = self._drafts, self._requests
-        return r.call(d.detect(image, object, settings, adapter, cache_salt), False)
-
-    def segment(
-        self,
-        image: object,
-        object: str,
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        spatial_refs: Sequence[Sequence[float]] | None = None,
-        stream: bool = False,
-    ):
-        """The box and outline of ``object`` (SegmentResult: SVG path data relative to the
-        box), or with ``stream=True`` a TextStream: the box (a dict), then the path's text.
-        ``settings["max_tokens"]`` bounds the path. A model without the segment skill raises
-        UnsupportedError; a checkpoint without segmentation weights stops after the box, and
-        the call raises NoPathError (docs/models.md)."""
-        d, r = self._drafts, self._requests
-        draft = d.segment(image, object, settings, adapter, cache_salt, spatial_refs)
-        return r.call(draft, stream)
-
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        settings: dict | None = None,
-        adapter: str | None = None,
-        cache_salt: str | None = None,
-        reasoning: bool = False,
-        stream: bool = False,
-        stop: str | Sequence[str] | None = None,
-        response_format: Any = None,
-        logprobs: int | None = None,
-    ) -> Any:
-        """The assistant's reply to ``messages`` (ChatResult), or with ``stream=True`` a
-        TextStream of the answer's deltas. Message shapes and limits: docs/chat.md;
-        ``stop``, ``response_format`` and ``logprobs`` as for :meth:`query`."""
-        d, r = self._drafts, self._requests
-        answer = {"stop": stop, "response_format": response_format, "logprobs": logprobs}
-        return r.call(d.chat(messages, settings, adapter, cache_salt, reasoning, **answer), stream)
+    submit_query, query, aquery = faces(QueryCall)
+    submit_caption, caption, acaption = faces(CaptionCall)
+    submit_point, point, apoint = faces(PointCall)
+    submit_detect, detect, adetect = faces(DetectCall)
+    submit_segment, segment, asegment = faces(SegmentCall)
+    submit_chat, chat, achat = faces(ChatCall)

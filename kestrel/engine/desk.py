@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,6 +23,7 @@ from kestrel.engine.adapters import AdapterRegistry
 from kestrel.engine.chat import parse_messages
 from kestrel.engine.replies import ReplyMemory
 from kestrel.engine.requests import Draft, RequestFactory, salted
+from kestrel.engine.skill_calls import ChatCall, SkillCall
 from kestrel.engine.streams import AsyncTextStream, TextStream
 from kestrel.errors import EngineClosedError
 from kestrel.images import PreparedImage
@@ -42,7 +43,7 @@ def _images(image: PreparedImage | tuple[PreparedImage, ...] | None) -> tuple[Pr
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Drafter:
-    """Drafts (validated requests) from a call's arguments, on the caller's thread: ``prepare``
+    """Drafts (validated requests) from a call's value, on the caller's thread: ``prepare``
     decodes an image, ``closed`` says whether the engine is closed."""
 
     factory: RequestFactory
@@ -51,69 +52,29 @@ class Drafter:
     prepare: Callable[[object], PreparedImage]
     closed: Callable[[], bool]
 
-    # ------------------------------------------------------------------ drafts
-    def query(
-        self, image, question, settings, adapter, cache_salt, reasoning, spatial_refs, **answer
-    ):
-        """``answer``: ``stop``, ``response_format``, ``logprobs`` (``RequestFactory``)."""
-        return self._draft(
-            self.factory.query, image, question, settings, adapter, cache_salt,
-            reasoning=reasoning, spatial_refs=spatial_refs, **answer,
-        )  # fmt: skip
-
-    def caption(self, image, length, settings, adapter, cache_salt) -> Draft:
-        return self._draft(self.factory.caption, image, length, settings, adapter, cache_salt)
-
-    def point(self, image, obj, settings, adapter, cache_salt) -> Draft:
-        return self._draft(self.factory.point, image, obj, settings, adapter, cache_salt)
-
-    def detect(self, image, obj, settings, adapter, cache_salt) -> Draft:
-        return self._draft(self.factory.detect, image, obj, settings, adapter, cache_salt)
-
-    def segment(self, image, obj, settings, adapter, cache_salt, spatial_refs) -> Draft:
-        return self._draft(
-            self.factory.segment, image, obj, settings, adapter, cache_salt,
-            spatial_refs=spatial_refs,
-        )  # fmt: skip
-
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        settings: object,
-        adapter: str | None,
-        cache_salt: object,
-        reasoning: bool,
-        **answer: Any,
-    ) -> Draft:
+    def draft(self, call: SkillCall) -> Draft:
+        """Validate, decode and tokenize ``call`` on the caller's thread: its adapter looked
+        up, its image (or a conversation's images) decoded, its salt checked last."""
         self.check_open()
-        conversation = parse_messages(messages, self.prepare)
-        lora = self.adapters.get(adapter)
+        if isinstance(call, ChatCall):
+            return salted(self._chat(call), call.cache_salt)
+        lora = self.adapters.get(call.adapter)
+        image = getattr(call, "image", None)  # every call's but a chat's (above)
+        prepared = None if image is None else self.prepare(image)
+        return salted(call.build(self.factory, prepared, lora), call.cache_salt)
+
+    def _chat(self, call: ChatCall) -> Draft:
+        conversation = parse_messages(call.messages, self.prepare)
+        lora = self.adapters.get(call.adapter)
         first = conversation.image
         # the cache namespace's identity: replies are replayed only where they were retained
-        key = (getattr(lora, "lora_id", None), cache_salt, first.digest if first else None)
+        key = (getattr(lora, "lora_id", None), call.cache_salt, first.digest if first else None)
         placed = conversation.placed(self.factory.config.image_tokens)
         turns = self.replies.replay(key, placed)
         images = tuple(image for _, image in conversation.images) or None
-        draft = self.factory.chat(turns, images, settings, lora, reasoning=reasoning, **answer)
-        draft = replace(draft, build_result=self.replies.recording(key, draft.build_result))
-        return salted(draft, cache_salt)
-
-    def _draft(
-        self,
-        make: Callable[..., Draft],
-        image: object,
-        subject: object,
-        settings: object,
-        adapter: str | None,
-        cache_salt: object,
-        **options: Any,
-    ) -> Draft:
-        """Validate, decode and tokenize on the caller's thread: ``make`` is the factory's
-        builder for the skill, ``subject`` its text (a question, a length, an object)."""
-        self.check_open()
-        lora = self.adapters.get(adapter)
-        prepared = None if image is None else self.prepare(image)
-        return salted(make(prepared, subject, settings, lora, **options), cache_salt)
+        draft = self.factory.chat(turns, images, call.settings, lora, reasoning=call.reasoning,
+                                  **call.answer())  # fmt: skip
+        return replace(draft, build_result=self.replies.recording(key, draft.build_result))
 
     def check_open(self) -> None:
         if self.closed():

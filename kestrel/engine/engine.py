@@ -12,38 +12,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from kestrel.engine.adapters import DEFAULT_MAX_ADAPTERS, AdapterRegistry
-from kestrel.engine.aio import AsyncTwins
-from kestrel.engine.calls import BlockingCalls
+from kestrel.engine.adapters import AdapterRegistry
+from kestrel.engine.calls import SkillCalls
 from kestrel.engine.desk import Drafter, Submitter
 from kestrel.engine.intake import budget_bytes, intake
+from kestrel.engine.options import EngineOptions, takes_options
 from kestrel.engine.replies import ReplyMemory
 from kestrel.engine.requests import RequestFactory
 from kestrel.engine.setup import load_runtime
 from kestrel.errors import InvalidInputError
 from kestrel.images import PreparedImage, prepare_image
 from kestrel.results import EngineStats
+from kestrel.runtime.executor import BatchExecutor
 from kestrel.runtime.heads import ModelHeads
-from kestrel.runtime.runner import BatchExecutor
 from kestrel.scheduler import Scheduler
 from kestrel.scheduler.loop import SchedulerLoop
 
 __all__ = ["Engine"]
 
 
-class Engine(BlockingCalls, AsyncTwins):
+class Engine(SkillCalls):
     """Serve a Moondream checkpoint: ``query``, ``caption``, ``point``, ``detect``, ``chat``,
     and ``segment`` where the model's family has it (``supports_segment``).
 
     ``model``: a checkpoint directory or a Hugging Face repo id (None: the embedded default).
-    ``device="auto"`` picks CUDA when available; ``dtype`` is a ``torch.dtype`` or its name
-    (None: bfloat16 on CUDA, float32 on CPU). ``max_adapters`` bounds the loaded LoRA adapters.
-    Images are turned upright by their EXIF orientation unless ``exif_orientation=False``
-    (docs/images.md says what happens to each kind of image). With the prefix cache on, a
-    finished request's generated tokens stay cached under its prompt, so the next turn of a
-    conversation hits through the answer; ``retain_decoded=False`` frees them instead.
+    The options below are keywords, or one :class:`~kestrel.engine.options.EngineOptions`
+    (``Engine(model, options)``, keywords given with it overriding its fields); ``options``
+    holds them. ``device="auto"`` picks CUDA when available; ``dtype`` is a ``torch.dtype``
+    or its name (None: bfloat16 on CUDA, float32 on CPU). ``max_adapters`` bounds the loaded
+    LoRA adapters. Images are turned upright by their EXIF orientation unless
+    ``exif_orientation=False`` (docs/images.md says what happens to each kind of image).
+    With the prefix cache on, a finished request's generated tokens stay cached under its
+    prompt, so the next turn of a conversation hits through the answer;
+    ``retain_decoded=False`` frees them instead.
     ``moe_weights`` (Moondream 3): ``"fp8"`` keeps the experts float8_e4m3 with row scales in
     memory (quantising a 16-bit file's at load), ``"dequantize"`` widens FP8 experts to
     ``dtype``; None keeps what the file holds (docs/models.md). ``kv_dtype="fp8"`` stores the
@@ -71,62 +72,33 @@ class Engine(BlockingCalls, AsyncTwins):
     serve asyncio callers. Use as a context manager, or call :meth:`close`.
     """
 
+    @takes_options
     def __init__(
         self,
         model: str | Path | None = None,
-        *,
-        device: str | torch.device = "auto",
-        dtype: torch.dtype | str | None = None,
-        kv_cache_pages: int | None = None,
-        max_batch_size: int = 16,
-        enable_prefix_cache: bool = True,
-        attention_backend: str = "auto",
-        max_adapters: int = DEFAULT_MAX_ADAPTERS,
-        exif_orientation: bool = True,
-        retain_decoded: bool = True,
-        moe_weights: str | None = None,
-        kv_dtype: str | None = None,
-        compile: bool = False,
-        lookahead: bool | None = None,
-        embedding_cache_mb: float | None = None,
-        host_kv_gb: float | None = None,
-        device_crops: bool | None = None,
-        image_memory_mb: float | None = None,
+        options: EngineOptions | None = None,
+        **overrides: Any,
     ) -> None:
-        for name, value in (("lookahead", lookahead), ("device_crops", device_crops)):
+        o = self.options = EngineOptions.of(options, **overrides)
+        for name, value in (("lookahead", o.lookahead), ("device_crops", o.device_crops)):
             if value is not None and not isinstance(value, bool):
                 raise InvalidInputError(f"{name} must be True, False or None, got {value!r}")
-        image_memory = budget_bytes(image_memory_mb)
-        self.runtime, self.model_path = load_runtime(
-            model,
-            device=device,
-            dtype=dtype,
-            kv_cache_pages=kv_cache_pages,
-            max_batch_size=max_batch_size,
-            enable_prefix_cache=enable_prefix_cache,
-            attention_backend=attention_backend,
-            retain_decoded=retain_decoded,
-            moe_weights=moe_weights,
-            kv_dtype=kv_dtype,
-            compile=compile,
-            embedding_cache_mb=embedding_cache_mb,
-            host_kv_gb=host_kv_gb,
-            device_crops=device_crops,
-        )
+        image_memory = budget_bytes(o.image_memory_mb)
+        self.runtime, self.model_path = load_runtime(model, o)
         self.config = self.runtime.config
-        self.max_batch_size = max_batch_size
-        self.exif_orientation = exif_orientation
+        self.max_batch_size = o.max_batch_size
+        self.exif_orientation = o.exif_orientation
         self._factory = RequestFactory(
             ModelHeads(self.runtime.model, self.runtime.tokenizer), self.config
         )
-        self._runner = BatchExecutor(self.runtime, lookahead=lookahead)
-        self._scheduler = Scheduler(self._runner)
-        self._adapters = AdapterRegistry(self.runtime.model, max_adapters)
+        self._executor = BatchExecutor(self.runtime, lookahead=o.lookahead)
+        self._scheduler = Scheduler(self._executor)
+        self._adapters = AdapterRegistry(self.runtime.model, o.max_adapters)
         self._replies = ReplyMemory()
         self._loop = SchedulerLoop(self._scheduler)
         # encoded images seen before come back deferred: no decode unless their crops are needed
         self.image_fit, self.image_budget, self._images = intake(
-            self.config.vision, exif_orientation, image_memory
+            self.config.vision, o.exif_orientation, image_memory
         )
         self._drafts = Drafter(
             self._factory, self._adapters, self._replies, self._images.prepare, lambda: self.closed
@@ -169,6 +141,11 @@ class Engine(BlockingCalls, AsyncTwins):
         """Names of the loaded adapters."""
         return self._adapters.names()
 
+    def check_response_format(self, response_format: object) -> None:
+        """Check ``response_format`` as a query would (its grammar compiled, and cached for
+        the calls that use it); raises InvalidInputError naming what is wrong."""
+        self._factory.answer_options(None, response_format, None)
+
     @property
     def supports_segment(self) -> bool:
         """Whether the model can run the segment skill (Moondream 3 can); where it cannot,
@@ -179,7 +156,7 @@ class Engine(BlockingCalls, AsyncTwins):
     def lookahead(self) -> bool:
         """Whether decode queues each step before reading the last one's tokens
         (``lookahead=None`` resolved: on for a CUDA model)."""
-        return self._runner.lookahead
+        return self._executor.lookahead
 
     @property
     def decode_steps(self) -> int:
@@ -207,7 +184,7 @@ class Engine(BlockingCalls, AsyncTwins):
             hit_rate=c.hit_rate,
             prefill_tokens_saved=c.cached_tokens,
             vision_encodes_skipped=s.counters.vision_skipped,
-            **self._runner.pages(),
+            **self._executor.pages(),
             vision_encodes=c.encoder_runs,
             image_decodes_skipped=self._images.repeats,
             **self.image_budget.stats_fields(),

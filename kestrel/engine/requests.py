@@ -150,20 +150,15 @@ def _answer(skill: QuerySkill, spec: GrammarSpec | None) -> dict[str, Any]:
     }
 
 
-def _query_result(
-    skill: QuerySkill, metrics: RequestMetrics, spec: GrammarSpec | None = None
-) -> QueryResult:
+def _answer_result(
+    kind: type[QueryResult] | type[ChatResult],
+    skill: QuerySkill,
+    metrics: RequestMetrics,
+    spec: GrammarSpec | None = None,
+) -> Any:
+    """A query's or chat's result (``kind``): the answer, its reasoning and its fields."""
     a = _answer(skill, spec)
-    return QueryResult(
-        a.pop("text"), _reasoning(skill), skill.finish_reason, skill.output_tokens(), metrics, **a
-    )
-
-
-def _chat_result(
-    skill: ChatSkill, metrics: RequestMetrics, spec: GrammarSpec | None = None
-) -> ChatResult:
-    a = _answer(skill, spec)
-    return ChatResult(
+    return kind(
         a.pop("text"), _reasoning(skill), skill.finish_reason, skill.output_tokens(), metrics, **a
     )
 
@@ -268,7 +263,7 @@ class RequestFactory:
             )  # fmt: skip
         except SpatialRefError as exc:
             raise InvalidInputError(str(exc)) from exc
-        build = _query_result if spec is None else functools.partial(_query_result, spec=spec)
+        build = functools.partial(_answer_result, QueryResult, spec=spec)
         return self._answer_draft(skill, image, adapter, build)
 
     def chat(
@@ -287,7 +282,7 @@ class RequestFactory:
         s = parse_settings(settings, self.defaults)
         answer, spec = self.answer_options(stop, response_format, logprobs)
         skill = ChatSkill(self.ops, turns, s, reasoning=bool(reasoning), **answer)
-        build = _chat_result if spec is None else functools.partial(_chat_result, spec=spec)
+        build = functools.partial(_answer_result, ChatResult, spec=spec)
         return self._answer_draft(skill, images, adapter, build)
 
     def _answer_draft(self, skill: QuerySkill, image: Any, adapter: Any, build) -> Draft:

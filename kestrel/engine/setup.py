@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kestrel.crops.pool import start_workers
 from kestrel.embedding_cache import GIB, MIB, BudgetError, budget_bytes, host_memory_bytes
+from kestrel.engine.options import EngineOptions, takes_options
 from kestrel.errors import InvalidInputError, ModelLoadError
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.tokenizer import MoondreamTokenizer
@@ -117,6 +119,9 @@ def _model_source(model: str | Path | None) -> str | Path:
 
 
 KV_DTYPES = ("fp8",)
+# the EngineOptions fields MoondreamRuntime takes as they are (its keywords of the same names)
+RUNTIME_OPTIONS = ("kv_cache_pages", "max_batch_size", "enable_prefix_cache",
+                   "attention_backend", "retain_decoded", "compile", "device_crops")  # fmt: skip
 Loaded = tuple[MoondreamModel, MoondreamTokenizer, tuple[KvScales, ...] | None]
 ModelLoader = Callable[
     [str | Path, torch.device, torch.dtype | None, str | None, str | None], Loaded
@@ -179,69 +184,54 @@ def check_kv_dtype(kv_dtype: object) -> None:
         )
 
 
+def _check_sizes(o: EngineOptions, dev: torch.device) -> None:
+    """The options ``load_runtime`` checks before anything loads (each with its message)."""
+    if not isinstance(o.compile, bool):
+        raise InvalidInputError(f"compile must be True or False, got {o.compile!r}")
+    if o.compile:
+        reason = compile_unavailable_reason(dev)
+        if reason is not None:
+            raise InvalidInputError(f"compile=True cannot work here: {reason}")
+    size = o.max_batch_size
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise InvalidInputError(f"max_batch_size must be an int, got {size!r}")
+    if size < 1:
+        raise InvalidInputError(f"max_batch_size must be >= 1, got {size}")
+    pages = o.kv_cache_pages
+    if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int)):
+        raise InvalidInputError(f"kv_cache_pages must be an int, got {pages!r}")
+    check_moe_weights(o.moe_weights)
+    check_kv_dtype(o.kv_dtype)
+
+
+@takes_options
 def load_runtime(
-    model: str | Path | None,
-    *,
-    device: str | torch.device,
-    dtype: torch.dtype | str | None,
-    kv_cache_pages: int | None,
-    max_batch_size: int,
-    enable_prefix_cache: bool,
-    attention_backend: str,
-    retain_decoded: bool = True,
-    moe_weights: str | None = None,
-    kv_dtype: str | None = None,
-    compile: bool = False,
-    embedding_cache_mb: float | None = None,
-    host_kv_gb: float | None = None,
-    device_crops: bool | None = None,
+    model: str | Path | None = None, options: EngineOptions | None = None, **overrides: Any
 ) -> tuple[MoondreamRuntime, str]:
     """Load the checkpoint and build its runtime; returns (runtime, where it came from).
+    ``options`` (or their fields as keywords, as ``Engine`` takes them): this reads the
+    model's and the runtime's, and checks them first.
 
     ``compile``: run decode through ``torch.compile`` (``kestrel.runtime.compiled``); refused
     up front, with the reason, where inductor cannot compile for the device.
     ``embedding_cache_mb``: the image-embedding tier's budget (None: sized from the KV pool;
     0: off); ``host_kv_gb``: pinned host memory for evicted KV pages (CUDA; None or 0: off);
     ``device_crops``: a lone new image's crops cut on the device (None: on CUDA, if probed)."""
+    o = EngineOptions.of(options, **overrides)
     source = _model_source(model)
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
-    embedding_bytes = embedding_budget(embedding_cache_mb, dev)
-    host_bytes = host_kv_budget(host_kv_gb, dev)
-    if not isinstance(compile, bool):
-        raise InvalidInputError(f"compile must be True or False, got {compile!r}")
-    if compile:
-        reason = compile_unavailable_reason(dev)
-        if reason is not None:
-            raise InvalidInputError(f"compile=True cannot work here: {reason}")
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
-        raise InvalidInputError(f"max_batch_size must be an int, got {max_batch_size!r}")
-    if max_batch_size < 1:
-        raise InvalidInputError(f"max_batch_size must be >= 1, got {max_batch_size}")
-    if kv_cache_pages is not None and (
-        isinstance(kv_cache_pages, bool) or not isinstance(kv_cache_pages, int)
-    ):
-        raise InvalidInputError(f"kv_cache_pages must be an int, got {kv_cache_pages!r}")
-    check_moe_weights(moe_weights)
-    check_kv_dtype(kv_dtype)
+    dev, dt = resolve_device(o.device), resolve_dtype(o.dtype)
+    embedding_bytes = embedding_budget(o.embedding_cache_mb, dev)
+    host_bytes = host_kv_budget(o.host_kv_gb, dev)
+    _check_sizes(o, dev)
     if dev.type == "cuda":  # the crop worker processes import while the model loads
         start_workers()
     try:
         load = _LOADERS[-1] if _LOADERS else load_model
-        model, tokenizer, kv_scales = load(source, dev, dt, moe_weights, kv_dtype)
+        model, tokenizer, kv_scales = load(source, dev, dt, o.moe_weights, o.kv_dtype)
         rt = MoondreamRuntime(
-            model,
-            tokenizer,
-            kv_scales=kv_scales,
-            kv_cache_pages=kv_cache_pages,
-            max_batch_size=max_batch_size,
-            enable_prefix_cache=enable_prefix_cache,
-            attention_backend=attention_backend,
-            retain_decoded=retain_decoded,
-            compile=compile,
-            embedding_cache_bytes=embedding_bytes,
-            host_kv_bytes=host_bytes,
-            device_crops=device_crops,
-        )
+            model, tokenizer, kv_scales=kv_scales, embedding_cache_bytes=embedding_bytes,
+            host_kv_bytes=host_bytes, **{name: getattr(o, name) for name in RUNTIME_OPTIONS},
+        )  # fmt: skip
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise ModelLoadError(f"cannot load model {str(source)!r}: {exc}") from exc
     if rt.tokenizer is None:

@@ -20,9 +20,12 @@ __all__ = ["AsyncTextStream", "TextStream"]
 _END = object()
 
 
-def _raise_failure(future: Future) -> None:
-    """After the last delta: re-raise the request's error, if it failed (not if cancelled)."""
-    if not future.cancelled() and future.exception() is not None:
+def _leave(future: Future, finished: bool) -> None:
+    """An iteration's end: left early (``break``, an error, garbage collection), the request is
+    cancelled; after the last delta, the request's error is raised, if it failed."""
+    if not finished:
+        future.cancel()
+    elif not future.cancelled() and future.exception() is not None:
         raise future.exception()
 
 
@@ -50,9 +53,7 @@ class TextStream:
                 yield item
             finished = self._ended = True
         finally:
-            if not finished:
-                self.future.cancel()
-        _raise_failure(self.future)
+            _leave(self.future, finished)
 
     def result(self, timeout: float | None = None) -> Any:
         """The finished request's result (blocks until it is done)."""
@@ -90,9 +91,7 @@ class AsyncTextStream:
                 yield item
             finished = self._ended = True
         finally:
-            if not finished:
-                self.future.cancel()
-        _raise_failure(self.future)
+            _leave(self.future, finished)
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._iterate()

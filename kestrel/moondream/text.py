@@ -27,7 +27,7 @@ from kestrel.moondream.lora_batch import LoraBatch
 from kestrel.moondream.model import LayerNorm, Linear, TextBlock, TextWeights
 from kestrel.moondream.moe import Routing, moe_mlp, tau_factors
 from kestrel.moondream.rope import rope_cos_sin
-from kestrel_kernels.fused import add_layer_norm, linear_gelu, rope_write_kv
+from kestrel_kernels.fused import HeadLayout, KvWrite, add_layer_norm, linear_gelu, rope_write_kv
 
 __all__ = ["dense_activation", "embed_text", "layer_norm", "linear", "lm_head", "text_forward"]
 
@@ -112,7 +112,7 @@ def text_forward(
     if (batch.rows, batch.q_len) != (B, T):
         raise ValueError(f"x_BTC is [{B}, {T}, ...] but the attention batch is "
                          f"[{batch.rows}, {batch.q_len}]")  # fmt: skip
-    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    heads = HeadLayout(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
     positions_BT = batch.positions_BT
     cos_BTR, sin_BTR = rope_cos_sin(positions_BT, cfg.rotary_dim, cfg.rope_theta)
     plan = LoraBatch.plan(inputs.lora, B, x_BTC.device)
@@ -127,10 +127,8 @@ def text_forward(
             tau_q, tau_v = tau_factors(qkv, positions_BT, blk.tau)  # [B, T, H] each
         # rotary on q and k, k and v written to their pages: one launch where fused
         scales = None if kv_scales is None else kv_scales[i]
-        q = rope_write_kv(
-            qkv, cos_BTR, sin_BTR, kv.k[i], kv.v[i], batch.slot_mapping,
-            n_heads=H, n_kv_heads=Hkv, head_dim=D, tau_q=tau_q, tau_v=tau_v, kv_scales=scales,
-        )  # fmt: skip
+        pages = KvWrite(kv.k[i], kv.v[i], batch.slot_mapping, scales)
+        q = rope_write_kv(qkv, cos_BTR, sin_BTR, pages, heads, tau_q=tau_q, tau_v=tau_v)
         attn = kestrel_kernels.attend(q, kv.k[i], kv.v[i], attn_plan, kv_scales=scales)
         # proj LoRA reads the LN output h, not the attention output (reference quirk).
         attn_out = _add_lora(linear(attn.reshape(B, T, C), blk.proj), h, plan, i, "proj")

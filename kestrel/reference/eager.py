@@ -49,6 +49,7 @@ from kestrel.skills.region import DetectSkill, PointSkill, RegionSkill
 from kestrel.skills.settings import Settings
 from kestrel.skills.text import CaptionSkill, QuerySkill, TextPhase
 from kestrel.tokens import CoordToken, SizeToken, TextToken
+from kestrel_kernels.backends import resolve_backend
 from kestrel_kernels.batch import AttentionBatch
 
 __all__ = ["EagerMoondream", "EncodedImage", "QueryTrace", "RegionResult"]
@@ -74,7 +75,7 @@ class EagerMoondream:
 
         self.model = model
         self.tokenizer = tokenizer
-        self.backend = backend
+        self.backend = resolve_backend(backend, model.device, model.dtype)  # once
         # Moondream 3: called with (layer, Routing) for every MoE layer of every forward
         self.routing_sink: RoutingSink | None = None
         self._ops = ModelHeads(model, tokenizer)

@@ -42,6 +42,7 @@ from kestrel.runtime.prefill import (
     group_by_length,
     prefill_batch,
 )
+from kestrel_kernels.backends import AttentionBackend
 from kestrel_kernels.batch import AttentionBatch, RowsLayout
 from kestrel_kernels.segments import single_call_max_rows
 from kestrel_kernels.transfer import upload
@@ -129,7 +130,7 @@ class CompiledDecode:
         ids_B: Tensor,
         override_B: Tensor,
         override_BC: Tensor,
-        backend: str,
+        backend: AttentionBackend,
     ) -> tuple[Tensor, Tensor]:
         size = int(rows_B.shape[0])
         if size not in self._shapes:
@@ -149,7 +150,7 @@ def prefill_static(
     x_BTC: Tensor,
     meta: Tensor,
     layout: RowsLayout,
-    backend: str,
+    backend: AttentionBackend,
     causal_rows: int | None = None,
 ) -> Tensor:
     """One padded prefill forward as a pure function of tensors with static shapes.
@@ -221,7 +222,7 @@ class CompiledPrefill:
         kv: PagedKV,
         page_table_RP: Tensor,
         items: Sequence[PrefillItem],
-        backend: str,
+        backend: AttentionBackend,
     ) -> Tensor:
         """What ``prefill.prefill_batch`` returns, for the same arguments."""
         if not items or any(it.adapter is not None for it in items):
@@ -233,8 +234,9 @@ class CompiledPrefill:
         return out
 
     def _forward(
-        self, items: Sequence[PrefillItem], model, kv, page_table_RP: Tensor, backend: str
-    ) -> Tensor:
+        self, items: Sequence[PrefillItem], model, kv, page_table_RP: Tensor,
+        backend: AttentionBackend,
+    ) -> Tensor:  # fmt: skip
         dev, dim = items[0].x_TC.device, items[0].x_TC.shape[1]
         B, T = self.bucket(len(items), max(it.n for it in items))
         layout = RowsLayout(B, T, max(len(it.regions) for it in items))

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import kestrel_kernels
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import PagedKV
@@ -41,6 +40,7 @@ from kestrel.runtime.compiled import CompiledDecode
 from kestrel.runtime.decode import decode_static
 from kestrel.tokens import CoordToken, SizeToken, TextToken
 from kestrel_kernels import pinned
+from kestrel_kernels.backends import AttentionBackend
 from kestrel_kernels.counting import count_upload, graph_body
 
 __all__ = ["DecodeGraphs", "GraphCapture", "bucket_sizes", "graphs_supported", "upload_into"]
@@ -50,14 +50,12 @@ log = logging.getLogger("kestrel.runtime")
 Token = TextToken | CoordToken | SizeToken
 
 
-def graphs_supported(model: MoondreamModel, backend: str) -> bool:
-    """Whether decode can be graph-captured: CUDA, fp16/bf16 weights, the ``fa`` backend."""
+def graphs_supported(model: MoondreamModel, backend: AttentionBackend) -> bool:
+    """Whether decode can be graph-captured: CUDA, fp16/bf16 weights, a backend that
+    ``captures_decode`` (the ``fa`` backend)."""
     if model.device.type != "cuda" or model.dtype not in (torch.float16, torch.bfloat16):
         return False
-    try:
-        return kestrel_kernels.resolve_backend(backend, model.device) == "fa"
-    except kestrel_kernels.BackendUnavailableError:
-        return False  # the first attention call raises the reason
+    return backend.captures_decode
 
 
 def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -139,7 +137,7 @@ class DecodeGraphs:
         page_table_RP: Tensor,
         *,
         max_batch_size: int,
-        backend: str,
+        backend: AttentionBackend,
         capture: bool = True,
         compile: bool = False,
     ) -> None:

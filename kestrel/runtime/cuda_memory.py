@@ -24,6 +24,7 @@ from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import text_forward
 from kestrel.moondream.vision import encode_image
+from kestrel_kernels.backends import AttentionBackend
 from kestrel_kernels.batch import AttentionBatch
 
 __all__ = [
@@ -74,7 +75,7 @@ class KvPoolReport:
         )  # fmt: skip
 
 
-def _warmup(model: MoondreamModel, backend: str) -> None:
+def _warmup(model: MoondreamModel, backend: AttentionBackend | None) -> None:
     """The largest single request: vision on the most crops, a ``max_context`` prefill."""
     cfg, dev, dt = model.config, model.device, model.dtype
     text = cfg.text
@@ -101,7 +102,7 @@ def size_kv_pool(
     model: MoondreamModel,
     *,
     fraction: float = DEFAULT_KV_MEMORY_FRACTION,
-    backend: str = "auto",
+    backend: AttentionBackend | None = None,
     max_pages: int = MAX_POOL_PAGES,
     kv_dtype: torch.dtype | None = None,
 ) -> KvPoolReport:
@@ -145,7 +146,7 @@ def pool_pages(
     *,
     max_batch_size: int,
     fraction: float | None,
-    backend: str,
+    backend: AttentionBackend | None,
     kv_dtype: torch.dtype,
 ) -> tuple[int, KvPoolReport | None]:
     """The KV pool's page count and, where it was sized from free memory, how: ``pages`` when

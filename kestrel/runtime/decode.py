@@ -24,6 +24,7 @@ from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, embed_text, lm_head, text_forward
+from kestrel_kernels.backends import AttentionBackend
 from kestrel_kernels.batch import AttentionBatch
 
 __all__ = ["decode_eager", "decode_static"]
@@ -43,7 +44,7 @@ def decode_eager(
     rows: Sequence[int],
     lengths: Sequence[int],
     adapters: Sequence[LoraAdapter | None],
-    backend: str,
+    backend: AttentionBackend | None,
 ) -> Tensor:
     """Hidden states before post_ln ``[B, C]``; row ``b``'s new K/V go to position ``lengths[b]``.
 
@@ -62,7 +63,7 @@ def decode_static(
     ids_B: Tensor,
     override_B: Tensor,
     override_BC: Tensor,
-    backend: str,
+    backend: AttentionBackend | None,
 ) -> tuple[Tensor, Tensor]:
     """One decode step for ``B`` rows: returns (hidden before post_ln [B, C], logits [B, V]).
 

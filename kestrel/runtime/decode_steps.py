@@ -1,19 +1,24 @@
 """The runtime's decode steps: one new position per running sequence, fed a known token or
 (look-ahead) a token id still on the device.
 
-``MoondreamRuntime`` inherits these; they use its model, KV pool, page table, running
-sequences (``_active``) and, on CUDA, its ``DecodeGraphs``. See ``lookahead.py`` for how a
+``MoondreamRuntime`` holds one ``DecodeSteps`` (``runtime.decoder``) and hands its public
+decode calls to it. It is given what a step needs: the model, the KV pool, the page table,
+the runtime's running sequences (batch row -> state, read only) and the attention backend;
+on CUDA also the ``DecodeGraphs`` it replays (``graphs``). See ``lookahead.py`` for how a
 look-ahead position is settled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from kestrel.kv.page_table import PagedKVCache, PageTable
+from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import embed_text, lm_head
+from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.decode import decode_eager
 from kestrel.runtime.sequence import (
     PENDING,
@@ -22,12 +27,27 @@ from kestrel.runtime.sequence import (
     SequenceState,
     check_decode_batch,
 )
+from kestrel_kernels.backends import AttentionBackend
 
 __all__ = ["DecodeSteps"]
 
 
 class DecodeSteps:
-    """Batched decode steps over the running sequences (mixed into ``MoondreamRuntime``)."""
+    """Batched decode steps over the running sequences (held by ``MoondreamRuntime``)."""
+
+    def __init__(
+        self,
+        model: MoondreamModel,
+        kv: PagedKVCache,
+        page_table: PageTable,
+        running: Mapping[int, SequenceState],
+        backend: AttentionBackend,
+        graphs: DecodeGraphs | None,
+    ) -> None:
+        self.model, self.kv, self.page_table = model, kv, page_table
+        self.running = running  # the runtime's: committed and not yet released
+        self.backend = backend
+        self.graphs = graphs  # replayed where every row runs the base model
 
     def decode_step(
         self, states: Sequence[SequenceState], tokens: Sequence[PromptToken]
@@ -37,8 +57,8 @@ class DecodeSteps:
         Each new K/V goes to that sequence's private page at its current length. Coordinate and
         size tokens are embedded through the region encoders.
         """
-        check_decode_batch(states, tokens, self._active)
-        hidden_BC, logits_BV = self._decode_forward(states, tokens)
+        check_decode_batch(states, tokens, self.running)
+        hidden_BC, logits_BV = self.forward(states, tokens)
         for s, t, h in zip(states, tokens, hidden_BC.unbind(0), strict=True):
             s.length += 1
             s.fed.append(t)
@@ -54,8 +74,8 @@ class DecodeSteps:
         Each position stays pending until ``settle_ahead`` confirms its token (the host read
         the same id and the skill fed it) or rolls it back (the next write goes there again).
         """
-        check_decode_batch(states, None, self._active)
-        hidden_BC, logits_BV = self._decode_forward(states, None, ids_B)
+        check_decode_batch(states, None, self.running)
+        hidden_BC, logits_BV = self.forward(states, None, ids_B)
         for s in states:
             s.length += 1
             s.fed.append(PENDING)
@@ -91,7 +111,7 @@ class DecodeSteps:
             s.fed[-1] = t
             s.last_hidden = h
 
-    def _decode_forward(
+    def forward(
         self,
         states: Sequence[SequenceState],
         tokens: Sequence[PromptToken] | None,
@@ -101,14 +121,14 @@ class DecodeSteps:
         device): (hidden before post_ln [B, C], logits [B, V])."""
         adapters = [s.adapter for s in states]
         rows, lengths = [s.batch_idx for s in states], [s.length for s in states]
-        if self.decode_graphs is not None and all(a is None for a in adapters):
-            return self.decode_graphs.run(rows, lengths, tokens, ids_B)
+        if self.graphs is not None and all(a is None for a in adapters):
+            return self.graphs.run(rows, lengths, tokens, ids_B)
         if ids_B is not None:
             x_BC = embed_text(ids_B, self.model.text)
         else:
             x_BC = embed_tokens(list(tokens), self.model)
         hidden_BC = decode_eager(
             self.model, self.kv, self.page_table.page_table, x_BC, rows, lengths,
-            adapters, self.attention_backend,
+            adapters, self.backend,
         )  # fmt: skip
         return hidden_BC, lm_head(hidden_BC, self.model.text)

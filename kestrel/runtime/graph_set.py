@@ -30,6 +30,7 @@ from kestrel.moondream.text import PagedKV
 from kestrel.runtime.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_supported
 from kestrel.runtime.prefill_graphs import PrefillGraphs
 from kestrel.runtime.vision_graphs import VisionGraphs
+from kestrel_kernels.backends import AttentionBackend
 from kestrel_kernels.contract import default_scale
 from kestrel_kernels.decode_tune import DecodeTrial, check_fp8, tune_pool
 from kestrel_kernels.dispatch import get_decode_kernel, set_decode_table, triton_serves_fp8
@@ -55,7 +56,7 @@ class GraphSet:
         page_table_RP: Tensor,
         *,
         max_batch_size: int,
-        backend: str,
+        backend: AttentionBackend,
         capture: bool,
         compile: bool,
         fp8_kv: bool,
@@ -91,7 +92,7 @@ def choose_decode_kernels(
     page_table_RP: Tensor,
     *,
     max_batch_size: int,
-    backend: str,
+    backend: AttentionBackend,
     capture: bool,
     compile: bool,
 ) -> list[DecodeTrial]:
@@ -119,7 +120,7 @@ def choose_decode_kernels(
         key = (str(kv.k[0].device), kv.k[0].dtype, kv.k[0].shape[1:], cfg.n_heads, width, sizes)
         trials = _MEASURED.get(key)
         if trials is None:
-            trials = tune_pool(kv.k[0], kv.v[0], sizes, width, cfg.n_heads, softmax_scale=scale)
+            trials = tune_pool(kv.k[0], kv.v[0], sizes, width, cfg.n_heads)
             _MEASURED[key] = trials
     except Exception as exc:  # a kernel that cannot run here is not chosen
         log.warning("decode kernel measurement failed, FlashAttention serves decode: %s", exc)

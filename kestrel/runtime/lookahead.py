@@ -2,7 +2,7 @@
 
 A decode step ends with its tokens chosen on the device (``heads.choose``). Without look-ahead
 the host then waits for them -- the device runs dry while the host reads the ids, advances every
-skill, streams text and builds the next step. With look-ahead the runner first queues step
+skill, streams text and builds the next step. With look-ahead the executor first queues step
 t+1, fed each row's chosen id straight from the device (``MoondreamRuntime.decode_ahead``), and
 only then reads step t back: the device computes step t+1 while the host does its part of
 step t. The read waits for step t's tokens only (an event behind their copy), never for an
@@ -26,7 +26,7 @@ cache-owned pages all lie before it); the release rolls the position back before
 are inserted into the tree, so only positions fed by a real, confirmed step are cached; the
 erase then frees the page, and one stream orders the pending write before any reuse.
 
-The runner looks ahead only when every row of the step samples its next token from the logits
+The executor looks ahead only when every row of the step samples its next token from the logits
 (``Skill.next_draw``) and the rows it queues have a page left; with every draw ``final`` there
 is nothing to queue (at batch 1, the step after an answer's last token would be computed for
 nothing). The scheduler asks for it only when no admission is due: a prefill between two steps
@@ -48,7 +48,7 @@ __all__ = ["AheadStep", "LookaheadCounters", "settle"]
 
 @dataclass(slots=True)
 class LookaheadCounters:
-    """Cumulative look-ahead figures of a runner: steps queued, rows fed in them, and how
+    """Cumulative look-ahead figures of an executor: steps queued, rows fed in them, and how
     many of those rows were kept (the guess was right) or rolled back."""
 
     steps: int = 0

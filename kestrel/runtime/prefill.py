@@ -26,6 +26,7 @@ from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import PagedKV, text_forward
 from kestrel.runtime.sequence import SequenceError, SequenceState
 from kestrel.tokens import ImageToken
+from kestrel_kernels.backends import AttentionBackend
 from kestrel_kernels.batch import AttentionBatch, RowsLayout, RowSpan
 from kestrel_kernels.transfer import upload
 
@@ -101,7 +102,7 @@ def prefill_batch(
     kv: PagedKV,
     page_table_RP: Tensor,
     items: Sequence[PrefillItem],
-    backend: str,
+    backend: AttentionBackend | None,
 ) -> Tensor:
     """Compute every item's positions into its row's pages; returns the hidden state (before
     post_ln) of each item's last prompt position, ``[len(items), dim]``, in item order."""
@@ -117,7 +118,7 @@ def prefill_batch(
 
 def _forward(
     items: Sequence[PrefillItem], model: MoondreamModel, kv: PagedKV, page_table_RP: Tensor,
-    backend: str,
+    backend: AttentionBackend | None,
 ) -> Tensor:  # fmt: skip
     """One padded forward over ``items``: the last real position's hidden state per row."""
     dev = items[0].x_TC.device

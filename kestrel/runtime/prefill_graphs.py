@@ -4,10 +4,11 @@ of kernels per prefill instead of ~200.
 A prefill of a few new positions (a cache hit) is ~200 small kernels whose launch costs the host
 far more than the GPU spends on them. Its shape varies, so it is padded up to a bucket: up to
 ``rows`` sequences of at most ``tokens`` new positions each, with or without a bidirectional
-image block (a miss of an image prompt has one). Each bucket's inputs live in a
-``ForwardBatch``, fixed buffers the graph reads: the embeddings, and one int32 block holding the
-positions (-1 on padding), each row's KV and query lengths, its page-table row, its last
-position and its image block, laid out as the eager prefill's
+image block (a miss of an image prompt has one). Each bucket's inputs live in its
+``PrefillGraphBuffers``, the fixed buffers its graph reads (a CUDA graph's static inputs, not
+a batch of requests): the embeddings, and one int32 block holding the positions (-1 on
+padding), each row's KV and query lengths, its page-table row, its last position and its image
+block, laid out as the eager prefill's
 (``kestrel_kernels.batch.RowsLayout``) and read into the same ``ForwardInputs``. The graph
 computes the page slots, the decoder, the last real position's hidden state and its logits.
 Padding positions and rows write no K/V (slot -1) and their outputs are dropped, as in the
@@ -36,11 +37,12 @@ from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, lm_head, text_forward
 from kestrel.runtime.prefill import PrefillItem, causal_rows, check_items
+from kestrel_kernels.backends import AttentionBackend
 from kestrel_kernels.batch import AttentionBatch, RowsLayout, RowsMeta
 from kestrel_kernels.counting import count_upload, graph_body
 from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
 
-__all__ = ["ForwardBatch", "PrefillGraphs", "prefill_buckets"]
+__all__ = ["PrefillGraphBuffers", "PrefillGraphs", "prefill_buckets"]
 
 log = logging.getLogger("kestrel.runtime")
 
@@ -63,7 +65,7 @@ def prefill_buckets(prefix_len: int, max_context: int, max_batch: int) -> list[S
 
 
 @dataclass(slots=True)
-class ForwardBatch:
+class PrefillGraphBuffers:
     """The fixed inputs of one prefill shape ``[B, T]`` (module doc): ``x_BTC`` and ``meta``,
     an int32 ``kestrel_kernels.batch.RowsLayout`` block (one image block per row), the same
     layout the eager prefill uploads. ``causal_rows``: the bound on a row's queries outside its
@@ -77,7 +79,7 @@ class ForwardBatch:
     meta: Tensor
 
     @classmethod
-    def allocate(cls, shape: Shape, dim: int, dtype, device) -> ForwardBatch:
+    def allocate(cls, shape: Shape, dim: int, dtype, device) -> PrefillGraphBuffers:
         B, T, regions, causal_rows = shape
         x = torch.zeros(B, T, dim, dtype=dtype, device=device)
         meta = torch.zeros(RowsLayout(B, T, 1).size, dtype=torch.int32, device=device)
@@ -115,7 +117,7 @@ class ForwardBatch:
         m = self.views()
         return m.positions_BT, m.seqused_k, m.seqused_q, m.rows_B, m.regions
 
-    def inputs(self, page_table_RP: Tensor, backend: str) -> ForwardInputs:
+    def inputs(self, page_table_RP: Tensor, backend: AttentionBackend) -> ForwardInputs:
         """The forward's inputs read from these buffers (no host sync): every row's full
         page-table row, padding positions and rows writing nothing, padding queries' outputs
         left unzeroed (they are dropped; positions do not mix)."""
@@ -130,8 +132,9 @@ class ForwardBatch:
 
 
 def prefill_static(
-    model: MoondreamModel, kv: PagedKV, page_table_RP: Tensor, batch: ForwardBatch, backend: str
-) -> tuple[Tensor, Tensor]:
+    model: MoondreamModel, kv: PagedKV, page_table_RP: Tensor, batch: PrefillGraphBuffers,
+    backend: AttentionBackend,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The whole padded prefill of ``batch`` as a pure function of its buffers (no host sync):
     (hidden before post_ln [B, C], logits [B, V]) of each row's last real position."""
     inputs = batch.inputs(page_table_RP, backend)
@@ -143,7 +146,7 @@ def prefill_static(
 
 @dataclass(slots=True)
 class _Bucket:
-    batch: ForwardBatch
+    batch: PrefillGraphBuffers
     graph: object | None = None
     out: tuple[Tensor, Tensor] | None = None
 
@@ -154,14 +157,16 @@ class PrefillGraphs:
 
     def __init__(
         self, model: MoondreamModel, kv: PagedKV, page_table_RP: Tensor, *, max_batch_size: int,
-        backend: str, capture: bool = True,
+        backend: AttentionBackend, capture: bool = True,
     ) -> None:  # fmt: skip
         self.model, self.kv, self.page_table_RP = model, kv, page_table_RP
         self.backend, self.capture = backend, capture
         cfg = model.config
         shapes = prefill_buckets(cfg.prefix_len, cfg.text.max_context, max_batch_size)
         dim, dev = cfg.text.dim, page_table_RP.device
-        self._buckets = [_Bucket(ForwardBatch.allocate(s, dim, model.dtype, dev)) for s in shapes]
+        self._buckets = [
+            _Bucket(PrefillGraphBuffers.allocate(s, dim, model.dtype, dev)) for s in shapes
+        ]
         self._capturer: cuda_graphs.GraphCapture | None = None
         self.failures: dict[Shape, str] = {}
         self.replays = 0

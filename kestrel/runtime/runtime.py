@@ -36,16 +36,13 @@ steps:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from kestrel.crops.pool import CropPool
 from kestrel.images import PreparedImage, image_hash_int
-from kestrel.kv.page_table import PagedKVCache, PageTable
-from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.lora import LoraAdapter
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import lm_head
@@ -55,16 +52,11 @@ from kestrel.moondream.weights import resolve_checkpoint
 from kestrel.prefix_cache.lease import CacheLease, LeasePhase
 from kestrel.prefix_cache.namespace import CacheNamespace
 from kestrel.prefix_cache.node import token_kv_length
-from kestrel.prefix_cache.radix_cache import RadixPrefixCache
-from kestrel.runtime.compiled import CompiledPrefill, check_compile
+from kestrel.runtime.build import RuntimeOptions, build_parts
 from kestrel.runtime.cuda_graphs import DecodeGraphs
-from kestrel.runtime.cuda_memory import KvPoolReport, pool_pages
 from kestrel.runtime.decode_steps import DecodeSteps
-from kestrel.runtime.embeddings import EmbeddingBatch, embedding_tier
-from kestrel.runtime.graph_set import GraphSet, choose_decode_kernels
-from kestrel.runtime.host_kv import host_kv_tier
+from kestrel.runtime.embeddings import EmbeddingBatch
 from kestrel.runtime.prefill import prefill_batch, prefill_item
-from kestrel.runtime.prefill_graphs import PrefillGraphs
 from kestrel.runtime.sequence import (
     PromptToken,
     RuntimeCounters,
@@ -78,149 +70,60 @@ from kestrel.runtime.sequence import (
     prepared_images,
     validate_image_regions,
 )
-from kestrel.runtime.vision_graphs import VisionGraphs
-from kestrel_kernels import pinned
-from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
+from kestrel_kernels.backends import resolve_backend
 
 __all__ = ["MoondreamRuntime", "RuntimeCounters", "SequenceError", "SequenceState"]
 
 
-log = logging.getLogger("kestrel.runtime")
-
-
-def _pins_host(device: torch.device) -> bool:
-    """Whether the runtime stages host data in pinned memory (CUDA; tests stand in)."""
-    return device.type == "cuda"
-
-
-class MoondreamRuntime(DecodeSteps):
+class MoondreamRuntime:
     """Cached prefill, batched decode and release over one KV pool (see the module doc).
 
-    ``kv_cache_pages=None`` sizes the pool: on CUDA from the memory free after a warm-up,
-    ``kv_memory_fraction`` of it (default 0.9; ``kv_report`` says what was found), elsewhere
-    ``max_batch_size * max_context + 1``. ``cuda_graphs``: replay decode steps from CUDA graphs
-    when the ``fa`` attention backend runs (see ``cuda_graphs``). ``retain_decoded``: keep
-    a finished sequence's decoded tokens in the cache under its prompt (module doc, step 5).
-    ``kv_scales``: one ``KvScales`` per layer stores K/V as FP8 pages (opt-in; the scaled-KV
-    case runs the torch attention reference, so decode steps are not graph-captured).
-    ``compile``: decode and prefill through ``torch.compile`` (``compiled.py``; opt-in).
-    ``embedding_cache_bytes``: the image-embedding tier's budget (``embeddings.py``; None:
-    sized from the KV pool, 0: off; on CUDA an auto-sized pool gives those bytes up).
-    ``host_kv_bytes``: pinned host memory for KV pages the cache evicts (CUDA; 0: off).
-    ``device_crops``: a new image's crops made on the model's device from the uploaded image
-    (``crops/device.py``: libvips' bytes; None: on CUDA, if a start-up probe agrees). The
-    decode steps (a known token, or a look-ahead id on the device) are in ``decode_steps.py``.
+    Built from :class:`~kestrel.runtime.build.RuntimeOptions` (``options``, or its fields as
+    keywords; each is documented there) by ``build.py``, which makes and starts everything it
+    runs on. The decode steps (a known token, or a look-ahead id on the device) are its
+    ``decoder`` (``decode_steps.py``); ``decode_step`` and its kin hand over to it.
     """
 
     def __init__(
         self,
         model: MoondreamModel,
         tokenizer: MoondreamTokenizer | None = None,
-        *,
-        kv_cache_pages: int | None = None,
-        max_batch_size: int = 16,
-        enable_prefix_cache: bool = True,
-        attention_backend: str = "auto",
-        kv_memory_fraction: float | None = None,
-        cuda_graphs: bool = True,
-        retain_decoded: bool = True,
-        kv_scales: Sequence[KvScales] | None = None,
-        compile: bool = False,
-        embedding_cache_bytes: int | None = None,
-        host_kv_bytes: int = 0,
-        device_crops: bool | None = None,
+        options: RuntimeOptions | None = None,
+        **overrides: Any,
     ) -> None:
-        self.model = model
-        self.retain_decoded = retain_decoded
-        self.config: MoondreamConfig = model.config
-        self.tokenizer = tokenizer
-        self.device = model.device
-        self.dtype = model.dtype
-        self.attention_backend = attention_backend
-        self.enable_prefix_cache = enable_prefix_cache
-        text = self.config.text
-        kv_dt = self.dtype if kv_scales is None else KV_FP8_DTYPE
-        self.kv_report: KvPoolReport | None
-        kv_cache_pages, self.kv_report = pool_pages(
-            model, kv_cache_pages, max_batch_size=max_batch_size, fraction=kv_memory_fraction,
-            backend=attention_backend, kv_dtype=kv_dt,
-        )  # fmt: skip
-        if self.kv_report is not None:
-            log.info("%s", self.kv_report)
-        kv_cache_pages, self.embeddings = embedding_tier(  # embeddings.py
-            model, kv_cache_pages, kv_dt, embedding_cache_bytes,
-            prefix_cache=enable_prefix_cache, carve=self.kv_report is not None,
-        )  # fmt: skip
-        if self.kv_report is not None:  # the tier's bytes came out of the sized pool
-            self.kv_report = self.kv_report.carve(kv_cache_pages)
-        if kv_cache_pages < 2:
-            raise ValueError(f"kv_cache_pages must be >= 2, got {kv_cache_pages}")
-        self.page_table = PageTable(
-            kv_cache_pages,
-            page_size=1,
-            max_batch_size=max_batch_size,
-            device=self.device,
-            max_seq_len=text.max_context,
-        )
-        self.kv = PagedKVCache(
-            n_pages=kv_cache_pages,
-            n_layers=text.n_layers,
-            n_kv_heads=text.n_kv_heads,
-            head_dim=text.head_dim,
-            dtype=kv_dt,
-            device=self.device,
-            kv_scales=kv_scales,
-        )
-        self.prefix_cache = RadixPrefixCache(self.page_table)
-        if host_kv_bytes:  # evicted KV kept in pinned host memory (CUDA; host_kv.py)
-            self.prefix_cache.host = host_kv_tier(self.kv, host_kv_bytes)
-        self.page_table.set_prefix_cache(self.prefix_cache)
+        self.options = o = RuntimeOptions.of(options, **overrides)
+        self.model, self.tokenizer, self.config = model, tokenizer, model.config
+        self.device, self.dtype = model.device, model.dtype
+        # the attention backend object, resolved once (kestrel_kernels.backends)
+        self.attention_backend = resolve_backend(o.attention_backend, self.device, self.dtype)
+        p = build_parts(model, o, self.attention_backend)  # build.py: pool, tiers, start-up
+        self.page_table, self.kv, self.prefix_cache = p.page_table, p.kv, p.prefix_cache
+        self.embeddings, self.crops, self.kv_report = p.embeddings, p.crops, p.kv_report
+        self.compiled_prefill, self.decode_trials = p.compiled_prefill, p.decode_trials
+        self.prefill_graphs, self.vision_graphs = p.graphs.prefill, p.graphs.vision
         self.counters = RuntimeCounters()
         self._active: dict[int, SequenceState] = {}
-        fp8_kv = kv_scales is not None
-        compile = compile and not fp8_kv  # FP8 pages: eager (not compiled yet)
-        self._start_up(kv_cache_pages, max_batch_size, cuda_graphs, compile, fp8_kv, device_crops)
-
-    def _start_up(self, kv_cache_pages: int, max_batch_size: int, capture: bool, compile: bool,
-                  fp8_kv: bool, device_crops: bool | None) -> None:  # fmt: skip
-        """Before anything is served: the compiled forms, each decode bucket's attention kernel
-        chosen and the graphs built (``graph_set.py``), the pinned ring for uploads and
-        read-backs, every graph captured (decode, prefill, vision; never under traffic), then
-        the crop pool (idle until the first request) with its pinned staging."""
-        if compile:
-            check_compile(self.device)
-        self.compiled_prefill = CompiledPrefill() if compile else None
-        options = dict(max_batch_size=max_batch_size, backend=self.attention_backend,
-                       capture=capture, compile=compile)  # fmt: skip
-        table = self.page_table.page_table
-        self.decode_trials = choose_decode_kernels(self.model, self.kv, table, **options)
-        graphs = GraphSet.build(self.model, self.kv, table, fp8_kv=fp8_kv, **options)
-        self.decode_graphs: DecodeGraphs | None = graphs.decode
-        self.prefill_graphs: PrefillGraphs | None = graphs.prefill
-        self.vision_graphs: VisionGraphs | None = graphs.vision
-        pins = _pins_host(self.device)
-        if pins:
-            pinned.reserve(self.device)
-        graphs.capture_all()
-        # Crops off this thread (crops/pool.py); an image encoded lately is likely still cached.
-        cached = (kv_cache_pages - 1) // self.config.image_tokens if self.enable_prefix_cache else 0
-        vision = self.config.vision
-        self.crops = CropPool.for_runtime(vision, self.device, pins, cached, device_crops)
+        self.decoder = DecodeSteps(model, self.kv, self.page_table, self._active,
+                                   self.attention_backend, p.graphs.decode)  # fmt: skip
 
     @classmethod
-    def from_pretrained(
-        cls,
-        name_or_path: str | Path,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
-        revision: str | None = None,
-        **kwargs,
-    ) -> MoondreamRuntime:
-        ckpt = resolve_checkpoint(name_or_path, revision)  # once: a hub id downloads here
+    def from_pretrained(cls, name_or_path: str | Path, *, revision: str | None = None,
+                        device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                        **options: Any) -> MoondreamRuntime:  # fmt: skip
+        """A checkpoint directory or hub name (resolved once: a hub id downloads here), its
+        model and tokenizer loaded and run under ``options`` (the constructor's)."""
+        ckpt = resolve_checkpoint(name_or_path, revision)
         model = MoondreamModel.from_pretrained(ckpt, device=device, dtype=dtype)
-        tokenizer = MoondreamTokenizer.for_checkpoint(ckpt)
-        return cls(model, tokenizer, **kwargs)
+        return cls(model, MoondreamTokenizer.for_checkpoint(ckpt), **options)
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The decode step's CUDA graphs (the decoder's; None: every step eager)."""
+        return self.decoder.graphs
+
+    @decode_graphs.setter
+    def decode_graphs(self, graphs: DecodeGraphs | None) -> None:
+        self.decoder.graphs = graphs
 
     # ------------------------------------------------------------------ public API
     @property
@@ -239,7 +142,7 @@ class MoondreamRuntime(DecodeSteps):
         """Validate a request and take its resources (no model work): match, batch row, reused
         pages mapped and locked, private pages for the suffix and ``max_new_tokens``.
 
-        Same arguments as ``start_sequence``. Follow with ``prefill_sequence`` and
+        Arguments as ``start_sequence`` describes them. Follow with ``prefill_sequence`` and
         ``commit_sequence``, or ``abort_sequence`` on failure."""
         images = prepared_images(image)
         check_request(self.config, tokens, len(images), max_new_tokens)
@@ -257,7 +160,7 @@ class MoondreamRuntime(DecodeSteps):
         prompt_len = token_kv_length(cache_tokens)
         lease = CacheLease.prepare(
             self.page_table,
-            self.prefix_cache if self.enable_prefix_cache else None,
+            self.prefix_cache if self.options.enable_prefix_cache else None,
             cacheable,
             namespace,
             prompt_length=prompt_len,
@@ -301,9 +204,8 @@ class MoondreamRuntime(DecodeSteps):
         return self._prefill_eager(items)
 
     def _prefill_eager(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
-        run = (
-            prefill_batch if self.compiled_prefill is None else self.compiled_prefill.prefill_batch
-        )
+        compiled = self.compiled_prefill
+        run = prefill_batch if compiled is None else compiled.prefill_batch
         hidden_BC = run(self.model, self.kv, self.page_table.page_table, items,
                         self.attention_backend)  # fmt: skip
         return hidden_BC, lm_head(hidden_BC, self.model.text)
@@ -325,13 +227,7 @@ class MoondreamRuntime(DecodeSteps):
         state.prompt, state.images = (), ()
 
     def start_sequence(
-        self,
-        tokens: Sequence[PromptToken],
-        image: object = None,
-        *,
-        adapter: LoraAdapter | None = None,
-        max_new_tokens: int = 256,
-        cache_salt: str | None = None,
+        self, tokens: Sequence[PromptToken], image: object = None, **request: Any
     ) -> tuple[SequenceState, torch.Tensor]:
         """Prefill a prompt (reusing its cached prefix) and return its state and last logits [V].
 
@@ -339,13 +235,11 @@ class MoondreamRuntime(DecodeSteps):
         unless ``tokens`` places its images itself (an ``ImageToken`` per image, in the order of
         ``image``, then a tuple; a conversation's later turns). Images are
         :class:`~kestrel.images.PreparedImage` (pixels and their digest), or anything
-        ``prepare_image`` takes. ``cache_salt`` puts the prompt
-        in a namespace of its own (tenant isolation).
-        Prepare, prefill and commit in one call.
+        ``prepare_image`` takes. ``request``: ``prepare_sequence``'s keywords, ``adapter``,
+        ``max_new_tokens`` and ``cache_salt`` (the prompt in a namespace of its own: tenant
+        isolation). Prepare, prefill and commit in one call.
         """
-        state = self.prepare_sequence(
-            tokens, image, adapter=adapter, max_new_tokens=max_new_tokens, cache_salt=cache_salt,
-        )  # fmt: skip
+        state = self.prepare_sequence(tokens, image, **request)
         try:
             hidden_C, logits_V = self.prefill_sequence(state)
             self.commit_sequence(state, hidden_C)
@@ -353,6 +247,29 @@ class MoondreamRuntime(DecodeSteps):
             self.abort_sequence(state)
             raise
         return state, logits_V
+
+    def decode_step(
+        self, states: Sequence[SequenceState], tokens: Sequence[PromptToken]
+    ) -> torch.Tensor:
+        """One token fed per sequence in one batched forward: logits [B, V] (``DecodeSteps``)."""
+        return self.decoder.decode_step(states, tokens)
+
+    def decode_ahead(
+        self, states: Sequence[SequenceState], ids_B: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A look-ahead step fed the ids ``ids_B`` on the device (``DecodeSteps``)."""
+        return self.decoder.decode_ahead(states, ids_B)
+
+    def settle_ahead(
+        self, state: SequenceState, token: PromptToken | None, hidden_C: torch.Tensor | None
+    ) -> None:
+        """Confirm a look-ahead position, or (``token`` None) roll it back (``DecodeSteps``)."""
+        self.decoder.settle_ahead(state, token, hidden_C)
+
+    def confirm_ahead(self, states: Sequence[SequenceState], tokens: Sequence[PromptToken],
+                      hidden_BC: torch.Tensor) -> None:  # fmt: skip
+        """``settle_ahead`` confirming every row of a look-ahead step (``DecodeSteps``)."""
+        self.decoder.confirm_ahead(states, tokens, hidden_BC)
 
     def release_sequence(self, state: SequenceState) -> None:
         """Retain the decoded tokens (``retain_decoded``), then exactly one unlock, then free
@@ -364,7 +281,7 @@ class MoondreamRuntime(DecodeSteps):
         state.released = True
         del self._active[state.batch_idx]
         fed, state.fed = state.fed, []
-        if not self.retain_decoded:
+        if not self.options.retain_decoded:
             fed = []
         cfg = self.config.region
         state.lease.release(fed[: cacheable_prefix(fed, cfg.coord_bins, cfg.size_bins)])
@@ -377,7 +294,7 @@ class MoondreamRuntime(DecodeSteps):
         if self.prefix_cache.host is not None:
             self.prefix_cache.host.check_integrity()
         for s in self._active.values():
-            s.check_running(self.page_table.capacity(s.batch_idx), self.enable_prefix_cache)
+            s.check_running(self.page_table.capacity(s.batch_idx), self.options.enable_prefix_cache)
 
     # ------------------------------------------------------------------ internals
     def _encode_images(

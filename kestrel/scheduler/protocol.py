@@ -1,7 +1,7 @@
-"""What the scheduler needs of a model runner, and the values they exchange.
+"""What the scheduler needs of its executor (the model side), and the values they exchange.
 
 The scheduler never imports model code: it drives any object with this shape. The engine's
-runner (``kestrel.runtime.runner.BatchExecutor``) wraps ``MoondreamRuntime``; tests drive the
+executor (``kestrel.runtime.executor.BatchExecutor``) wraps ``MoondreamRuntime``; tests drive the
 scheduler with fakes.
 """
 
@@ -15,11 +15,11 @@ from typing import Any, Protocol
 from kestrel.results import RequestMetrics
 from kestrel.skills.base import PromptToken, Skill
 
-__all__ = ["Capacity", "ModelRunner", "Request", "RunnerOverloaded", "Started"]
+__all__ = ["Capacity", "Executor", "ExecutorOverloaded", "Request", "Started"]
 
 
-class RunnerOverloaded(RuntimeError):
-    """The runner could not take a request right now (rows or pages short); retry later."""
+class ExecutorOverloaded(RuntimeError):
+    """The executor could not take a request right now (rows or pages short); retry later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,7 @@ class Capacity:
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """A prefilled sequence: the runner's handle, the last position's logits and hidden state."""
+    """A prefilled sequence: the executor's handle, the last position's logits and hidden state."""
 
     handle: Any
     logits_V: Any
@@ -72,14 +72,14 @@ class Request:
         return self.prompt_positions + self.max_new_tokens
 
 
-class ModelRunner(Protocol):
+class Executor(Protocol):
     """The model side of the scheduler (single-threaded: only the scheduler calls it)."""
 
     def capacity(self) -> Capacity: ...
 
     def start_many(self, requests: Sequence[Request]) -> list[Started | Exception]:
-        """Prefill admitted requests (reusing cached prefixes), batched as the runner sees
-        fit; one outcome per request, in order: ``Started``, ``RunnerOverloaded`` (cannot take
+        """Prefill admitted requests (reusing cached prefixes), batched as the executor sees
+        fit; one outcome per request, in order: ``Started``, ``ExecutorOverloaded`` (cannot take
         it now: retry later) or the exception that fails it. Nothing is held for a request
         that did not start."""
         ...
@@ -88,7 +88,7 @@ class ModelRunner(Protocol):
         self, handles: Sequence[Any], tokens: Sequence[PromptToken], *, lookahead: bool = False
     ) -> tuple[Any, list]:
         """Feed one token per sequence in one batched step: (logits [B, V], hidden per row).
-        ``lookahead``: no admission is due before the next step, so the runner may queue it
+        ``lookahead``: no admission is due before the next step, so the executor may queue it
         before this one is read back (it guesses each row's token; the guess is checked)."""
         ...
 

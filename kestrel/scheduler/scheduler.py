@@ -1,13 +1,13 @@
 """The scheduler: one loop that admits, prefills, decodes and retires.
 
 ``step()`` is ``schedule`` (drop cancelled requests, admit what fits), ``run`` (prefill the
-admitted requests, which the runner batches, then one batched decode over every running
+admitted requests, which the executor batches, then one batched decode over every running
 sequence) and ``postprocess`` (each sequence's skill decides its next token, text is streamed,
 finished sequences retire and release what they hold). It is a plain class, driven by the
 engine's thread or directly by tests; nothing here is thread-safe, and nothing here imports
 model code.
 
-Failure isolation: an exception while prefilling fails that request alone (the runner retries a
+Failure isolation: an exception while prefilling fails that request alone (the executor retries a
 failed batched prefill one sequence at a time); one inside a decode step fails the sequences of
 that step; a skill that raises fails its own sequence. Every failure releases the sequence's
 handle before the caller hears of it, so nothing leaks."""
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kestrel.errors import CapacityError, InvalidInputError, KestrelError, ModelError
-from kestrel.scheduler.protocol import Capacity, ModelRunner, Request, RunnerOverloaded, Started
+from kestrel.scheduler.protocol import Capacity, Executor, ExecutorOverloaded, Request, Started
 from kestrel.scheduler.state import RunningSet, SequenceRun
 
 __all__ = ["Scheduler", "SchedulerCounters", "WaitQueue"]
@@ -115,8 +115,8 @@ class WaitQueue:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, *, clock: Callable[[], float] = time.perf_counter):
-        self.runner = runner
+    def __init__(self, executor: Executor, *, clock: Callable[[], float] = time.perf_counter):
+        self.executor = executor
         self.clock = clock
         self.waiting = WaitQueue()
         self.running = RunningSet()
@@ -126,7 +126,7 @@ class Scheduler:
     # ------------------------------------------------------------------ public
     def submit(self, request: Request) -> None:
         """Queue a request; one that could never fit the page pool fails right away."""
-        if request.pages_needed > self.runner.capacity().total_pages:
+        if request.pages_needed > self.executor.capacity().total_pages:
             self._fail_never_fits(request)
         else:
             self.waiting.push(request)
@@ -156,7 +156,7 @@ class Scheduler:
             self._fail(request, make_error())
 
     def check_integrity(self) -> None:
-        self.runner.check_integrity()
+        self.executor.check_integrity()
         running = {id(r.request) for r in self.running}
         if any(id(r) in running for r in self.waiting):
             raise AssertionError("a request is both waiting and running")
@@ -170,13 +170,13 @@ class Scheduler:
         for run in self.running:
             if run.request.future.cancelled():
                 self._retire(run, cancelled=True)
-        admitted, never = self.waiting.admit(self.runner.capacity())
+        admitted, never = self.waiting.admit(self.executor.capacity())
         for request in never:
             self._fail_never_fits(request)
         return admitted
 
     def _fail_never_fits(self, request: Request) -> None:
-        total = self.runner.capacity().total_pages
+        total = self.executor.capacity().total_pages
         self._fail(
             request,
             CapacityError(
@@ -191,11 +191,11 @@ class Scheduler:
         if not admitted:
             return
         t0 = self.clock()
-        outcomes = self.runner.start_many(admitted)
+        outcomes = self.executor.start_many(admitted)
         prefill_ms = (self.clock() - t0) * 1e3
-        overloaded: list[tuple[Request, RunnerOverloaded]] = []
+        overloaded: list[tuple[Request, ExecutorOverloaded]] = []
         for request, out in zip(admitted, outcomes, strict=True):
-            if isinstance(out, RunnerOverloaded):
+            if isinstance(out, ExecutorOverloaded):
                 overloaded.append((request, out))
             elif isinstance(out, BaseException):
                 self._fail(request, as_request_error(out))
@@ -227,13 +227,13 @@ class Scheduler:
             return
         self.counters.decode_steps += 1
         tokens = [r.next_token for r in batch]
-        # The runner may queue the next step before reading this one's tokens. Rows admitted
+        # The executor may queue the next step before reading this one's tokens. Rows admitted
         # before that step would miss it and cost a second forward, so not while requests wait
         # or rows have just retired (their replacements are on the way).
         lookahead = not self.waiting and not self._retired
         self._retired = 0
         try:
-            logits_BV, hidden = self.runner.decode(
+            logits_BV, hidden = self.executor.decode(
                 [r.handle for r in batch], tokens, lookahead=lookahead
             )
         except Exception as exc:
@@ -280,7 +280,7 @@ class Scheduler:
         self.running.remove(run)
         self._retired += 1
         try:
-            self.runner.release(run.handle)
+            self.executor.release(run.handle)
         except Exception as exc:
             log.exception("releasing request %s failed", run.request.request_id)
             error = error or as_request_error(exc)

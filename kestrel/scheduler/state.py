@@ -1,5 +1,5 @@
 """The scheduler's per-sequence state (mutable, scheduler thread only) and the set of running
-sequences that hold a runner handle."""
+sequences that hold an executor handle."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ __all__ = ["RunningSet", "SequenceRun"]
 
 @dataclass(slots=True, eq=False)
 class SequenceRun:
-    """A request being generated: its runner handle, the token to feed next, its clock."""
+    """A request being generated: its executor handle, the token to feed next, its clock."""
 
     request: Request
     handle: Any
@@ -58,7 +58,7 @@ class SequenceRun:
 
 
 class RunningSet:
-    """The sequences that hold a runner handle (a batch row and pages)."""
+    """The sequences that hold an executor handle (a batch row and pages)."""
 
     def __init__(self) -> None:
         self._runs: list[SequenceRun] = []

@@ -48,7 +48,7 @@ from kestrel.server.memory import IdleTrimmer
 from kestrel.server.metrics import ServerMetrics
 from kestrel.server.payloads import SKILLS, Call, parse_call
 from kestrel.server.playground import playground_routes
-from kestrel.server.protocol import ServedEngine, missing_members
+from kestrel.server.protocol import ServedEngine, call_options, missing_members
 from kestrel.server.responses import (
     ClientGone,
     EventStream,
@@ -65,7 +65,7 @@ _HTTP_TYPES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}
 
 def _start(engine: ServedEngine, call: Call) -> Awaitable[Any]:
     """The engine coroutine for a validated call (a result, or a stream when streaming)."""
-    common = {"settings": call.settings, "adapter": call.adapter, "cache_salt": call.cache_salt}
+    common = call_options(call)
     if call.skill == "query":
         refs = None if call.spatial_refs is None else [list(r) for r in call.spatial_refs]
         return engine.aquery(

@@ -34,7 +34,7 @@ from kestrel.grammar import parse_response_format
 from kestrel.results import ChatResult, RequestMetrics, TokenLogprob
 from kestrel.server.errors import ApiError
 from kestrel.server.payloads import Prepare, decode_data_url, load_object, typed
-from kestrel.server.protocol import ServedEngine
+from kestrel.server.protocol import ServedEngine, call_options
 from kestrel.server.responses import EventStream
 from kestrel.skills.stops import parse_stop
 
@@ -209,8 +209,8 @@ def start_chat(engine: ServedEngine, call: ChatCall) -> Any:
     if call.logprobs is not None:
         answer["logprobs"] = call.logprobs
     return engine.achat(
-        call.messages, settings=call.settings, adapter=call.adapter,
-        cache_salt=call.cache_salt, reasoning=call.reasoning, stream=call.stream, **answer,
+        call.messages, reasoning=call.reasoning, stream=call.stream, **call_options(call),
+        **answer,
     )  # fmt: skip
 
 

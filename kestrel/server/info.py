@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 
 from kestrel import __version__
 from kestrel.server.errors import ApiError
-from kestrel.server.exchange import Ledger
+from kestrel.server.exchange import Exchange, Ledger
 from kestrel.server.metrics import CONTENT_TYPE
 from kestrel.server.protocol import ServedEngine
 
@@ -82,11 +82,9 @@ class InfoRoutes:
 
     async def models(self, request: Request) -> Response:
         """The OpenAI model list: the served model, then ``model@adapter`` per adapter."""
-        ex = self.ledger.open("models")
-        try:
-            self.authorize(request)
-        except ApiError as err:
-            return ex.fail(err)
+        ex, refused = self._open(request, "models")
+        if refused is not None:
+            return refused
         ex.finish(200)
         body = {"object": "list", "data": self._model_objects()}
         return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
@@ -94,17 +92,24 @@ class InfoRoutes:
     async def model(self, request: Request) -> Response:
         """One model of the list, by id (the OpenAI client's ``models.retrieve``); 404 for an
         id the list does not hold."""
-        ex = self.ledger.open("models")
-        try:
-            self.authorize(request)
-            wanted = request.path_params["model_id"]
-            found = next((m for m in self._model_objects() if m["id"] == wanted), None)
-            if found is None:
-                raise ApiError(404, "model_not_found", f"the model {wanted!r} does not exist")
-        except ApiError as err:
-            return ex.fail(err)
+        ex, refused = self._open(request, "models")
+        if refused is not None:
+            return refused
+        wanted = request.path_params["model_id"]
+        found = next((m for m in self._model_objects() if m["id"] == wanted), None)
+        if found is None:
+            return ex.fail(ApiError(404, "model_not_found", f"the model {wanted!r} does not exist"))
         ex.finish(200)
         return JSONResponse(found, headers={"X-Request-ID": ex.request_id})
+
+    def _open(self, request: Request, route: str) -> tuple[Exchange, Response | None]:
+        """A described route's exchange, and its 401 response where the caller may not call."""
+        ex = self.ledger.open(route)
+        try:
+            self.authorize(request)
+        except ApiError as err:
+            return ex, ex.fail(err)
+        return ex, None
 
     def _model_objects(self) -> list[dict]:
         """The served model, then ``model@adapter`` per adapter, as OpenAI's model objects."""
@@ -114,11 +119,9 @@ class InfoRoutes:
                 for i in ids]  # fmt: skip
 
     async def stats(self, request: Request) -> Response:
-        ex = self.ledger.open("stats")
-        try:
-            self.authorize(request)
-        except ApiError as err:
-            return ex.fail(err)
+        ex, refused = self._open(request, "stats")
+        if refused is not None:
+            return refused
         body = (await asyncio.to_thread(self.engine.stats)).to_dict()
         gate = self.ledger.gate
         body["server"] = {"in_flight": gate.in_flight, "max_queue": gate.limit,
@@ -127,11 +130,9 @@ class InfoRoutes:
         return JSONResponse(body, headers={"X-Request-ID": ex.request_id})
 
     async def prometheus(self, request: Request) -> Response:
-        ex = self.ledger.open("metrics")
-        try:
-            self.authorize(request)
-        except ApiError as err:
-            return ex.fail(err)
+        ex, refused = self._open(request, "metrics")
+        if refused is not None:
+            return refused
         ex.finish(200)  # recorded first, so this scrape counts itself
         stats = await asyncio.to_thread(self.engine.stats)
         gate = self.ledger.gate

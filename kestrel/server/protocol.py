@@ -21,13 +21,16 @@ __all__ = [
     "ModelFacts",
     "ServedEngine",
     "StatsSnapshot",
+    "call_options",
     "missing_members",
 ]
 
 
 class CallOptions(TypedDict, total=False):
     """The keyword arguments every call takes: the generation ``settings`` (a dict, as the
-    Engine's calls take it), the LoRA ``adapter`` by name, the tenant's ``cache_salt``."""
+    Engine's calls take it), the LoRA ``adapter`` by name, the tenant's ``cache_salt`` (the
+    fields of the Engine's :class:`~kestrel.engine.skill_calls.SkillCall`; a test holds the
+    two to the same names)."""
 
     settings: dict | None
     adapter: str | None
@@ -129,6 +132,12 @@ MEMBERS = (
     "model_path", "config", "max_batch_size", "exif_orientation", "closed", "supports_segment",
     "adapters", "stats", "aquery", "acaption", "apoint", "adetect", "asegment", "achat",
 )  # fmt: skip
+
+
+def call_options(call: object) -> CallOptions:
+    """The :class:`CallOptions` a parsed request carries: its attributes of those names (so an
+    option every call takes is passed on by every route once the payloads parse it)."""
+    return {name: getattr(call, name) for name in CallOptions.__annotations__}  # type: ignore[return-value]
 
 
 def missing_members(engine: object) -> list[str]:

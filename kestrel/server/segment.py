@@ -21,7 +21,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from kestrel.results import RequestMetrics
-from kestrel.server.protocol import ServedEngine
+from kestrel.server.protocol import ServedEngine, call_options
 from kestrel.server.responses import EventStream
 
 __all__ = ["SegmentEventStream", "segment_body", "segment_response", "start_segment"]
@@ -33,9 +33,8 @@ def start_segment(engine: ServedEngine, call: Any) -> Any:
     """The engine coroutine of a validated segment call."""
     refs = None if call.spatial_refs is None else [list(r) for r in call.spatial_refs]
     return engine.asegment(
-        call.image, call.text, spatial_refs=refs, settings=call.settings, adapter=call.adapter,
-        cache_salt=call.cache_salt, stream=call.stream,
-    )  # fmt: skip
+        call.image, call.text, spatial_refs=refs, stream=call.stream, **call_options(call)
+    )
 
 
 def segment_body(result: Any, request_id: str) -> dict[str, Any]:

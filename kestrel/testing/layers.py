@@ -169,10 +169,10 @@ def layers(units: dict[str, set[str]]) -> dict[str, int]:
         if u in busy:
             return 0
         busy.add(u)
-        layer[u] = 1 + max((depth(v) for v in units.get(u, ()) if v != u), default=0)
+        layer[u] = 1 + max((depth(v) for v in sorted(units.get(u, ())) if v != u), default=0)
         return layer[u]
 
-    for u in units:
+    for u in sorted(units):  # sorted: a circle is broken in the same place on every run
         depth(u)
     return layer
 
@@ -257,13 +257,28 @@ def crops_uses(house: House) -> list[str]:
 
 
 def out_of_order(house: House) -> list[str]:
-    """Each pair of ``ORDER`` whose first unit is not on a higher layer than the second."""
+    """Each pair of ``ORDER`` whose first unit is not on a higher layer than the second, or
+    is reached from it (the second imports the first, through any chain: on a circle the
+    layers depend on where it was broken, so the reach decides)."""
     layer = house.layer()
     return [
         f"{a} (layer {layer.get(a)}) is not above {b} (layer {layer.get(b)})"
         for a, b in itertools.pairwise(ORDER)
-        if a not in layer or b not in layer or layer[a] <= layer[b]
+        if a not in layer or b not in layer or layer[a] <= layer[b] or _reaches(house, b, a)
     ]
+
+
+def _reaches(house: House, start: str, goal: str) -> bool:
+    """Whether unit ``start`` imports unit ``goal``, directly or through other units."""
+    seen, todo = {start}, [start]
+    while todo:
+        for v in house.units.get(todo.pop(), ()):
+            if v == goal:
+                return True
+            if v not in seen:
+                seen.add(v)
+                todo.append(v)
+    return False
 
 
 def path_loads(house: House) -> list[str]:

@@ -57,8 +57,8 @@ def test_rope_write_kv_on_cuda(dtype, tau) -> None:
         kc = torch.zeros(B * T + 1, G, D, dtype=dtype, device="cuda")
         vc = torch.zeros_like(kc)
         caches.append((kc, vc))
-        return fused.rope_write_kv(qkv, ang.cos(), ang.sin(), kc, vc, slots, n_heads=H,
-                                   n_kv_heads=G, head_dim=D, tau_q=tq, tau_v=tv)  # fmt: skip
+        return fused.rope_write_kv(qkv, ang.cos(), ang.sin(), fused.KvWrite(kc, vc, slots),
+                                   fused.HeadLayout(H, G, D), tau_q=tq, tau_v=tv)  # fmt: skip
 
     q_f, q_t = both(run)
     close(q_f, q_t, dtype)

@@ -16,6 +16,8 @@ import torch
 
 import kestrel_kernels as kk
 from kestrel_kernels import fa_backend
+from kestrel_kernels.backends import FLASH, TORCH
+from tests.attention_args import with_meta
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -73,8 +75,9 @@ def fa_ready() -> None:
 
 
 def assert_fa_matches(args: dict, causal: bool) -> None:
-    ref = kk.paged_attention(**args, causal=causal, backend="torch")
-    out = kk.paged_attention(**args, causal=causal, backend="fa")
+    args = with_meta({**args, "causal": causal})
+    ref = kk.paged_attention(**args, backend=TORCH)
+    out = kk.paged_attention(**args, backend=FLASH)
     torch.cuda.synchronize()
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     assert_close(out, ref, rel=1e-2, msg="fa vs torch")
@@ -111,7 +114,7 @@ def test_fa_moondream_shapes(fa_ready) -> None:
 
 
 def test_auto_picks_fa_on_hopper(fa_ready) -> None:
-    assert kk.resolve_backend("auto", "cuda") == "fa"
+    assert kk.resolve_backend("auto", "cuda") is FLASH
     assert "fa" in kk.available_backends("cuda")
 
 
@@ -119,8 +122,8 @@ def test_auto_picks_fa_on_hopper(fa_ready) -> None:
 def test_torch_backend_cuda_matches_cpu(name: str) -> None:
     cpu = make_case(name, 4, 2, torch.float32, "cpu")
     gpu = make_case(name, 4, 2, torch.float32, "cuda")
-    ref = kk.paged_attention(**cpu, backend="torch")
-    out = kk.paged_attention(**gpu, backend="torch").cpu()
+    ref = kk.paged_attention(**with_meta(cpu), backend=TORCH)
+    out = kk.paged_attention(**with_meta(gpu), backend=TORCH).cpu()
     assert_close(out, ref, rel=3e-5, msg="torch CUDA vs CPU")
 
 
@@ -164,9 +167,9 @@ def test_fa_single_call_plan_matches_torch(fa_ready) -> None:
         v_cache=torch.randn(n_pages, 32, 64, generator=g, device="cuda").bfloat16(),
         **meta,
     )
-    plan = kk.plan_attention(q_len, **meta, backend="fa", causal_rows=bound)
+    plan = kk.plan_attention(kk.AttentionMeta(**meta), q_len, backend=FLASH, causal_rows=bound)
     assert plan.segments is not None and plan.segments.causal_k is None, "one call per layer"
-    ref = kk.paged_attention(**args, backend="torch")
-    out = kk.paged_attention(**args, plan=plan)
+    ref = kk.paged_attention(**with_meta(args), backend=TORCH)
+    out = kk.attend(args["q"], args["k_cache"], args["v_cache"], plan)
     torch.cuda.synchronize()
     assert_close(out, ref, rel=1e-2, msg="fa single-call plan vs torch")

@@ -35,11 +35,11 @@ def test_lookahead_answers_like_without_on_cuda(pictures) -> None:
     for lookahead in (False, True):
         with Engine(FIXTURE_MODEL, device="cuda", dtype="float32", attention_backend="torch",
                     kv_cache_pages=6000, max_batch_size=8) as engine:  # fmt: skip
-            assert engine._runner.lookahead is True  # the CUDA default
-            engine._runner.lookahead = lookahead
+            assert engine._executor.lookahead is True  # the CUDA default
+            engine._executor.lookahead = lookahead
             got[lookahead] = _answers(engine, pictures)
             if lookahead:
-                assert engine._runner.lookahead_counters.steps > 0
+                assert engine._executor.lookahead_counters.steps > 0
             assert_idle(engine)
     assert got[True] == got[False]
 
@@ -49,7 +49,7 @@ def test_steady_lookahead_step_does_not_sync(pictures) -> None:
     if not found.ok:
         pytest.skip(f"fa backend unavailable: {found.reason}")
     with Engine(FIXTURE_MODEL, device="cuda", kv_cache_pages=6000, max_batch_size=8) as engine:
-        sched, runner = engine._scheduler, engine._runner
+        sched, executor = engine._scheduler, engine._executor
         image = next(iter(pictures.values()))
         futures = [
             engine.submit_query(image, f"Question {i}?", settings={"max_tokens": 40})
@@ -66,13 +66,13 @@ def test_steady_lookahead_step_does_not_sync(pictures) -> None:
                 return
             for _ in range(3):  # the look-ahead step is queued from the second on
                 sched.step()
-            if runner._ahead is None:
+            if executor._ahead is None:
                 return
             torch.cuda.set_sync_debug_mode("error")
             try:
                 for _ in range(5):
                     sched._decode()
-                    checked.append(runner._ahead is not None)
+                    checked.append(executor._ahead is not None)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 

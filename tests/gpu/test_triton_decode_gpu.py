@@ -16,8 +16,10 @@ import torch
 
 import kestrel_kernels as kk
 from kestrel_kernels import dispatch, fa_backend
+from kestrel_kernels.backends import FLASH, TORCH
 from kestrel_kernels.contract import KvScales, quantize_kv
 from kestrel_kernels.triton_decode import DecodeConfig, paged_decode
+from tests.attention_args import with_meta
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -68,14 +70,16 @@ def to_fp8(case: dict) -> KvScales:
 
 def triton_out(case: dict, kv_scales: KvScales | None = None, config=None) -> torch.Tensor:
     out = paged_decode(
-        case["q"][:, 0], case["k_cache"], case["v_cache"], case["page_table"],
-        case["seqused_k"], softmax_scale=0.125, kv_scales=kv_scales, config=config,
+        case["q"][:, 0], case["k_cache"], case["v_cache"],
+        kk.AttentionMeta(case["page_table"], case["seqused_k"]), softmax_scale=0.125,
+        kv_scales=kv_scales, config=config,
     )  # fmt: skip
     return out[:, None]
 
 
 def torch_out(case: dict, kv_scales: KvScales | None = None) -> torch.Tensor:
-    return kk.paged_attention(**case, softmax_scale=0.125, backend="torch", kv_scales=kv_scales)
+    return kk.paged_attention(**with_meta(case), softmax_scale=0.125, backend=TORCH,
+                              kv_scales=kv_scales)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -95,11 +99,11 @@ def test_matches_flash_attention_decode(batch: int) -> None:
         pytest.skip(f"fa backend unavailable: {found.reason}")
     lens = [(800 + 37 * b) % 1000 + 1 for b in range(batch)]
     case = make_case(32, 32, torch.bfloat16, lens=lens, seed=batch)
-    want = kk.paged_attention(**case, backend="fa")
+    want = kk.paged_attention(**with_meta(case), backend=FLASH)
     got = triton_out(case, config=None)
     assert_close(got, want, msg="triton vs fa")
     dispatch.set_decode_kernel("triton")  # the switch: backend "fa" now runs the kernel
-    switched = kk.paged_attention(**case, backend="fa")
+    switched = kk.paged_attention(**with_meta(case), backend=FLASH)
     assert torch.equal(switched, got)  # the same kernel on the same inputs
 
 

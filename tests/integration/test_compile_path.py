@@ -33,6 +33,7 @@ from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.decode import decode_static
 from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
+from kestrel_kernels.backends import TORCH
 from tests.conftest import FIXTURES, fixture_dir
 from tests.integration.conftest import scheduler_paused
 from tests.integration.test_batched_prefill import _batched, _greedy, _requests
@@ -78,7 +79,7 @@ def _prompts(model: MoondreamModel, lengths=(5, 8, 3)) -> list[list[TextToken]]:
 def _decode_run(rt, model, feeds) -> list[torch.Tensor]:
     """Three sequences (a 4-row bucket with one padding row), one step per feed."""
     rt.decode_graphs = DecodeGraphs(
-        model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend="torch", capture=False
+        model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend=TORCH, capture=False
     )
     states = [rt.start_sequence(p, max_new_tokens=len(feeds) + 1)[0] for p in _prompts(model)]
     out = [rt.decode_step(states, f) for f in feeds]
@@ -123,7 +124,8 @@ def test_decode_step_is_one_graph_with_one_attention_op_per_layer(fixture, make_
     lengths = torch.tensor([s.length for s in states])
     ids, flags = torch.tensor([11, 12]), torch.zeros(2, dtype=torch.bool)
     override = torch.zeros(2, model.config.text.dim)
-    args = (model, rt.kv, rt.page_table.page_table, rows, lengths, ids, flags, override, "torch")
+    backend = rt.attention_backend
+    args = (model, rt.kv, rt.page_table.page_table, rows, lengths, ids, flags, override, backend)
     slots = rt.page_table.page_table[rows, lengths].long()
     recorder = Recorder()
     with torch.inference_mode():

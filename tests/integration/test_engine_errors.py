@@ -169,7 +169,7 @@ class _Faults:
         self.fail_prefill: set[int] = set()
         self.fail_decode: set[int] = set()
         self._armed: str | None = None
-        real_attention = kestrel_kernels.paged_attention
+        real_attention = kestrel_kernels.attend
         real_prefill, real_decode = runtime.prefill_sequences, runtime.decode_step
         ordinal: dict[int, int] = {}  # id(sequence) -> 1, 2, ... in the order first prefilled
 
@@ -179,7 +179,7 @@ class _Faults:
             return real_attention(*args, **kw)
 
         def prefill_sequences(states):
-            # a batched prefill fails when it holds a doomed sequence; the runner then retries
+            # a batched prefill fails when it holds a doomed sequence; the executor then retries
             # each sequence alone, and only the doomed one fails again
             self.prefill_calls += 1
             numbers = [ordinal.setdefault(id(s), len(ordinal) + 1) for s in states]
@@ -191,7 +191,7 @@ class _Faults:
             fail = self.decode_calls in self.fail_decode
             return self._run("decode", fail, real_decode, args, kw)
 
-        monkeypatch.setattr(kestrel_kernels, "paged_attention", paged_attention)
+        monkeypatch.setattr(kestrel_kernels, "attend", paged_attention)
         monkeypatch.setattr(runtime, "prefill_sequences", prefill_sequences)
         monkeypatch.setattr(runtime, "decode_step", decode_step)
 

@@ -28,9 +28,9 @@ def test_decode_steps_read_the_batch_back_once(make_engine, images) -> None:
     """The sampler reads a sampled decode step back in one transfer, however many rows (the
     forward itself is left out: on a CPU the torch attention backend reads lengths)."""
     engine = make_engine(max_batch_size=8)
-    runner = engine._runner
+    executor = engine._executor
     steps: list[int] = []
-    original = runner.decode
+    original = executor.decode
     forward = engine.runtime.decode_step
 
     def model_only(handles, tokens):  # the forward's own CPU reads are not the sampler's
@@ -45,7 +45,7 @@ def test_decode_steps_read_the_batch_back_once(make_engine, images) -> None:
         steps.append(c.syncs)
         return out
 
-    runner.decode = counted
+    executor.decode = counted
     image = next(iter(images.values()))
     gate = engine._loop.pause()
     futures = [engine.submit_query(image, f"Question {i}?", settings=SAMPLED) for i in range(6)]

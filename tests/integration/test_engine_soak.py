@@ -27,7 +27,7 @@ class _RandomFaults:
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.real = kestrel_kernels.paged_attention
+        self.real = kestrel_kernels.attend
         self.injected = 0
 
     def __call__(self, *args, **kw):
@@ -106,7 +106,7 @@ def _settle(fut, tally: Counter) -> None:
 @pytest.mark.slow
 def test_soak(make_engine, monkeypatch) -> None:
     faults = _RandomFaults(seed=7)
-    monkeypatch.setattr(kestrel_kernels, "paged_attention", faults)
+    monkeypatch.setattr(kestrel_kernels, "attend", faults)
     engine = make_engine(kv_cache_pages=PAGES, max_batch_size=6)
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (40 + 8 * i, 48, 3), dtype=np.uint8) for i in range(3)]
@@ -138,5 +138,5 @@ def test_soak(make_engine, monkeypatch) -> None:
     assert stats.evictions > 0  # the budget really was tight
     assert stats.requests_served == tally["served"]
     assert stats.requests_failed == tally["capacity"] + tally["model_error"]
-    monkeypatch.setattr(kestrel_kernels, "paged_attention", faults.real)
+    monkeypatch.setattr(kestrel_kernels, "attend", faults.real)
     assert_idle(engine)

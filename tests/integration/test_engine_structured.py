@@ -187,5 +187,5 @@ def test_lookahead_keeps_constrained_rows_and_their_answers() -> None:
             ]  # fmt: skip
             answers.append([f.result().answer for f in futures])
             if lookahead:
-                assert e._runner.lookahead_counters.steps > 0
+                assert e._executor.lookahead_counters.steps > 0
     assert answers[0] == answers[1]

@@ -92,7 +92,7 @@ class Ledger:
 
 def watch(engine: Engine, ledger: Ledger, mp: pytest.MonkeyPatch) -> None:
     """Record into ``ledger``; check every invariant after every scheduler step."""
-    rt, runner, sched = engine.runtime, engine._runner, engine._scheduler
+    rt, executor, sched = engine.runtime, engine._executor, engine._scheduler
     for name in ("decode_step", "decode_ahead"):
         real = getattr(rt, name)
 
@@ -101,7 +101,7 @@ def watch(engine: Engine, ledger: Ledger, mp: pytest.MonkeyPatch) -> None:
             return _real(states, *a)
 
         mp.setattr(rt, name, forward)
-    real_settle, real_start, real_step = rt.settle_ahead, runner.start_many, sched.step
+    real_settle, real_start, real_step = rt.settle_ahead, executor.start_many, sched.step
 
     def settle_ahead(state, token, hidden_C):
         ledger.rolled_back[id(state)] += token is None
@@ -123,7 +123,7 @@ def watch(engine: Engine, ledger: Ledger, mp: pytest.MonkeyPatch) -> None:
         return real_release(lease, retained)
 
     mp.setattr(rt, "settle_ahead", settle_ahead)
-    mp.setattr(runner, "start_many", start_many)
+    mp.setattr(executor, "start_many", start_many)
     mp.setattr(sched, "step", step)
     mp.setattr(CacheLease, "release", release)
 
@@ -214,7 +214,7 @@ def test_each_row_is_fed_only_the_tokens_it_keeps(family, lookahead) -> None:
         else:
             assert back <= int(lookahead), back
     kinds = {kind for kind, _ in ledger.forwards}
-    c = engine._runner.lookahead_counters
+    c = engine._executor.lookahead_counters
     if not lookahead:
         assert kinds == {"decode_step"} and c.steps == 0
         return
@@ -277,5 +277,5 @@ def test_a_lone_four_token_answer_is_three_decode_forwards(family, lookahead) ->
             r = engine.query(None, "Tell me about a red car.", settings={"max_tokens": 4})
         assert (len(r.tokens), r.finish_reason) == (4, "length"), r
         assert [len(rows) for _, rows in ledger.forwards] == [1, 1, 1], ledger.forwards
-        assert (engine._runner.lookahead_counters.steps > 0) == lookahead
+        assert (engine._executor.lookahead_counters.steps > 0) == lookahead
         assert_idle(engine)

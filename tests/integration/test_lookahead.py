@@ -11,9 +11,10 @@ import torch
 
 from kestrel.errors import InvalidInputError
 from kestrel.runtime.cuda_graphs import DecodeGraphs
-from kestrel.runtime.runner import BatchExecutor
+from kestrel.runtime.executor import BatchExecutor
 from kestrel.runtime.sequence import PENDING
 from kestrel.skills.base import Draw
+from kestrel_kernels.backends import TORCH
 from kestrel_kernels.counting import LaunchCounter, active_counter
 from tests.integration.conftest import scheduler_paused, text_tokens
 from tests.tolerance import assert_close
@@ -58,13 +59,13 @@ def _answers(engine, images) -> list:
 def test_lookahead_changes_no_answer_and_leaks_nothing(make_engine, images) -> None:
     plain = make_engine()
     ahead = make_engine(lookahead=True)
-    assert plain._runner.lookahead is False  # a CPU engine does not look ahead by default
+    assert plain._executor.lookahead is False  # a CPU engine does not look ahead by default
     with pytest.raises(InvalidInputError, match="lookahead"):
         make_engine(lookahead="yes")
     want = _answers(plain, images)
     got = _answers(ahead, images)
     assert got == want
-    c = ahead._runner.lookahead_counters
+    c = ahead._executor.lookahead_counters
     assert c.steps > 0 and c.kept > 0, c
     assert c.kept + c.rolled_back == c.rows, c
     # what the runs left in the cache is the same (nothing pending was retained)
@@ -78,7 +79,7 @@ def test_invariants_hold_between_steps_with_look_ahead_pending(make_engine, imag
     """Step the scheduler by hand: after every step (a look-ahead position pending on most
     rows) the integrity checks pass; cancelling a running request mid-answer leaks nothing."""
     engine = make_engine()
-    engine._runner.lookahead = True
+    engine._executor.lookahead = True
     sched = engine._scheduler
     steps = []
 
@@ -96,7 +97,7 @@ def test_invariants_hold_between_steps_with_look_ahead_pending(make_engine, imag
     engine._loop.call(drive)  # on the scheduler thread, after the submissions
     assert max(steps) > 0, "no step left a look-ahead position pending"
     assert futures[1].cancelled()
-    assert engine._runner.lookahead_counters.rolled_back > 0  # the cancelled row's, at least
+    assert engine._executor.lookahead_counters.rolled_back > 0  # the cancelled row's, at least
     for f in futures[:1] + futures[2:]:
         f.result(timeout=300)
 
@@ -110,16 +111,16 @@ def test_a_steady_step_reads_back_without_a_sync(make_engine, images, settings) 
     results = {}
     for lookahead in (False, True):
         engine = make_engine()
-        engine._runner.lookahead = lookahead
-        forward = engine.runtime._decode_forward
+        engine._executor.lookahead = lookahead
+        forward = engine.runtime.decoder.forward
 
         def model_only(*a, _forward=forward, **k):  # one launch, as a graph replay is
             counter = active_counter()
             with counter.opaque("forward") if counter is not None else contextlib.nullcontext():
                 return _forward(*a, **k)
 
-        engine.runtime._decode_forward = model_only
-        runner, original, steps = engine._runner, engine._runner.decode, []
+        engine.runtime.decoder.forward = model_only
+        executor, original, steps = engine._executor, engine._executor.decode, []
 
         def counted(handles, tokens, _original=original, _steps=steps, **kw):
             with LaunchCounter() as c:
@@ -127,7 +128,7 @@ def test_a_steady_step_reads_back_without_a_sync(make_engine, images, settings) 
             _steps.append((c.syncs, c.deferred_reads))
             return out
 
-        runner.decode = counted
+        executor.decode = counted
         image = next(iter(images.values()))
         with scheduler_paused(engine):
             futures = [
@@ -158,25 +159,25 @@ def test_a_wrong_guess_is_rolled_back_and_recomputed(make_runtime, model, static
     plain, rt = make_runtime(), make_runtime(attention_backend="torch")
     if static:
         rt.decode_graphs = DecodeGraphs(
-            model, rt.kv, rt.page_table.page_table, max_batch_size=8, backend="torch",
+            model, rt.kv, rt.page_table.page_table, max_batch_size=8, backend=TORCH,
             capture=False,
         )  # fmt: skip
-    runner = BatchExecutor(rt, lookahead=True)
+    executor = BatchExecutor(rt, lookahead=True)
     ref = [plain.start_sequence(p, max_new_tokens=6) for p in prompts]
     got = [rt.start_sequence(p, max_new_tokens=6) for p in prompts]
     for s, _ in got:
-        runner._next_draw[s.batch_idx] = _Greedy().next_draw
+        executor._next_draw[s.batch_idx] = _Greedy().next_draw
     states = [s for s, _ in got]
     first = [text_tokens([int(lg.argmax())])[0] for _, lg in got]
-    rows, _ = runner.decode(states, first, lookahead=True)
+    rows, _ = executor.decode(states, first, lookahead=True)
     assert all(s.ahead and s.fed[-1] is PENDING for s in states)
     want = plain.decode_step([s for s, _ in ref], first)
     assert_close(torch.stack([r.logits_V for r in rows]), want, rel=1e-5)
     chosen = [r.chosen for r in rows]
     other = (chosen[1] + 1) % model.config.text.vocab_size
     second = text_tokens([chosen[0], other])
-    rows, _ = runner.decode(states, second)  # no further look-ahead
-    c = runner.lookahead_counters
+    rows, _ = executor.decode(states, second)  # no further look-ahead
+    c = executor.lookahead_counters
     assert (c.steps, c.kept, c.rolled_back) == (1, 1, 1)
     want = plain.decode_step([s for s, _ in ref], second)
     # B is recomputed alone (batch 1, not 2): the sums may reorder
@@ -192,7 +193,7 @@ def test_a_wrong_guess_is_rolled_back_and_recomputed(make_runtime, model, static
         assert rt.decode_graphs.replays == 0  # uncaptured: the static step ran
     rt.check_integrity()
     for s in states:
-        runner.release(s)
+        executor.release(s)
     for r, _ in ref:
         plain.release_sequence(r)
 
@@ -233,4 +234,4 @@ def test_an_answers_last_token_costs_no_forward(make_engine, images, monkeypatch
         assert len(forwards) == len(r.tokens) - (r.finish_reason == "length"), forwards
         cut += r.finish_reason == "length"
     assert cut, "no answer reached max_tokens: the case under test never ran"
-    assert engine._runner.lookahead_counters.steps > 0  # look-ahead did run
+    assert engine._executor.lookahead_counters.steps > 0  # look-ahead did run

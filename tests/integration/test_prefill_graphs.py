@@ -9,12 +9,13 @@ import torch
 
 from kestrel.moondream.model import MoondreamModel
 from kestrel.runtime.prefill import prefill_item
-from kestrel.runtime.prefill_graphs import ForwardBatch, PrefillGraphs, prefill_buckets
+from kestrel.runtime.prefill_graphs import PrefillGraphBuffers, PrefillGraphs, prefill_buckets
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.runtime.sequence import images_to_encode
 from kestrel.runtime.vision_graphs import VisionGraphs
 from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
+from kestrel_kernels.backends import FLASH, TORCH
 from tests.conftest import fixture_dir
 from tests.integration.conftest import text_tokens
 from tests.integration.test_batched_prefill import _batched, _requests
@@ -26,7 +27,7 @@ def _static(rt, model, calls: list | None = None) -> tuple[PrefillGraphs, Vision
     """Uncaptured prefill and vision graphs on ``rt``; ``calls`` records the static steps run
     (("prefill", rows, tokens) and ("vision", crops))."""
     rt.prefill_graphs = PrefillGraphs(model, rt.kv, rt.page_table.page_table, max_batch_size=8,
-                                      backend="torch", capture=False)  # fmt: skip
+                                      backend=TORCH, capture=False)  # fmt: skip
     rt.vision_graphs = VisionGraphs(model, capture=False)
     if calls is not None:
         step, encoder = rt.prefill_graphs._step, rt.vision_graphs._encoder
@@ -72,7 +73,7 @@ def test_buckets_and_what_fits(model) -> None:
     assert [(b, bound) for b, _t, _r, bound in misses] == [(1, 64), (1, None)]
     assert all(t > cfg.prefix_len and t % 64 == 0 for _b, t, _r, _c in misses)
     assert misses[0][1] >= cfg.prefix_len + 64  # a question of 64 positions fits the first
-    batch = ForwardBatch.allocate((2, 16, False, None), cfg.text.dim, model.dtype,
+    batch = PrefillGraphBuffers.allocate((2, 16, False, None), cfg.text.dim, model.dtype,
                                   torch.device("cpu"))  # fmt: skip
     positions, seqused_k, seqused_q, rows, regions = batch.fields()
     assert (positions == -1).all() and seqused_k.tolist() == seqused_q.tolist() == [1, 1]
@@ -128,7 +129,7 @@ def test_static_prefill_on_the_fa_path_ignores_padding_rows(monkeypatch) -> None
                               attention_backend="fa")  # fmt: skip
         if how == "static":
             graphs = PrefillGraphs(
-                model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend="fa",
+                model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend=FLASH,
                 capture=False,
             )  # fmt: skip
             step = graphs._step

@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import kestrel.runtime.runtime as runtime_mod
+import kestrel.runtime.build as build_mod
 from kestrel import Engine
 from kestrel.runtime import cuda_graphs, graph_set
 from kestrel_kernels import pinned
+from kestrel_kernels.backends import TORCH
 from tests.integration.conftest import FIXTURE_MODEL, assert_idle
 
 
@@ -84,7 +85,7 @@ def record(monkeypatch) -> Record:
 
     monkeypatch.setattr(cuda_graphs, "GraphCapture", recording_capture(rec))
     monkeypatch.setattr(graph_set, "graphs_supported", lambda model, backend: True)
-    monkeypatch.setattr(runtime_mod, "_pins_host", lambda device: True)  # staged as on CUDA
+    monkeypatch.setattr(build_mod, "_pins_host", lambda device: True)  # staged as on CUDA
     monkeypatch.setattr(pinned, "pinned_empty", pinned_empty)
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     return rec
@@ -215,7 +216,7 @@ def test_capture_is_thread_local_and_a_failure_leaves_the_bucket_eager(
 
     rt = MoondreamRuntime(model, kv_cache_pages=2000, max_batch_size=2, attention_backend="torch")
     graphs = cuda_graphs.DecodeGraphs(model, rt.kv, rt.page_table.page_table, max_batch_size=2,
-                                      backend="torch", capture=True)  # fmt: skip
+                                      backend=TORCH, capture=True)  # fmt: skip
     fake = FakeCuda(fail)
     fake.install(monkeypatch)
     graphs.capture_all()

@@ -15,6 +15,8 @@ import torch
 
 import kestrel_kernels as kk
 from kestrel_kernels import compile_op, fa_backend
+from kestrel_kernels.backends import TORCH
+from tests.attention_args import with_meta
 from tests.tolerance import assert_close
 from tests.unit.test_fa_contract import RecordingBinding, make_inputs
 
@@ -66,7 +68,7 @@ def test_op_schema_fake_and_eager_agree(case) -> None:
     dispatcher paths agree with the eager implementation, which equals ``paged_attention``."""
     a = make_inputs(**case)
     torch.library.opcheck(torch.ops.kestrel.paged_attention.default, _op_args(a, "torch"))
-    want = kk.paged_attention(**a, backend="torch")
+    want = kk.paged_attention(**with_meta(a), backend=TORCH)
     assert torch.equal(torch.ops.kestrel.paged_attention(*_op_args(a, "torch")), want)
 
 
@@ -76,23 +78,19 @@ def test_eager_calls_never_use_the_op(monkeypatch) -> None:
 
     monkeypatch.setattr(compile_op, "attention_op", refuse)
     a = make_inputs([5, 2], 1)
-    assert kk.paged_attention(**a, backend="torch").shape == a["q"].shape
+    assert kk.paged_attention(**with_meta(a), backend=TORCH).shape == a["q"].shape
 
 
-def _two_layers(a: dict, backend: str):
-    """A forward's attention: one plan, two layers' calls (each reads the same pages)."""
+def _two_layers(a: dict, backend: kk.AttentionBackend | None):
+    """A forward's attention: one plan, two layers' calls (each reads the same pages);
+    ``backend`` None: "auto", resolved while tracing."""
 
     def forward(q, k, v, page_table, seqused_k, seqused_q, regions):
-        plan = kk.plan_attention(
-            q.shape[1], page_table, seqused_k, seqused_q=seqused_q, bidir_regions=regions,
-            dtype=q.dtype, backend=backend,
-        )  # fmt: skip
+        meta = kk.AttentionMeta(page_table, seqused_k, seqused_q, regions)
+        plan = kk.plan_attention(meta, q.shape[1], dtype=q.dtype, backend=backend)
         out = q
         for _ in range(2):
-            out = kk.paged_attention(
-                out, k, v, page_table, seqused_k, seqused_q=seqused_q, bidir_regions=regions,
-                plan=plan,
-            )  # fmt: skip
+            out = kk.attend(out, k, v, plan)
         return out
 
     args = (a["q"], a["k_cache"], a["v_cache"], a["page_table"], a["seqused_k"], a["seqused_q"],
@@ -107,8 +105,8 @@ def test_fa_path_under_compile_passes_the_forwards_plan(fake, regions) -> None:
     pass of each layer (70 queries: the two-call plan), and the result equals the torch
     reference."""
     a = make_inputs([80, 50], 70, q_lens=[70, 30], regions=regions)
-    forward, args = _two_layers(a, "fa")
-    want, _ = _two_layers(a, "torch")
+    forward, args = _two_layers(a, None)  # "auto": fa, resolved while tracing
+    want, _ = _two_layers(a, TORCH)
     recorder = Recorder()
     kk.prepare_compile()
     got = torch.compile(forward, backend=recorder, fullgraph=True, dynamic=False)(*args)

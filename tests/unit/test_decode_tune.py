@@ -16,6 +16,7 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.runtime import graph_set
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel_kernels import decode_tune, dispatch, triton_decode
+from kestrel_kernels.backends import FLASH, TORCH
 from kestrel_kernels.contract import KernelInputError, KvScales
 from kestrel_kernels.decode_tune import DecodeTrial, check_fp8, compare, decode_case, tune_pool
 from kestrel_kernels.triton_decode import DecodeConfig
@@ -93,8 +94,9 @@ def test_the_pool_measurement_runs_both_kernels(monkeypatch) -> None:
         batch = len([c for c in timed if c is None])
         return 1.0 if config is None else (0.5 if batch == 1 and config == B else 1.5)
 
-    trials = tune_pool(k, v, (1, 2), width=64, heads=4, softmax_scale=0.25, baseline="torch",
-                       timer=timer, candidates=(A, B))  # fmt: skip
+    trials = tune_pool(
+        k, v, (1, 2), width=64, heads=4, baseline=TORCH, timer=timer, candidates=(A, B)
+    )  # fmt: skip (softmax scale: the default, 16**-0.5)
     assert [(t.batch, t.choice, t.config) for t in trials] == [(1, "triton", B), (2, "fa", A)]
     assert timed == [None, A, B] * 2  # fa, then each configuration, per batch size
     assert all(t.max_diff < 1e-4 for t in trials)  # fp32: the kernel equals the reference
@@ -140,8 +142,8 @@ def test_the_measured_configuration_reaches_the_kernel(monkeypatch) -> None:
     k = torch.randn(20, 2, 16).to(torch.float8_e4m3fn)  # FP8 pages: the kernel's other case
     for batch in (2, 3):
         table = torch.arange(1, 1 + 4 * batch, dtype=torch.int32).view(batch, 4) % 20
-        kk.paged_attention(torch.randn(batch, 1, 2, 16), k, k, table,
-                           torch.full((batch,), 4, dtype=torch.int32), backend="torch",
+        meta = kk.AttentionMeta(table, torch.full((batch,), 4, dtype=torch.int32))
+        kk.paged_attention(torch.randn(batch, 1, 2, 16), k, k, meta, backend=TORCH,
                            kv_scales=scales)  # fmt: skip
     assert seen == [B, None]  # batch 3 was not measured: the default launch
 
@@ -185,7 +187,7 @@ def _runtime(fixture: str = "md2-tiny-a", **kw):
 def _choose(monkeypatch, model, rt, **kw):
     monkeypatch.setattr(graph_set, "graphs_supported", lambda model, backend: True)
     monkeypatch.setattr(graph_set, "triton_available", lambda: True)
-    options = dict(max_batch_size=4, backend="fa", capture=True, compile=False) | kw
+    options = dict(max_batch_size=4, backend=FLASH, capture=True, compile=False) | kw
     return graph_set.choose_decode_kernels(model, rt.kv, rt.page_table.page_table, **options)
 
 
@@ -193,8 +195,8 @@ def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> Non
     model, rt = _runtime()
     seen = {}
 
-    def fake(k, v, batches, width, heads, *, softmax_scale):
-        seen.update(batches=batches, width=width, heads=heads, scale=softmax_scale,
+    def fake(k, v, batches, width, heads):  # at the default scale, 1/sqrt(head_dim)
+        seen.update(batches=batches, width=width, heads=heads, head_dim=k.shape[-1],
                     layer0=k is rt.kv.k[0])  # fmt: skip
         return [DecodeTrial(b, 1.0, 0.5 if b == 1 else 2.0, 0.0, "triton" if b == 1 else "fa",
                             "", B if b == 1 else A) for b in batches]  # fmt: skip
@@ -205,7 +207,7 @@ def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> Non
     trials = _choose(monkeypatch, model, rt)
     cfg = model.config.text
     assert seen == dict(batches=(1, 2, 4), width=rt.page_table.page_table.shape[1],
-                        heads=cfg.n_heads, scale=cfg.head_dim**-0.5, layer0=True)  # fmt: skip
+                        heads=cfg.n_heads, head_dim=cfg.head_dim, layer0=True)  # fmt: skip
     assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"} and len(trials) == 3
     assert dispatch.decode_configs() == {1: B, 2: A, 4: A} and not dispatch.fp8_checked()
     seen.clear()

@@ -26,8 +26,10 @@ from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
-from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
+from kestrel_kernels.backends import FLASH, TORCH
+from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS, VarlenSeqs
 from kestrel_kernels.torch_backend import varlen_paged_attention_torch
+from tests.attention_args import with_meta
 from tests.conftest import fixture_dir
 from tests.tolerance import assert_close
 
@@ -68,10 +70,8 @@ class RecordingBinding:
             Call(q.clone(), k, v, cu_seqlens_q.clone(), max_seqlen_q, seqused_k.clone(),
                  page_table.clone(), softmax_scale, causal)
         )  # fmt: skip
-        out = varlen_paged_attention_torch(
-            q, k[:, 0], v[:, 0], page_table, 1, seqused_k, cu_seqlens_q, max_seqlen_q,
-            causal, softmax_scale,
-        )  # fmt: skip
+        seqs = VarlenSeqs(1, seqused_k, cu_seqlens_q, max_seqlen_q, causal, softmax_scale)
+        out = varlen_paged_attention_torch(q, k[:, 0], v[:, 0], page_table, seqs)
         return out, None  # (out, lse) like the real binding
 
 
@@ -106,8 +106,8 @@ def make_inputs(k_lens, q_len, q_lens=None, regions=None, hq=4, hkv=2, d=16, see
 
 
 def run_both(args: dict) -> torch.Tensor:
-    out = kk.paged_attention(**args, backend="fa")
-    ref = kk.paged_attention(**args, backend="torch")
+    out = kk.paged_attention(**with_meta(args), backend=FLASH)
+    ref = kk.paged_attention(**with_meta(args), backend=TORCH)
     assert out.dtype == BF16 and out.shape == ref.shape
     assert_close(out, ref, rel=REL, msg="fa (fake kernel) vs torch backend")
     return out
@@ -199,8 +199,9 @@ def test_gqa_passes_kv_heads_unexpanded(fake, hkv: int) -> None:
 def test_one_plan_serves_every_layer_and_guards_its_metadata(fake, monkeypatch) -> None:
     """``plan_attention`` builds the segment plan once; every call given the plan reuses it
     (also under inference_mode, where tensors have no version counter), equals a call
-    without a plan, and a plan handed other metadata is refused."""
-    from kestrel_kernels import segments
+    without a plan, and a plan made for another query length is refused (the plan carries its
+    metadata: there is no other metadata to hand it)."""
+    from kestrel_kernels import backends, segments
 
     builds = []
     original = segments.choose_segment_plan
@@ -209,22 +210,20 @@ def test_one_plan_serves_every_layer_and_guards_its_metadata(fake, monkeypatch) 
         builds.append(1)
         return original(*a, **k)
 
-    monkeypatch.setattr(kk, "choose_segment_plan", counting)
-    monkeypatch.setattr(fa_backend, "choose_segment_plan", counting)
-    args = make_inputs([12, 9], q_len=12, q_lens=[12, 9], regions=[(0, 5), (0, 5)])
-    meta = {n: args[n] for n in ("page_table", "seqused_k", "seqused_q", "bidir_regions")}
+    monkeypatch.setattr(backends, "choose_segment_plan", counting)
+    args = with_meta(make_inputs([12, 9], q_len=12, q_lens=[12, 9], regions=[(0, 5), (0, 5)]))
+    q, k, v = args["q"], args["k_cache"], args["v_cache"]
     with torch.inference_mode():
-        plan = kk.plan_attention(12, **meta, dtype=BF16, backend="fa")
-        assert plan.backend == "fa" and len(builds) == 1
-        outs = [kk.paged_attention(**args, plan=plan) for _ in range(3)]
+        plan = kk.plan_attention(args["meta"], 12, dtype=BF16, backend=FLASH)
+        assert plan.backend is FLASH and len(builds) == 1
+        outs = [kk.attend(q, k, v, plan) for _ in range(3)]
         assert len(builds) == 1, "calls with the plan must not rebuild it"
-        alone = kk.paged_attention(**args, backend="fa")
+        alone = kk.paged_attention(**args, backend=FLASH)
         assert len(builds) == 2
     for out in outs:
         assert torch.equal(out, alone)
-    other = dict(args, seqused_k=args["seqused_k"].clone())
-    with pytest.raises(kk.KernelInputError, match="plan built for other metadata"):
-        kk.paged_attention(**other, plan=plan)
+    with pytest.raises(kk.KernelInputError, match="the plan is for 12 queries per row"):
+        kk.attend(q[:, :6], k, v, plan)
 
 
 def test_missing_package_names_it(monkeypatch) -> None:
@@ -322,7 +321,7 @@ def test_static_decode_step_matches_eager() -> None:
         )
         if static:
             rt.decode_graphs = DecodeGraphs(
-                model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend="torch",
+                model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend=TORCH,
                 capture=False,
             )  # fmt: skip
         states = [rt.start_sequence(p, max_new_tokens=4)[0] for p in prompts]

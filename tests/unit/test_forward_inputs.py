@@ -18,7 +18,8 @@ from kestrel.moondream.config import MoondreamConfig
 from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.lora import load_adapter
 from kestrel.runtime.prefill import PrefillItem
-from kestrel.runtime.prefill_graphs import ForwardBatch
+from kestrel.runtime.prefill_graphs import PrefillGraphBuffers
+from kestrel_kernels.backends import TORCH
 from kestrel_kernels.batch import AttentionBatch, RowsLayout, RowSpan
 from kestrel_kernels.contract import KernelInputError
 from tests.conftest import fixture_dir
@@ -43,17 +44,17 @@ def _same(got: torch.Tensor | None, want: torch.Tensor | None) -> None:
 
 def test_decode_from_host_lists_matches_the_old_eager_step() -> None:
     table, rows, lengths = _table(), [3, 1, 4], [7, 0, 12]
-    got = AttentionBatch.decode_host(table, rows, lengths, backend="torch")
+    got = AttentionBatch.decode_host(table, rows, lengths, backend=TORCH)
     rows_B, lengths_B = torch.tensor([rows, lengths], dtype=I64).unbind(0)
     pages = table[rows_B, : max(lengths) + 1]
     _same(got.positions_BT, lengths_B[:, None])
     _same(got.slot_mapping, pages.gather(1, lengths_B[:, None]).reshape(-1).to(torch.long))
     _same(got.page_table, pages)
     _same(got.seqused_k, (lengths_B + 1).to(I32))
-    assert got.seqused_q is None and got.bidir_regions is None and got.backend == "torch"
+    assert got.seqused_q is None and got.bidir_regions is None and got.backend is TORCH
     assert (got.rows, got.q_len, got.causal_rows, got.zero_padding) == (3, 1, None, True)
     with pytest.raises(KernelInputError, match="one length per row"):
-        AttentionBatch.decode_host(table, [1, 2], [3], backend="torch")
+        AttentionBatch.decode_host(table, [1, 2], [3], backend=TORCH)
 
 
 def test_static_decode_rows_match_the_old_device_side_step() -> None:
@@ -109,11 +110,11 @@ def test_padded_prefill_rows_match_the_old_metadata_and_slots() -> None:
     assert meta.regions.tolist() == [list(row[0]) for row in old["regions"]]
     assert meta.regions.is_contiguous()  # no copy needed before the kernels
     pages = table[:, :12].index_select(0, meta.rows_B)
-    got = AttentionBatch.from_rows(meta, pages, padded=True, causal_rows=3, backend="torch")
+    got = AttentionBatch.from_rows(meta, pages, padded=True, causal_rows=3, backend=TORCH)
     _same(got.positions_BT, torch.tensor(old["positions"]).clamp(min=0))
     _same(got.slot_mapping, _old_slots(old["positions"], pages))
     assert got.seqused_q is meta.seqused_q and got.bidir_regions is meta.regions
-    assert got.causal_rows == 3 and got.backend == "torch"
+    assert got.causal_rows == 3 and got.backend is TORCH
 
 
 def test_unpadded_rows_pass_no_query_counts_and_several_blocks_keep_their_axis() -> None:
@@ -134,9 +135,9 @@ def test_unpadded_rows_pass_no_query_counts_and_several_blocks_keep_their_axis()
 
 def test_graph_buffers_give_the_eager_rows_in_the_same_type() -> None:
     items, table = _items()[1:], _table()  # two hits in a 4-row bucket
-    batch = ForwardBatch.allocate((4, 8, False, None), 4, torch.float32, torch.device("cpu"))
+    batch = PrefillGraphBuffers.allocate((4, 8, False, None), 4, torch.float32, torch.device("cpu"))
     batch.meta.copy_(batch.host_meta(items))
-    got = batch.inputs(table, "torch")
+    got = batch.inputs(table, TORCH)
     assert isinstance(got, ForwardInputs) and got.lora is None
     att = got.attention
     layout = RowsLayout(2, 8, 0)
@@ -154,9 +155,9 @@ def test_graph_buffers_give_the_eager_rows_in_the_same_type() -> None:
 
 def test_graph_buffers_keep_the_image_block() -> None:
     item = _items()[0]
-    batch = ForwardBatch.allocate((1, 64, True, 64), 4, torch.float32, torch.device("cpu"))
+    batch = PrefillGraphBuffers.allocate((1, 64, True, 64), 4, torch.float32, torch.device("cpu"))
     batch.meta.copy_(batch.host_meta([item]))
-    att = batch.inputs(_table(width=64), "torch").attention
+    att = batch.inputs(_table(width=64), TORCH).attention
     assert att.bidir_regions.tolist() == [[0, 6]] and att.causal_rows == 64
 
 
@@ -231,16 +232,16 @@ def test_attend_is_the_explicit_kernel_call_and_text_forward_checks_its_rows() -
         seqused_k=torch.tensor([10, 4], dtype=I32),
         seqused_q=torch.tensor([4, 2], dtype=I32),
         bidir_regions=torch.tensor([[0, 7], [0, 0]], dtype=I32),
-        backend="torch",
+        backend=TORCH,
     )
     plan = kk.plan_batch(att, q.dtype)
     got = kk.attend(q, k, v, plan)
-    want = kk.paged_attention(q, k, v, table, att.seqused_k, seqused_q=att.seqused_q,
-                              bidir_regions=att.bidir_regions, backend="torch")  # fmt: skip
+    meta = kk.AttentionMeta(table, att.seqused_k, att.seqused_q, att.bidir_regions)
+    want = kk.paged_attention(q, k, v, meta, backend=TORCH)
     assert torch.equal(got, want)
-    assert plan.page_table is table and plan.q_len == T and plan.backend == "torch"
+    assert plan.meta.page_table is table and plan.q_len == T and plan.backend is TORCH
     from kestrel.moondream.text import text_forward
 
-    inputs = ForwardInputs(dataclasses.replace(att, backend="torch"))
+    inputs = ForwardInputs(dataclasses.replace(att, backend=TORCH))
     with pytest.raises(ValueError, match=r"attention batch is \[2, 4\]"):
         text_forward(torch.zeros(2, 5, 8), None, None, inputs, None)

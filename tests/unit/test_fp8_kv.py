@@ -25,6 +25,7 @@ from kestrel_kernels.contract import (
     validate_attention_inputs,
     validate_scaled_kv,
 )
+from kestrel_kernels.plan import AttentionMeta
 from kestrel_kernels.torch_backend import (
     paged_attention_scaled_torch,
     paged_attention_torch,
@@ -54,12 +55,12 @@ def _attend(q, k, v, page_table, scales=None):
     seqused_k = torch.tensor([12, 7], dtype=torch.int32)
     bidir = torch.tensor([[0, 5], [0, 0]], dtype=torch.int32)
     like = torch.empty(k.shape, dtype=q.dtype)
-    shape = validate_attention_inputs(q, like, like, page_table, seqused_k, None, bidir)
-    kw = {"seqused_q": None, "causal": True, "bidir_regions": bidir, "softmax_scale": D**-0.5}
+    meta = AttentionMeta(page_table, seqused_k, bidir_regions=bidir)
+    shape = validate_attention_inputs(q, like, like, meta)
     if scales is None:
-        return paged_attention_torch(q, k, v, page_table, seqused_k, shape, **kw)
+        return paged_attention_torch(q, k, v, meta, shape, D**-0.5)
     validate_scaled_kv(q.dtype, k, v, scales)
-    return paged_attention_scaled_torch(q, k, v, page_table, seqused_k, shape, scales=scales, **kw)
+    return paged_attention_scaled_torch(q, k, v, meta, shape, scales, D**-0.5)
 
 
 def test_round_trip_within_e4m3_error() -> None:

@@ -49,8 +49,8 @@ def test_rope_write_kv_matches_torch(interpreted, dtype, tau, heads, kv_heads) -
         kc = torch.full((12, kv_heads, D), 0.5, dtype=dtype)
         vc = torch.full((12, kv_heads, D), -0.5, dtype=dtype)
         caches.append((kc, vc))
-        return fused.rope_write_kv(qkv, angles.cos(), angles.sin(), kc, vc, slots,
-                                   n_heads=heads, n_kv_heads=kv_heads, head_dim=D,
+        return fused.rope_write_kv(qkv, angles.cos(), angles.sin(), fused.KvWrite(kc, vc, slots),
+                                   fused.HeadLayout(heads, kv_heads, D),
                                    tau_q=tau_q, tau_v=tau_v)  # fmt: skip
 
     q_tri, q_ref = both(run)
@@ -85,7 +85,7 @@ def test_each_fused_op_is_one_launch(interpreted) -> None:
     x, w = torch.randn(2, 8), torch.randn(8)
     cos, sin, slots = ang.cos(), ang.sin(), torch.tensor([1, 2])
     with LaunchCounter() as c:
-        fused.rope_write_kv(qkv, cos, sin, kc, vc, slots, n_heads=4, n_kv_heads=1, head_dim=8)
+        fused.rope_write_kv(qkv, cos, sin, fused.KvWrite(kc, vc, slots), fused.HeadLayout(4, 1, 8))
     assert c.launches == 1 and c.syncs == 0
     with LaunchCounter() as c:
         fused.add_layer_norm(x, (x, x), w, w, 1e-5)

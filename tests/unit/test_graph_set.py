@@ -15,6 +15,7 @@ from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
 from kestrel_kernels import contract, dispatch
 from kestrel_kernels import moe as kernels_moe
+from kestrel_kernels.backends import FLASH, TORCH
 from kestrel_kernels.contract import KvScales
 from kestrel_kernels.counting import LaunchCounter
 from tests.conftest import FIXTURES
@@ -35,7 +36,7 @@ def _built(monkeypatch, fixture: str, *, fp8: bool, compile: bool = False):
     model = MoondreamModel.from_pretrained(FIXTURES / fixture)
     rt = MoondreamRuntime(model, kv_cache_pages=64, max_batch_size=2)
     return graph_set.GraphSet.build(
-        model, rt.kv, rt.page_table.page_table, max_batch_size=2, backend="fa",
+        model, rt.kv, rt.page_table.page_table, max_batch_size=2, backend=FLASH,
         capture=True, compile=compile, fp8_kv=fp8,
     )  # fmt: skip
 
@@ -84,7 +85,7 @@ def test_fp8_static_decode_reads_nothing_back(monkeypatch, switch) -> None:
                                   kv_scales=scales, enable_prefix_cache=False)  # fmt: skip
             if static:
                 rt.decode_graphs = graph_set.DecodeGraphs(
-                    model, rt.kv, rt.page_table.page_table, max_batch_size=2, backend="torch",
+                    model, rt.kv, rt.page_table.page_table, max_batch_size=2, backend=TORCH,
                     capture=False,
                 )  # fmt: skip
             state, _ = rt.start_sequence(prompt, None, max_new_tokens=4)

@@ -17,8 +17,10 @@ import torch
 
 import kestrel_kernels as kk
 from kestrel_kernels import torch_backend
+from kestrel_kernels.backends import TORCH
 from kestrel_kernels.segments import build_segment_plan
 from kestrel_kernels.torch_backend import paged_attention_segmented
+from tests.attention_args import with_meta
 from tests.tolerance import assert_close as near
 
 I32 = torch.int32
@@ -102,18 +104,16 @@ def naive_attention(c: Case, causal: bool = True, scale: float | None = None) ->
     return out
 
 
-def run(c: Case, **kw) -> torch.Tensor:
-    return kk.paged_attention(
-        c.q, c.k_cache, c.v_cache, c.page_table, c.seqused_k,
-        seqused_q=c.seqused_q, bidir_regions=c.regions, backend="torch", **kw,
-    )  # fmt: skip
+def run(c: Case, causal: bool = True, **kw) -> torch.Tensor:
+    meta = kk.AttentionMeta(c.page_table, c.seqused_k, c.seqused_q, c.regions, causal)
+    return kk.paged_attention(c.q, c.k_cache, c.v_cache, meta, backend=TORCH, **kw)
 
 
 def run_segmented(c: Case, causal: bool = True, scale: float | None = None) -> torch.Tensor:
     d = c.q.shape[-1]
+    meta = kk.AttentionMeta(c.page_table, c.seqused_k, c.seqused_q, c.regions, causal)
     return paged_attention_segmented(
-        c.q, c.k_cache, c.v_cache, c.page_table, c.seqused_k,
-        seqused_q=c.seqused_q, causal=causal, bidir_regions=c.regions,
+        c.q, c.k_cache, c.v_cache, meta,
         softmax_scale=1.0 / math.sqrt(d) if scale is None else scale,
     )  # fmt: skip
 
@@ -237,10 +237,8 @@ def test_prefill_then_decode_agree_with_one_pass() -> None:
     """The last query of a full prefill equals a decode step over the same cache."""
     c = make_case(9, k_lens=[18], q_lens=None, q_len=18, regions=[(0, 7)])
     full = run(c)
-    step = kk.paged_attention(
-        c.q[:, -1:], c.k_cache, c.v_cache, c.page_table, c.seqused_k,
-        bidir_regions=c.regions, backend="torch",
-    )  # fmt: skip
+    meta = kk.AttentionMeta(c.page_table, c.seqused_k, bidir_regions=c.regions)
+    step = kk.paged_attention(c.q[:, -1:], c.k_cache, c.v_cache, meta, backend=TORCH)
     assert_close(step, full[:, -1:], rel=0.0)  # the dtype's rounding only
 
 
@@ -373,7 +371,7 @@ def _with(c: Case, **changes) -> dict:
 def test_bad_inputs_raise_clear_errors(change, message: str) -> None:
     c = make_case(0, k_lens=[3, 5], q_lens=[2, 2], q_len=4)
     with pytest.raises(kk.KernelInputError, match=message.replace("[", r"\[")):
-        kk.paged_attention(backend="torch", **_with(c, **change(c)))
+        kk.paged_attention(backend=TORCH, **with_meta(_with(c, **change(c))))
     assert issubclass(kk.KernelInputError, ValueError)
 
 
@@ -391,8 +389,8 @@ def test_write_kv_bad_inputs() -> None:
 
 
 def test_backend_selection_on_cpu() -> None:
-    assert kk.resolve_backend("auto", "cpu") == "torch"
-    assert kk.resolve_backend("torch") == "torch"
+    assert kk.resolve_backend("auto", "cpu") is TORCH
+    assert kk.resolve_backend("torch").name == "torch" and not TORCH.captures_decode
     assert kk.available_backends("cpu") == ["torch"]
     with pytest.raises(kk.BackendUnavailableError, match="needs a CUDA device"):
         kk.resolve_backend("fa", "cpu")
@@ -400,7 +398,7 @@ def test_backend_selection_on_cpu() -> None:
         kk.resolve_backend("triton")
     c = make_case(1, **CASES["varlen"])
     with pytest.raises(kk.BackendUnavailableError, match="cannot run"):
-        kk.paged_attention(**_with(c), backend="fa3")
+        kk.paged_attention(**with_meta(_with(c)), backend=kk.resolve_backend("fa3"))
 
 
 def test_default_backend_setting() -> None:
@@ -409,9 +407,9 @@ def test_default_backend_setting() -> None:
         kk.set_default_backend("fa")
         assert kk.get_default_backend() == "fa"
         with pytest.raises(kk.BackendUnavailableError):
-            kk.paged_attention(**_with(c))
+            kk.paged_attention(**with_meta(_with(c)))
         kk.set_default_backend("torch")
-        assert_close(kk.paged_attention(**_with(c)), naive_attention(c))
+        assert_close(kk.paged_attention(**with_meta(_with(c))), naive_attention(c))
         with pytest.raises(kk.KernelInputError):
             kk.set_default_backend("nope")
     finally:
@@ -424,7 +422,7 @@ def test_import_does_not_pull_flash_attention() -> None:
         "kk.resolve_backend(); kk.available_backends()\n"
         "q = torch.zeros(1, 1, 2, 8); kv = torch.zeros(3, 2, 8)\n"
         "pt = torch.ones(1, 2, dtype=torch.int32); sk = torch.ones(1, dtype=torch.int32)\n"
-        "kk.paged_attention(q, kv, kv, pt, sk)\n"
+        "kk.paged_attention(q, kv, kv, kk.AttentionMeta(pt, sk))\n"
         "bad = [m for m in ('flash_attn', 'flash_attn_interface', 'flash_attn.cute')"
         " if m in sys.modules]\n"
         "assert not bad, bad\n"

@@ -19,6 +19,7 @@ from kestrel.runtime.cuda_graphs import DecodeGraphs
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
 from kestrel_kernels import moe as kernels_moe
+from kestrel_kernels.backends import TORCH
 from kestrel_kernels.moe import plan_experts
 from tests.conftest import FIXTURES
 from tests.tolerance import assert_close
@@ -165,7 +166,7 @@ def decode_logits(model: MoondreamModel, static: bool, n_seqs: int, steps: int) 
     rt = MoondreamRuntime(model, kv_cache_pages=200, max_batch_size=4, attention_backend="torch")
     if static:  # what CUDA runs, uncaptured: decode_static over device tensors
         rt.decode_graphs = DecodeGraphs(
-            model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend="torch",
+            model, rt.kv, rt.page_table.page_table, max_batch_size=4, backend=TORCH,
             capture=False,
         )  # fmt: skip
     gen = torch.Generator().manual_seed(11)

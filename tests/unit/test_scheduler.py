@@ -1,5 +1,5 @@
 """The scheduler driven directly (no threads, no model): admission, capacity, cancellation,
-failure isolation. A fake runner keeps its own page and row accounting and checks it."""
+failure isolation. A fake executor keeps its own page and row accounting and checks it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from concurrent.futures import CancelledError, Future
 import pytest
 
 from kestrel.errors import CapacityError, ModelError
-from kestrel.scheduler import Capacity, Request, RunnerOverloaded, Scheduler, Started
+from kestrel.scheduler import Capacity, ExecutorOverloaded, Request, Scheduler, Started
 from kestrel.skills.base import Skill
 from kestrel.tokens import TextToken
 
@@ -38,7 +38,7 @@ class CountSkill(Skill):
         return (1,) * self.fed
 
 
-class FakeRunner:
+class FakeExecutor:
     def __init__(self, pages: int = 100, rows: int = 4) -> None:
         self.pages, self.rows = pages, rows
         self.held: dict[int, int] = {}  # handle -> pages
@@ -58,7 +58,7 @@ class FakeRunner:
     def start(self, request: Request) -> Started:
         if request.request_id in self.overload:
             self.overload.discard(request.request_id)
-            raise RunnerOverloaded("no rows right now")
+            raise ExecutorOverloaded("no rows right now")
         if request.request_id in self.fail_start:
             raise RuntimeError("prefill blew up")
         cap = self.capacity()
@@ -72,8 +72,8 @@ class FakeRunner:
         self.start_calls.append([r.request_id for r in requests])
         out = []
         for request in requests:
-            if out and isinstance(out[-1], RunnerOverloaded):
-                out.append(RunnerOverloaded("no rows right now"))
+            if out and isinstance(out[-1], ExecutorOverloaded):
+                out.append(ExecutorOverloaded("no rows right now"))
                 continue
             try:
                 out.append(self.start(request))
@@ -125,8 +125,8 @@ def drain(s: Scheduler, limit: int = 1000) -> None:
 
 
 def test_batches_and_results() -> None:
-    runner = FakeRunner(rows=4)
-    s = Scheduler(runner)
+    executor = FakeExecutor(rows=4)
+    s = Scheduler(executor)
     reqs = [make_request(3) for _ in range(6)]
     for r in reqs:
         s.submit(r)
@@ -135,38 +135,38 @@ def test_batches_and_results() -> None:
         tokens, metrics = r.future.result()
         assert tokens == (1, 1, 1) and metrics.output_tokens == 3
         assert metrics.input_tokens == 10 and metrics.ttft_ms >= metrics.queue_ms >= 0
-    assert max(len(b) for b in runner.decode_batches) == 4  # rows were shared
-    assert runner.held == {} and s.counters.served == 6
-    # the four requests admitted in the first step reach the runner in one call, in order
-    assert runner.start_calls[0] == [r.request_id for r in reqs[:4]]
-    assert sorted(i for call in runner.start_calls for i in call) == [r.request_id for r in reqs]
+    assert max(len(b) for b in executor.decode_batches) == 4  # rows were shared
+    assert executor.held == {} and s.counters.served == 6
+    # the four requests admitted in the first step reach the executor in one call, in order
+    assert executor.start_calls[0] == [r.request_id for r in reqs[:4]]
+    assert sorted(i for call in executor.start_calls for i in call) == [r.request_id for r in reqs]
 
 
 def test_lookahead_only_when_no_admission_is_likely() -> None:
-    """The runner may queue the next step early only when nothing waits and no row retired
+    """The executor may queue the next step early only when nothing waits and no row retired
     since the last step (a retired row's replacement is likely to arrive next)."""
-    runner = FakeRunner(rows=2)
-    s = Scheduler(runner)
+    executor = FakeExecutor(rows=2)
+    s = Scheduler(executor)
     long, short = make_request(8), make_request(2)
     s.submit(long)
     s.submit(short)
     s.step()  # both admitted, nothing waiting
-    assert runner.lookaheads == [True]
+    assert executor.lookaheads == [True]
     s.submit(make_request(2))  # waits for a row
     s.step()
-    assert runner.lookaheads[-1] is False
+    assert executor.lookaheads[-1] is False
     while len(s.running) == 2:  # until `short` retires and the waiting one is admitted
         s.step()
     s.step()  # the step after the retirement admitted the waiting one
     s.step()
-    assert runner.lookaheads[-1] is True and not s.waiting
+    assert executor.lookaheads[-1] is True and not s.waiting
     drain(s)
-    assert runner.held == {} and long.future.result()[0] == (1,) * 8
+    assert executor.held == {} and long.future.result()[0] == (1,) * 8
 
 
 def test_head_of_line_waits_for_pages_and_never_fitting_fails_alone() -> None:
-    runner = FakeRunner(pages=40, rows=4)
-    s = Scheduler(runner)
+    executor = FakeExecutor(pages=40, rows=4)
+    s = Scheduler(executor)
     small = make_request(5, positions=10)  # 15 pages
     big = make_request(5, positions=25)  # 30 pages: waits for `small`
     after = make_request(1, positions=5)  # would fit now, but must not overtake `big`
@@ -179,14 +179,14 @@ def test_head_of_line_waits_for_pages_and_never_fitting_fails_alone() -> None:
         never.future.result(timeout=0)
     drain(s)
     assert all(r.future.result()[0] for r in (small, big, after))
-    assert s.counters.failed == 1 and runner.held == {}
+    assert s.counters.failed == 1 and executor.held == {}
 
 
 def test_overloaded_runner_requeues_or_fails_when_nothing_runs() -> None:
-    runner = FakeRunner()
-    s = Scheduler(runner)
+    executor = FakeExecutor()
+    s = Scheduler(executor)
     first, second = make_request(3), make_request(3)
-    runner.overload = {second.request_id}
+    executor.overload = {second.request_id}
     s.submit(first)
     s.submit(second)
     s.step()  # first runs; second is refused and waits at the head of the queue
@@ -195,7 +195,7 @@ def test_overloaded_runner_requeues_or_fails_when_nothing_runs() -> None:
     assert second.future.result()[0] == (1, 1, 1)
 
     lonely = make_request(3)
-    runner.overload = {lonely.request_id}
+    executor.overload = {lonely.request_id}
     s.submit(lonely)
     s.step()
     with pytest.raises(CapacityError):
@@ -203,54 +203,54 @@ def test_overloaded_runner_requeues_or_fails_when_nothing_runs() -> None:
 
 
 def test_cancel_waiting_and_running_release_everything() -> None:
-    runner = FakeRunner(rows=1)
-    s = Scheduler(runner)
+    executor = FakeExecutor(rows=1)
+    s = Scheduler(executor)
     running, waiting = make_request(50), make_request(3)
     s.submit(running)
     s.submit(waiting)
     s.step()
     assert running.future.cancel() and waiting.future.cancel()
     s.step()
-    assert runner.held == {} and not s.has_work()
+    assert executor.held == {} and not s.has_work()
     assert s.counters.cancelled == 2
     with pytest.raises(CancelledError):
         running.future.result(timeout=0)
 
 
 def test_failures_are_isolated() -> None:
-    runner = FakeRunner(rows=8)
-    s = Scheduler(runner)
+    executor = FakeExecutor(rows=8)
+    s = Scheduler(executor)
     ok = make_request(4)
     bad_prefill = make_request(4)
     bad_skill = make_request(4, fail_at=2)
     for r in (ok, bad_prefill, bad_skill):
         s.submit(r)
-    runner.fail_start = {bad_prefill.request_id}
+    executor.fail_start = {bad_prefill.request_id}
     drain(s)
     assert ok.future.result()[0] == (1,) * 4
     with pytest.raises(ModelError, match="prefill blew up"):
         bad_prefill.future.result()
     with pytest.raises(ModelError, match="skill bug"):
         bad_skill.future.result()
-    assert runner.held == {}
+    assert executor.held == {}
 
 
 def test_decode_failure_fails_that_step_only() -> None:
-    runner = FakeRunner(rows=2)
-    s = Scheduler(runner)
+    executor = FakeExecutor(rows=2)
+    s = Scheduler(executor)
     reqs = [make_request(3) for _ in range(4)]
     for r in reqs:
         s.submit(r)
-    runner.fail_decode_call = 2
+    executor.fail_decode_call = 2
     drain(s)
     outcomes = ["ok" if r.future.exception() is None else "failed" for r in reqs]
     assert outcomes == ["failed", "failed", "ok", "ok"]
-    assert runner.held == {}
+    assert executor.held == {}
 
 
 def test_budget_ends_a_skill_with_length() -> None:
-    runner = FakeRunner()
-    s = Scheduler(runner)
+    executor = FakeExecutor()
+    s = Scheduler(executor)
     r = make_request(10)
     r = Request(**{**{f: getattr(r, f) for f in r.__dataclass_fields__}, "max_new_tokens": 4})
     s.submit(r)
@@ -259,14 +259,14 @@ def test_budget_ends_a_skill_with_length() -> None:
 
 
 def test_abort_all() -> None:
-    runner = FakeRunner(rows=1)
-    s = Scheduler(runner)
+    executor = FakeExecutor(rows=1)
+    s = Scheduler(executor)
     a, b = make_request(20), make_request(20)
     s.submit(a)
     s.submit(b)
     s.step()
     s.abort_all(lambda: CapacityError("closing"))
-    assert not s.has_work() and runner.held == {}
+    assert not s.has_work() and executor.held == {}
     for f in (a.future, b.future):
         with pytest.raises(CapacityError, match="closing"):
             f.result(timeout=0)

@@ -17,13 +17,16 @@ import torch
 
 import kestrel_kernels as kk
 from kestrel_kernels import contract, fa_backend
+from kestrel_kernels.backends import FLASH, TORCH
 from kestrel_kernels.counting import LaunchCounter, opaque
 from kestrel_kernels.segments import (
     SINGLE_CALL_MAX_CAUSAL_ROWS,
+    VarlenSeqs,
     build_single_call_plan,
     choose_segment_plan,
 )
 from kestrel_kernels.torch_backend import paged_attention_segmented, varlen_paged_attention_torch
+from tests.attention_args import with_meta
 from tests.tolerance import assert_close
 
 I32 = torch.int32
@@ -66,13 +69,13 @@ def single_call(args: dict, bound: int) -> torch.Tensor:
     )
     assert plan.causal_k is None and plan.noncausal_k is not None, "one non-causal call"
     d = args["q"].shape[-1]
-    return paged_attention_segmented(**args, causal=True, softmax_scale=1 / math.sqrt(d),
+    return paged_attention_segmented(**with_meta(args), softmax_scale=1 / math.sqrt(d),
                                      segments=plan)  # fmt: skip
 
 
 def assert_matches_reference(args: dict, bound: int) -> torch.Tensor:
     out = single_call(args, bound)
-    ref = kk.paged_attention(**args, backend="torch")
+    ref = kk.paged_attention(**with_meta(args), backend=TORCH)
     assert out.shape == ref.shape
     scale = max(1.0, ref.abs().max().item())
     err = (out - ref).abs().max().item()
@@ -183,10 +186,8 @@ def counting_binding(q, k, v, *, cu_seqlens_q, max_seqlen_q, seqused_k, page_tab
                      softmax_scale, causal, **unused):  # fmt: skip
     """FlashAttention's varlen call on its torch model, counted as the one launch it is."""
     with opaque("flash_attn"):
-        out = varlen_paged_attention_torch(
-            q, k[:, 0], v[:, 0], page_table, 1, seqused_k, cu_seqlens_q, max_seqlen_q,
-            causal, softmax_scale,
-        )  # fmt: skip
+        seqs = VarlenSeqs(1, seqused_k, cu_seqlens_q, max_seqlen_q, causal, softmax_scale)
+        out = varlen_paged_attention_torch(q, k[:, 0], v[:, 0], page_table, seqs)
     return out, None
 
 
@@ -204,14 +205,15 @@ def test_one_launch_per_layer(monkeypatch) -> None:
         args = make_args([80], None, 80, [[(0, image_end)]], hq=4, hkv=4)
         args.update(q=args["q"].bfloat16(), k_cache=args["k_cache"].bfloat16(),
                     v_cache=args["v_cache"].bfloat16())  # fmt: skip
-        meta = {n: args[n] for n in ("page_table", "seqused_k", "seqused_q", "bidir_regions")}
+        meta = with_meta(args)["meta"]
+        q, k, v = args["q"], args["k_cache"], args["v_cache"]
         with LaunchCounter() as c:
-            plan = kk.plan_attention(80, **meta, causal_rows=80 - image_end, backend="fa")
+            plan = kk.plan_attention(meta, 80, causal_rows=80 - image_end, backend=FLASH)
             planned = c.launches
-            outs = [kk.paged_attention(**args, plan=plan) for _ in range(layers)]
+            outs = [kk.attend(q, k, v, plan) for _ in range(layers)]
         assert c.syncs == 0, "planning and attention must not read the device"
         per_layer[image_end] = (c.launches - planned) / layers
         assert c.by_op["flash_attn"] == layers * (1 if image_end == 60 else 2)
-        ref = kk.paged_attention(**args, backend="torch")
+        ref = kk.paged_attention(**with_meta(args), backend=TORCH)
         assert_close(outs[0], ref, rel=1e-2)  # bf16: a few ulps of the largest output
     assert per_layer == {60: 1, 13: 3}

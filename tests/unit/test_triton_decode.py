@@ -22,6 +22,7 @@ triton = pytest.importorskip("triton")
 
 import kestrel_kernels as kk  # noqa: E402
 from kestrel_kernels import dispatch, fa_backend, triton_decode  # noqa: E402
+from kestrel_kernels.backends import FLASH, TORCH  # noqa: E402
 from kestrel_kernels.contract import (  # noqa: E402
     AttentionShape,
     KernelInputError,
@@ -29,6 +30,7 @@ from kestrel_kernels.contract import (  # noqa: E402
     quantize_kv,
 )
 from kestrel_kernels.counting import LaunchCounter  # noqa: E402
+from kestrel_kernels.plan import AttentionMeta  # noqa: E402
 from kestrel_kernels.torch_backend import (  # noqa: E402
     paged_attention_scaled_torch,
     paged_attention_torch,
@@ -74,17 +76,18 @@ def reference(case: dict, kv_scales: KvScales | None = None) -> torch.Tensor:
     q, k = case["q"], case["k_cache"]
     b, _, h, d = q.shape
     shape = AttentionShape(b, 1, h, k.shape[1], d, k.shape[0], WIDTH)
-    args = (q, k, case["v_cache"], case["page_table"], case["seqused_k"], shape)
-    kw = dict(seqused_q=None, causal=True, bidir_regions=None, softmax_scale=SCALE)
+    meta = AttentionMeta(case["page_table"], case["seqused_k"])
+    args = (q, k, case["v_cache"], meta, shape)
     if kv_scales is not None:
-        return paged_attention_scaled_torch(*args, scales=kv_scales, **kw)[:, 0]
-    return paged_attention_torch(*args, **kw)[:, 0]
+        return paged_attention_scaled_torch(*args, kv_scales, SCALE)[:, 0]
+    return paged_attention_torch(*args, SCALE)[:, 0]
 
 
 def decode(case: dict, config: DecodeConfig | None = None, **kw) -> torch.Tensor:
+    meta = AttentionMeta(case["page_table"], case["seqused_k"], kw.pop("seqused_q", None))
     return paged_decode(
-        case["q"][:, 0], case["k_cache"], case["v_cache"], case["page_table"],
-        case["seqused_k"], softmax_scale=SCALE, config=config, **kw,
+        case["q"][:, 0], case["k_cache"], case["v_cache"], meta, softmax_scale=SCALE,
+        config=config, **kw,
     )  # fmt: skip
 
 
@@ -186,19 +189,18 @@ def test_one_or_two_launches_and_no_sync(interpreted, splits, launches) -> None:
     assert c.launches == launches and c.syncs == 0, c.by_op
 
 
-def run(case: dict, backend: str, q_len: int = 1, **kw) -> torch.Tensor:
+def run(
+    case: dict, backend: kk.AttentionBackend, q_len: int = 1,
+    bidir_regions: torch.Tensor | None = None, kv_scales: KvScales | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``dispatch.run_attention`` as ``paged_attention`` calls it after validation."""
     q = case["q"] if q_len == 1 else case["q"].expand(-1, q_len, -1, -1).contiguous()
     b, _, h, d = q.shape
     k = case["k_cache"]
     shape = AttentionShape(b, q_len, h, k.shape[1], d, k.shape[0], WIDTH)
-    args = dict(seqused_q=None, causal=True, bidir_regions=None, softmax_scale=SCALE,
-                segments=None, segment_pages=None, kv_scales=None)  # fmt: skip
-    args.update(kw)
-    return dispatch.run_attention(
-        q, k, case["v_cache"], case["page_table"], case["seqused_k"], shape,
-        backend=backend, **args,
-    )  # fmt: skip
+    meta = AttentionMeta(case["page_table"], case["seqused_k"], bidir_regions=bidir_regions)
+    plan = kk.AttentionPlan(backend, q_len, meta)
+    return dispatch.run_attention(q, k, case["v_cache"], plan, shape, SCALE, kv_scales)
 
 
 @pytest.fixture
@@ -219,21 +221,21 @@ def test_dispatch_takes_the_kernel_only_when_switched_on(
 ) -> None:
     case = make_case(4, 2, torch.bfloat16)
     dispatch.set_decode_kernel("fa")
-    assert not run(case, "fa").any() and fa_calls == [1]  # the default: today's path
+    assert not run(case, FLASH).any() and fa_calls == [1]  # the default: today's path
     dispatch.set_decode_kernel("triton")
-    got = run(case, "fa")
+    got = run(case, FLASH)
     assert fa_calls == [1] and got.shape == case["q"].shape
     assert_close(got[:, 0], reference(case))
-    run(case, "fa", q_len=3)  # not a decode shape
+    run(case, FLASH, q_len=3)  # not a decode shape
     regions = torch.tensor([[0, 5]] * len(LENS), dtype=torch.int32)
-    run(case, "fa", bidir_regions=regions)  # regions: the fa path keeps them
+    run(case, FLASH, bidir_regions=regions)  # regions: the fa path keeps them
     assert fa_calls == [1, 3, 1]
 
     def kernel_ran(*args, **kw):
         raise AssertionError("the decode kernel ran")
 
     monkeypatch.setattr(triton_decode, "paged_decode", kernel_ran)
-    assert_close(run(case, "torch")[:, 0], reference(case))  # torch, 16-bit pages: reference
+    assert_close(run(case, TORCH)[:, 0], reference(case))  # torch, 16-bit pages: reference
 
 
 def test_dispatch_runs_fp8_pages_through_the_kernel(interpreted) -> None:
@@ -242,12 +244,12 @@ def test_dispatch_runs_fp8_pages_through_the_kernel(interpreted) -> None:
     case["v_cache"] = quantize_kv(case["v_cache"], SCALES.v)
     dispatch.set_decode_kernel("triton")
     with LaunchCounter() as c:
-        run(case, "torch", kv_scales=SCALES)
+        run(case, TORCH, kv_scales=SCALES)
     assert c.by_op["triton_decode_split"] == 1 and c.launches <= 2, c.by_op
     seqused_q = (case["seqused_k"] > 0).to(torch.int32)  # the padding row: no query
-    got = kk.paged_attention(case["q"], case["k_cache"], case["v_cache"], case["page_table"],
-                             case["seqused_k"], seqused_q=seqused_q, softmax_scale=SCALE,
-                             backend="torch", kv_scales=SCALES)  # fmt: skip
+    meta = AttentionMeta(case["page_table"], case["seqused_k"], seqused_q)
+    got = kk.paged_attention(case["q"], case["k_cache"], case["v_cache"], meta,
+                             softmax_scale=SCALE, backend=TORCH, kv_scales=SCALES)  # fmt: skip
     assert_close(got[:, 0], reference(case, SCALES))
 
 
@@ -257,12 +259,13 @@ def test_dispatch_keeps_todays_path_when_tracing_or_not_interpreted(
     case = make_case(4, 4, torch.float32)
     dispatch.set_decode_kernel("triton")
     shape = AttentionShape(len(LENS), 1, 4, 4, D, POOL, WIDTH)
-    assert dispatch.uses_triton_decode(case["q"], shape, "fa", None, False)
+    plan = kk.AttentionPlan(FLASH, 1, AttentionMeta(case["page_table"], case["seqused_k"]))
+    assert dispatch.uses_triton_decode(case["q"], shape, plan, False)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not dispatch.uses_triton_decode(case["q"], shape, "fa", None, True)
+    assert not dispatch.uses_triton_decode(case["q"], shape, plan, True)
     monkeypatch.undo()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not dispatch.uses_triton_decode(case["q"], shape, "fa", None, True)  # a CPU
+    assert not dispatch.uses_triton_decode(case["q"], shape, plan, True)  # a CPU
     with pytest.raises(KernelInputError, match="decode kernel"):
         dispatch.set_decode_kernel("flash")
 
@@ -284,8 +287,8 @@ def test_compiled_call_traces_whole_with_the_switch_on(interpreted, monkeypatch)
     monkeypatch.setattr(triton_decode, "paged_decode", counted)
 
     def step(q, k, v, table, lens, used):
-        return kk.paged_attention(q, k, v, table, lens, seqused_q=used, softmax_scale=SCALE,
-                                  backend="torch", kv_scales=SCALES)  # fmt: skip
+        return kk.paged_attention(q, k, v, AttentionMeta(table, lens, used), softmax_scale=SCALE,
+                                  backend=TORCH, kv_scales=SCALES)  # fmt: skip
 
     kk.prepare_compile()
     torch._dynamo.reset()

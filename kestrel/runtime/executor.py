@@ -1,4 +1,4 @@
-"""The batch executor: MoondreamRuntime behind the scheduler's runner protocol.
+"""The batch executor: MoondreamRuntime behind the scheduler's executor protocol.
 
 All tensor work of the engine happens here, on the scheduler thread.
 """
@@ -16,7 +16,7 @@ from kestrel.runtime.heads import BatchChoice, RowLogits, batch_rows, choose
 from kestrel.runtime.lookahead import AheadStep, LookaheadCounters, settle
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.runtime.sequence import SequenceState
-from kestrel.scheduler.protocol import Capacity, Request, RunnerOverloaded, Started
+from kestrel.scheduler.protocol import Capacity, ExecutorOverloaded, Request, Started
 from kestrel.skills.base import Draw, PromptToken
 from kestrel_kernels.transfer import upload
 
@@ -48,7 +48,7 @@ def _waits_for(state: SequenceState, other: SequenceState) -> bool:
 
 
 class BatchExecutor:
-    """Runs the scheduler's batches on the runtime (the scheduler's runner protocol): a step's
+    """Runs the scheduler's batches on the runtime (``scheduler.protocol.Executor``): a step's
     admitted requests prefilled in waves, then one decode step for every running sequence.
 
     It keeps each running sequence's skill so that, before a step's logits exist, it can ask
@@ -84,7 +84,7 @@ class BatchExecutor:
         A wave prepares requests in order. One that would recompute a stretch another miss of
         the same wave is about to insert (the same image, a shared system prompt) waits for the
         next wave, where that stretch is a cache hit: its vision encoder and prefix are not run
-        twice. Once the pool is short, the rest get ``RunnerOverloaded``.
+        twice. Once the pool is short, the rest get ``ExecutorOverloaded``.
         """
         out: list[Started | Exception | None] = [None] * len(requests)
         pending = list(range(len(requests)))
@@ -103,7 +103,7 @@ class BatchExecutor:
                 state = self._prepare(requests[i])
             except (PagePoolExhausted, BatchSlotsExhausted) as exc:
                 for j in pending[pos:]:
-                    out[j] = RunnerOverloaded(str(exc))
+                    out[j] = ExecutorOverloaded(str(exc))
                 return wave, deferred
             except Exception as exc:
                 out[i] = exc
@@ -189,7 +189,7 @@ class BatchExecutor:
         """Logits per row, each row's token chosen with the batch's (one transfer), hiddens.
 
         ``lookahead``: the caller plans no admission before the next step, so this one may
-        queue the next step before reading its tokens (``lookahead.py``; only if the runner
+        queue the next step before reading its tokens (``lookahead.py``; only if the executor
         looks ahead at all), for every row whose draw is not ``final``."""
         next_draw = self._next_draw
         draws = [next_draw[h.batch_idx]() if h.batch_idx in next_draw else None for h in handles]
