@@ -172,7 +172,10 @@ def choose(
         banned = tuple(() if d is None else d.banned for d in draws)
         if any(banned):
             ids_BN, fill_BN = _banned_table(banned, logits_BV.device, logits_BV.dtype)
-            masked = masked.scatter_reduce(1, ids_BN, fill_BN, reduce="amin")
+            if masked is logits_BV:  # the logits stay as the model gave them (RowLogits)
+                masked = masked.scatter_reduce(1, ids_BN, fill_BN, reduce="amin")
+            else:  # the grammar's masked copy: suppressed in place, no second copy
+                masked.scatter_reduce_(1, ids_BN, fill_BN, reduce="amin")
         chosen = greedy(masked)
     else:
         chosen = sample_table(masked, _draw_table(draws, logits_BV.device))
