@@ -7,7 +7,7 @@ thread, then submitted. A call's keywords and signature are its value's fields."
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kestrel.engine.aio import awaiting
 from kestrel.engine.desk import Drafter, Submitter
@@ -22,6 +22,19 @@ from kestrel.engine.skill_calls import (
     face,
     stream_of,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from kestrel.engine.streams import AsyncTextStream, TextStream
+    from kestrel.results import (
+        CaptionResult,
+        ChatResult,
+        DetectResult,
+        PointResult,
+        QueryResult,
+        SegmentResult,
+    )
 
 __all__ = ["SkillCalls", "faces"]
 
@@ -56,6 +69,27 @@ class SkillCalls:
 
     _drafts: Drafter
     _requests: Submitter
+
+    # What each face gives, for type checkers and editors (their keywords are the call values'
+    # fields: ``help(Engine.query)`` lists them).
+    submit_query: Callable[..., Future[QueryResult]]
+    query: Callable[..., QueryResult | TextStream]
+    aquery: Callable[..., Awaitable[QueryResult | AsyncTextStream]]
+    submit_caption: Callable[..., Future[CaptionResult]]
+    caption: Callable[..., CaptionResult | TextStream]
+    acaption: Callable[..., Awaitable[CaptionResult | AsyncTextStream]]
+    submit_point: Callable[..., Future[PointResult]]
+    point: Callable[..., PointResult]
+    apoint: Callable[..., Awaitable[PointResult]]
+    submit_detect: Callable[..., Future[DetectResult]]
+    detect: Callable[..., DetectResult]
+    adetect: Callable[..., Awaitable[DetectResult]]
+    submit_segment: Callable[..., Future[SegmentResult]]
+    segment: Callable[..., SegmentResult | TextStream]
+    asegment: Callable[..., Awaitable[SegmentResult | AsyncTextStream]]
+    submit_chat: Callable[..., Future[ChatResult]]
+    chat: Callable[..., ChatResult | TextStream]
+    achat: Callable[..., Awaitable[ChatResult | AsyncTextStream]]
 
     submit_query, query, aquery = faces(QueryCall)
     submit_caption, caption, acaption = faces(CaptionCall)

@@ -211,3 +211,20 @@ def test_every_parsed_request_carries_the_call_options() -> None:
         assert set(CallOptions.__annotations__) <= names, parsed
     stand_in = type("Parsed", (), {"settings": {"seed": 1}, "adapter": "a", "cache_salt": "t"})
     assert call_options(stand_in()) == {"settings": {"seed": 1}, "adapter": "a", "cache_salt": "t"}
+
+
+def test_every_face_is_typed_for_editors() -> None:
+    """Each generated face has a class annotation giving what it returns: a Future for
+    ``submit_*``, an Awaitable for ``a*``, a stream beside the result exactly where the skill
+    streams. A new skill's faces fail here until they are annotated."""
+    from kestrel.engine.calls import SkillCalls
+    from kestrel.engine.skill_calls import CALLS
+
+    notes = SkillCalls.__annotations__
+    for call in CALLS:
+        for name, wrap in ((f"submit_{call.skill}", "Future["), (call.skill, ""),
+                           (f"a{call.skill}", "Awaitable[")):  # fmt: skip
+            note = notes[name]
+            assert note.startswith(f"Callable[..., {wrap}"), (name, note)
+            assert ("TextStream" in note) == (call.streams and wrap != "Future["), (name, note)
+            assert callable(getattr(SkillCalls, name))
