@@ -73,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
     adapters = [_named_path(spec) for spec in args.load_adapter]
     max_in_flight = args.max_in_flight or 4 * args.max_batch_size
     if args.ray:
-        if shape is not None:
-            raise common.UsageError("--json-schema is not yet supported with --ray")
-        return _run_ray(args, requests, adapters, max_in_flight)
+        return _run_ray(args, requests, adapters, max_in_flight, shape)
     with common.open_engine(args) as engine:
         for name, path in adapters:
             engine.load_adapter(name, path)
@@ -96,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_ray(args, requests, adapters: list[tuple[str, str]], max_in_flight: int) -> int:
+def _run_ray(
+    args, requests, adapters: list[tuple[str, str]], max_in_flight: int, shape: dict | None
+) -> int:
     try:
         from kestrel import distributed
     except ImportError as exc:  # as `kestrel serve` without its extra: exit status 1
@@ -112,6 +112,7 @@ def _run_ray(args, requests, adapters: list[tuple[str, str]], max_in_flight: int
         adapters=tuple(adapters),
         settings=common.settings_from_args(args),
         adapter=common.adapter_name(args),
+        response_format=shape,
         max_in_flight=max_in_flight,
     )
     options = distributed.RayBatchOptions(

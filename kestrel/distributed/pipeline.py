@@ -28,6 +28,7 @@ import ray.data
 
 from kestrel.batch.requests import BatchRequest
 from kestrel.errors import InvalidInputError, KestrelError, UnknownAdapterError
+from kestrel.grammar import parse_response_format
 from kestrel.skills import parse_settings
 
 from .replica import Replica, ReplicaOptions
@@ -118,6 +119,7 @@ def _check(
     if len({r.id for r in requests}) != len(requests):
         raise InvalidInputError("request ids must be unique")
     parse_settings(replica.settings)
+    parse_response_format(replica.response_format)  # its shape; each replica compiles it
     loaded = {name for name, _ in replica.adapters}
     named = {replica.adapter, *(r.adapter for r in requests)} - {None}
     for name in sorted(named - loaded):

@@ -48,13 +48,15 @@ class ReplicaOptions:
     """How each replica builds its engine and asks its questions: the CLI's engine options
     (``engine``: ``EngineOptions`` fields as Engine keywords, as ``cli.common.engine_kwargs``
     gives them), adapters to load (name, path), the generation
-    settings and default adapter of every request, and the in-flight bound per call."""
+    settings, default adapter and ``response_format`` of every request, and the in-flight
+    bound per call."""
 
     model: str | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     adapters: tuple[tuple[str, str], ...] = ()
     settings: dict[str, Any] | None = None
     adapter: str | None = None
+    response_format: dict[str, Any] | None = None  # the job's JSON schema: lines get "parsed"
     max_in_flight: int = 64
     threads: int | None = None  # torch intra-op threads (CPU replicas)
     crash: CrashOnce | None = None
@@ -81,6 +83,8 @@ class Replica:
     def __init__(self, options: ReplicaOptions) -> None:
         self.engine, self.name = options.open_engine()
         self.options = options
+        if options.response_format is not None:  # a schema that cannot compile stops the job
+            self.engine.check_response_format(options.response_format)
         self.answered = 0  # rows recorded by this process (for CrashOnce)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -96,11 +100,11 @@ class Replica:
             for path, group in itertools.groupby(rows, key=lambda r: r["path"])
         ]
         opts = self.options
-        feed = RequestFeed(
-            self.engine, record, opts.max_in_flight, settings=opts.settings, adapter=opts.adapter
-        )
+        shaped = {} if opts.response_format is None else {"response_format": opts.response_format}
+        feed = RequestFeed(self.engine, record, opts.max_in_flight, settings=opts.settings,
+                           adapter=opts.adapter, **shaped)  # fmt: skip
         feed.run(groups)
-        return table_of_records(records)
+        return table_of_records(records, parsed=opts.response_format is not None)
 
     def _answered_one(self) -> None:
         self.answered += 1

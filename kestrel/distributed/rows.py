@@ -25,6 +25,7 @@ from kestrel.results import RequestMetrics
 
 __all__ = [
     "OUTPUT_SCHEMA",
+    "PARSED_SCHEMA",
     "REQUEST_SCHEMA",
     "image_items",
     "keyed_requests",
@@ -63,7 +64,12 @@ OUTPUT_SCHEMA = pa.schema(
         ("replica", pa.string()),
     ]
 )
-_KEEP_NULL = frozenset({"image"})  # null means "text only" and is written, as kestrel batch does
+# A job under a JSON schema adds ``parsed`` after ``answer``: the value as JSON text (Parquet
+# needs one type for a column; the JSONL lines carry the value itself, as kestrel batch's do).
+PARSED_SCHEMA = OUTPUT_SCHEMA.insert(
+    OUTPUT_SCHEMA.get_field_index("answer") + 1, pa.field("parsed", pa.string())
+)
+_KEEP_NULL = frozenset({"image", "parsed"})  # written as null, as kestrel batch does
 
 
 def image_items(requests: Sequence[BatchRequest]) -> list[dict[str, Any]]:
@@ -113,13 +119,24 @@ def request_of(row: dict[str, Any]) -> BatchRequest:
     )  # fmt: skip
 
 
-def table_of_records(records: list[dict[str, Any]]) -> pa.Table:
-    """``kestrel batch`` records (with ``replica``) as Arrow rows; absent fields are null."""
-    return pa.Table.from_pylist(records, schema=OUTPUT_SCHEMA)
+def table_of_records(records: list[dict[str, Any]], parsed: bool = False) -> pa.Table:
+    """``kestrel batch`` records (with ``replica``) as Arrow rows; absent fields are null.
+    ``parsed``: the job has a JSON schema (its lines' values become JSON text)."""
+    if not parsed:
+        return pa.Table.from_pylist(records, schema=OUTPUT_SCHEMA)
+    texts = [{**r, "parsed": None if r.get("parsed") is None else json.dumps(r["parsed"])}
+             if "answer" in r else r for r in records]  # fmt: skip
+    return pa.Table.from_pylist(texts, schema=PARSED_SCHEMA)
 
 
 def record_of(row: dict[str, Any]) -> dict[str, Any]:
     """An output row back to its ``kestrel batch`` record: the same keys in the same order
-    (``adapter`` only when set; ``answer``, ``finish_reason``, ``metrics`` or ``error``,
-    ``error_type``), then ``replica``."""
-    return {k: v for k, v in row.items() if v is not None or k in _KEEP_NULL}
+    (``adapter`` only when set; ``answer``, ``parsed`` under a schema, ``finish_reason``,
+    ``metrics`` or ``error``, ``error_type``), then ``replica``."""
+    out = {k: v for k, v in row.items() if v is not None or k in _KEEP_NULL}
+    if "parsed" in out:
+        if row.get("answer") is None:  # an error line: kestrel batch writes no "parsed"
+            del out["parsed"]
+        elif out["parsed"] is not None:
+            out["parsed"] = json.loads(out["parsed"])
+    return out

@@ -96,5 +96,26 @@ def test_cli_json_schema(data, tmp_path, capsys) -> None:
     argv[argv.index(str(out))] = str(again)
     assert main([*argv, "--json-schema", str(tmp_path / "broken.json")]) == 2
     assert "--json-schema" in capsys.readouterr().err and not again.exists()
-    assert main([*argv, "--json-schema", str(data / "schema.json"), "--ray"]) == 2
-    assert "--ray" in capsys.readouterr().err and not again.exists()
+
+
+def test_ray_rows_carry_parsed_values() -> None:
+    """A schema job's output rows (``kestrel.distributed``): ``parsed`` as JSON text in the
+    Arrow table, the value again in the record, null kept for an answer cut short, absent on
+    an error line and in a job without a schema."""
+    pytest.importorskip("pyarrow")
+    from kestrel.distributed.rows import record_of, table_of_records
+
+    answered = {"id": "a", "image": "x.png", "question": "q", "answer": '{"count":3}',
+                "parsed": {"count": 3}, "finish_reason": "stop", "replica": "r"}  # fmt: skip
+    cut = {**answered, "id": "b", "answer": '{"cou', "parsed": None, "finish_reason": "length"}
+    failed = {"id": "c", "image": "y.png", "question": "q", "error": "bad",
+              "error_type": "InvalidInputError", "replica": "r"}  # fmt: skip
+    table = table_of_records([answered, cut, failed], parsed=True)
+    assert table.column("parsed").to_pylist() == ['{"count": 3}', None, None]
+    rows = [record_of(r) for r in table.to_pylist()]
+    assert rows[0]["parsed"] == {"count": 3} and list(rows[0])[:5] == [
+        "id", "image", "question", "answer", "parsed"]  # fmt: skip
+    assert "parsed" in rows[1] and rows[1]["parsed"] is None
+    assert "parsed" not in rows[2] and rows[2]["error"] == "bad"
+    free = table_of_records([{k: v for k, v in answered.items() if k != "parsed"}])
+    assert "parsed" not in free.column_names and "parsed" not in record_of(free.to_pylist()[0])

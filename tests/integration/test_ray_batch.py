@@ -304,3 +304,35 @@ def test_md3_ray_batch_answers_equal_the_engines(tmp_path):
         for line in lines:
             want = engine.query(images / line["image"], line["question"], settings=SETTINGS)
             assert line["answer"] == want.answer, line
+
+
+def test_a_json_schema_job_writes_parsed_values(data, tmp_path):
+    """``kestrel batch --ray --json-schema``: every line carries ``parsed``, the answer's
+    value, which validates against the schema (JSONL folder and Parquet alike)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "required": ["colour"], "additionalProperties": False,
+              "properties": {"colour": {"enum": ["red", "green", "blue"]}}}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "q.txt").write_text(QUESTIONS[0] + "\n")
+    images = tmp_path / "imgs"
+    images.mkdir()
+    shutil.copy(MODEL / "images" / "scene_800x600.png", images / "scene.png")
+    shutil.copy(MODEL / "images" / "shapes_378.png", images / "shapes.png")
+    for out in (tmp_path / "results", tmp_path / "results.parquet"):
+        argv = ["batch", "--ray", "--replicas", "1", "--images", str(images), "--questions",
+                str(tmp_path / "q.txt"), "--out", str(out), *ENGINE_OPTS, "--max-tokens", "32",
+                "--json-schema", str(tmp_path / "schema.json")]  # fmt: skip
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            assert main(argv) == 0
+        assert (last_json(stdout)["requests"], last_json(stdout)["errors"]) == (2, 0)
+        if out.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            values = [json.loads(v) for v in pq.read_table(out).column("parsed").to_pylist()]
+        else:
+            values = [line["parsed"] for line in read_lines(out)]
+        assert len(values) == 2
+        for value in values:
+            jsonschema.validate(value, schema)
