@@ -97,9 +97,8 @@ def run_batch(
             bar.set_postfix(errors=tally.errors, refresh=False)
             bar.update(1)
 
-        shaped = {} if response_format is None else {"response_format": response_format}
         feed = RequestFeed(engine, record, max_in_flight, settings=settings, adapter=adapter,
-                           **shaped)  # fmt: skip
+                           response_format=response_format)  # fmt: skip
         feed.run(_group_by_image(todo))
     wall_s = time.perf_counter() - start
     return _summarize(tally, ttft_ms, len(requests) - len(todo), wall_s, before, engine.stats())
@@ -123,7 +122,7 @@ class RequestFeed:
                  max_in_flight: int, **kwargs: Any) -> None:  # fmt: skip
         self.engine, self.record, self.max_in_flight = engine, record, max_in_flight
         self.kwargs = kwargs  # settings=, adapter=, response_format= of every submit_query
-        self.parsed = "response_format" in kwargs  # the lines carry "parsed"
+        self.parsed = kwargs.get("response_format") is not None  # the lines carry "parsed"
         self.in_flight: dict[Future[QueryResult], BatchRequest] = {}
 
     def run(self, groups: list[tuple[Path | None, list[BatchRequest]]]) -> None:

@@ -100,11 +100,10 @@ class Replica:
             for path, group in itertools.groupby(rows, key=lambda r: r["path"])
         ]
         opts = self.options
-        shaped = {} if opts.response_format is None else {"response_format": opts.response_format}
         feed = RequestFeed(self.engine, record, opts.max_in_flight, settings=opts.settings,
-                           adapter=opts.adapter, **shaped)  # fmt: skip
+                           adapter=opts.adapter, response_format=opts.response_format)  # fmt: skip
         feed.run(groups)
-        return table_of_records(records, parsed=opts.response_format is not None)
+        return table_of_records(records, parsed=feed.parsed)
 
     def _answered_one(self) -> None:
         self.answered += 1
