@@ -13,14 +13,16 @@ memory, uploads and launch counting they share. It imports nothing of ``kestrel`
 Attention backends are objects (``backends``): ``TorchBackend`` (``"torch"``, the reference:
 page-table gather, explicit mask, SDPA; CPU and GPU) and ``FlashBackend`` (``"fa"``,
 FlashAttention 4 from the ``flash-attn-4`` package, the ``gpu`` extra, on a compute capability
-9.x GPU; alias ``"fa3"``), each with ``plan`` and ``forward``. ``resolve_backend(name, device,
+9.x GPU; alias ``"fa3"``), each with ``plan`` and ``forward`` and the fixed buffers its CUDA
+graphs read (``graph_inputs``); ``TritonDecode(base, route)`` is ``base`` on a measured
+decode route. ``resolve_backend(name, device,
 dtype)`` turns a name into one, once: ``"auto"`` picks ``"fa"`` for float16/bfloat16 inputs on
 such a GPU when the package imports, else ``"torch"``. FlashAttention is imported lazily by
 the ``fa`` backend, so importing this package on a CPU machine never touches it.
 Decode-shaped calls can instead run a Triton flash-decoding kernel (``triton_decode``): under
-the default ``KESTREL_DECODE_KERNEL=auto`` a CUDA runtime measures both at start-up and keeps
-the faster per batch size (``decode_tune``); ``set_decode_kernel`` / the variable force ``"fa"``
-or ``"triton"`` (``dispatch``).
+the default ``KESTREL_DECODE_KERNEL=auto`` a CUDA runtime measures both at start-up and serves
+on a ``TritonDecode`` that keeps the faster per batch size (``decode_tune``);
+``set_decode_kernel`` / the variable force ``"fa"`` or ``"triton"`` (``decode_route``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kestrel_kernels.backends import (
     AttentionBackend,
     FlashBackend,
     TorchBackend,
+    TritonDecode,
     available_backends,
     get_default_backend,
     prepare_compile,
@@ -38,7 +41,7 @@ from kestrel_kernels.backends import (
 )
 from kestrel_kernels.batch import AttentionBatch
 from kestrel_kernels.contract import BackendUnavailableError, KernelInputError, KvScales
-from kestrel_kernels.dispatch import get_decode_kernel, set_decode_kernel
+from kestrel_kernels.decode_route import get_decode_kernel, set_decode_kernel
 from kestrel_kernels.plan import AttentionMeta, AttentionPlan
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "KernelInputError",
     "KvScales",
     "TorchBackend",
+    "TritonDecode",
     "attend",
     "available_backends",
     "get_decode_kernel",

@@ -1,27 +1,33 @@
-"""The attention backend: one object, chosen once (``resolve_backend``), that plans and runs.
+"""The attention backend: one object, chosen once at start-up, that plans and runs.
 
 An ``AttentionBackend`` (the protocol, ``plan.AttentionBackend``) has a ``name``,
 ``plan(meta, q_len, ...)`` (what every layer of one forward shares, built once:
-``plan.AttentionPlan``), ``forward(q, k_cache, v_cache, plan)`` (one layer's attention) and
-``captures_decode`` (whether decode steps on it can be replayed from CUDA graphs). Two exist,
-on ``BackendBase``:
+``plan.AttentionPlan``), ``forward(q, k_cache, v_cache, plan)`` (one layer's attention), its
+decode route (``decode_route``, ``swaps_decode``: which decode calls run the Triton
+flash-decoding kernel, ``dispatch``), and what a CUDA graph of it reads (``captures_decode``;
+``decode_graph_inputs`` / ``prefill_graph_inputs``, the fixed buffers of ``graph_inputs``).
+On ``BackendBase``:
 
 - ``TorchBackend`` (``"torch"``): the reference, page-table gather, explicit mask, SDPA; CPU
   and GPU; it reads ``max(seqused_k)`` on the host, so nothing on it is graph-captured;
 - ``FlashBackend`` (``"fa"``, alias ``"fa3"``): FlashAttention 4 (``fa_backend``) on a
   compute capability 9.x GPU; its plan holds the segment plan and the per-segment page table.
-  Decode-shaped calls may run the Triton flash-decoding kernel instead (``dispatch``: chosen
-  per batch size at start-up), and ``scripts/kernel_counts.py`` runs it with a torch stand-in
-  binding.
+  ``FlashBackend(binding=fn)`` calls ``fn`` in place of the package's varlen function and
+  skips its probe: the counting stand-in ``scripts/kernel_counts.py`` runs on a CPU;
+- ``TritonDecode(base, route)``: ``base`` whose decode calls of the batch sizes ``route``
+  measured faster (and, where the kernel agreed, over FP8 pages) run the Triton kernel; a
+  CUDA runtime builds it from its start-up measurement (``decode_tune.route_of``).
 
 ``"auto"`` resolves to ``"fa"`` where FlashAttention can run (and, given a dtype, only for
 float16 / bfloat16), else ``"torch"``; ``set_default_backend`` changes what it means for the
-process. The runtime resolves its name once in its constructor and hands the object down.
+process. The runtime resolves its option once in its constructor (a name, or an object it
+takes as is) and hands the object down.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -35,8 +41,16 @@ from kestrel_kernels.contract import (
     default_scale,
     validate_attention_inputs,
 )
+from kestrel_kernels.decode_route import NO_ROUTE, DecodeRoute
 from kestrel_kernels.dispatch import run_attention
-from kestrel_kernels.plan import BACKENDS, AttentionBackend, AttentionMeta, AttentionPlan
+from kestrel_kernels.graph_inputs import DecodeGraphInputs, PrefillGraphInputs
+from kestrel_kernels.plan import (
+    BACKENDS,
+    AttentionBackend,
+    AttentionMeta,
+    AttentionPlan,
+    register,
+)
 from kestrel_kernels.segments import choose_segment_plan
 
 __all__ = [
@@ -46,6 +60,7 @@ __all__ = [
     "BackendBase",
     "FlashBackend",
     "TorchBackend",
+    "TritonDecode",
     "auto_backend",
     "available_backends",
     "get_default_backend",
@@ -63,7 +78,10 @@ class BackendBase:
     the metadata alone (module doc)."""
 
     name = ""
+    key = ""  # the torch.library op's handle (plan.register): the name for registered ones
     captures_decode = False  # decode steps on it can be replayed from CUDA graphs
+    swaps_decode = False  # its 16-bit decode calls may run the Triton decode kernel
+    decode_route: DecodeRoute = NO_ROUTE  # which decode calls do (decode_route)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -101,11 +119,26 @@ class BackendBase:
         """The backend's own kernel for validated, unscaled inputs (``dispatch``)."""
         raise NotImplementedError
 
+    def decode_graph_inputs(
+        self, size: int, device: torch.device, lanes: int = 0
+    ) -> DecodeGraphInputs:
+        """The fixed buffers a decode graph of ``size`` rows reads, with ``lanes`` more
+        per-row lanes for the caller (``graph_inputs``)."""
+        return DecodeGraphInputs.allocate(self, size, device, lanes)
+
+    def prefill_graph_inputs(
+        self, rows: int, tokens: int, device: torch.device, *, regions: bool,
+        causal_rows: int | None,
+    ) -> PrefillGraphInputs:  # fmt: skip
+        """The fixed buffers a prefill graph of ``[rows, tokens]`` reads (``graph_inputs``)."""
+        return PrefillGraphInputs.allocate(self, rows, tokens, device, regions=regions,
+                                           causal_rows=causal_rows)  # fmt: skip
+
 
 class TorchBackend(BackendBase):
     """The reference: gather through the page table, explicit mask, SDPA (``torch_backend``)."""
 
-    name = "torch"
+    name = key = "torch"
 
     def kernel(self, q, k_cache, v_cache, plan, shape, softmax_scale) -> Tensor:
         return torch_backend.paged_attention_torch(
@@ -114,10 +147,19 @@ class TorchBackend(BackendBase):
 
 
 class FlashBackend(BackendBase):
-    """FlashAttention 4 over the forward's segments (``fa_backend``, ``segments``)."""
+    """FlashAttention 4 over the forward's segments (``fa_backend``, ``segments``);
+    ``binding``: a stand-in for the package's varlen function (module doc; None: the real)."""
 
     name = "fa"
     captures_decode = True
+    swaps_decode = True
+
+    def __init__(self, binding: Callable[..., object] | None = None) -> None:
+        self.binding = binding
+        self.key = self.name if binding is None else register(self)  # plain: FLASH's equal
+
+    def __repr__(self) -> str:
+        return "FlashBackend()" if self.binding is None else f"FlashBackend({self.binding!r})"
 
     def plan(self, meta, q_len, *, causal_rows=None, zero_padding=True) -> AttentionPlan:
         segments = choose_segment_plan(
@@ -131,7 +173,29 @@ class FlashBackend(BackendBase):
     def kernel(self, q, k_cache, v_cache, plan, shape, softmax_scale) -> Tensor:
         if q.numel() == 0:
             return q.new_zeros(q.shape)
-        return fa_backend.paged_attention_fa(q, k_cache, v_cache, plan, shape, softmax_scale)
+        return fa_backend.paged_attention_fa(q, k_cache, v_cache, plan, shape, softmax_scale,
+                                             binding=self.binding)  # fmt: skip
+
+
+class TritonDecode(BackendBase):
+    """``base`` on a measured decode route (module doc): its plans and kernel, and the Triton
+    kernel for the decode calls ``route`` sends there (``dispatch``)."""
+
+    def __init__(self, base: AttentionBackend, route: DecodeRoute) -> None:
+        self.base, self.decode_route = base, route
+        self.name, self.captures_decode = base.name, base.captures_decode
+        self.swaps_decode = base.swaps_decode
+        self.key = register(self)
+
+    def __repr__(self) -> str:
+        return f"TritonDecode({self.base!r}, {self.decode_route!r})"
+
+    def plan(self, meta, q_len, *, causal_rows=None, zero_padding=True) -> AttentionPlan:
+        base = self.base.plan(meta, q_len, causal_rows=causal_rows, zero_padding=zero_padding)
+        return dataclasses.replace(base, backend=self)  # dispatch reads this object's route
+
+    def kernel(self, q, k_cache, v_cache, plan, shape, softmax_scale) -> Tensor:
+        return self.base.kernel(q, k_cache, v_cache, plan, shape, softmax_scale)
 
 
 TORCH, FLASH = TorchBackend(), FlashBackend()
@@ -163,16 +227,20 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 
 
 def resolve_backend(
-    name: str = "auto", device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    name: str | AttentionBackend = "auto",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend object ``name`` means on ``device`` (None: the current CUDA device if any,
-    else CPU) for queries of ``dtype`` (None: any).
+    else CPU) for queries of ``dtype`` (None: any); an object is taken as it is.
 
     ``"auto"`` gives ``"fa"`` when FlashAttention can run on ``device`` (a CUDA device of compute
     capability 9.x, ``flash-attn-4`` importable; given a ``dtype``, only float16 / bfloat16),
     else ``"torch"``. ``"fa"`` where it cannot run raises ``BackendUnavailableError`` naming the
     package and the reason.
     """
+    if isinstance(name, BackendBase):
+        return name
     wanted = _canonical(name)
     explicit = wanted != "auto" or _default_backend != "auto"
     if wanted == "auto":

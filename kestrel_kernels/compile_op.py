@@ -11,9 +11,11 @@ traced as plain tensor ops, once per forward; its tensors are passed to the op s
 rebuilds them.
 
 The backend is an object chosen before tracing (``backends.resolve_backend``); the op is handed
-its name, a constant of the graph like a CUDA graph's kernels, and turns it back into the
-object (``plan.BACKENDS``). This op is the one function of the package whose parameters are a
-flat list (a ``torch.library`` schema takes tensors and scalars, not values made of them).
+its key, a constant of the graph like a CUDA graph's kernels (the name of a registered
+backend; any other object, a measured ``TritonDecode`` or a stand-in, is registered under a
+key of its own when it is made, while it lives: ``plan.register``), and turns it back into
+the object. This op is the one function of the package whose parameters are a flat list (a
+``torch.library`` schema takes tensors and scalars, not values made of them).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import Tensor
 
 from kestrel_kernels.contract import KvScales, validate_attention_inputs
 from kestrel_kernels.dispatch import run_attention
-from kestrel_kernels.plan import BACKENDS, AttentionMeta, AttentionPlan
+from kestrel_kernels.plan import AttentionMeta, AttentionPlan, backend_of
 from kestrel_kernels.segments import SegmentPlan
 
 __all__ = ["OP_NAME", "attention_op"]
@@ -62,7 +64,7 @@ def _paged_attention_op(
     v_scale: Tensor | None,
 ) -> Tensor:
     """What the eager ``AttentionBackend.forward`` does (every device): validate, then run
-    ``backend`` ("torch" or "fa", chosen before tracing) with the forward's segments."""
+    the backend ``backend`` keys (chosen before tracing) with the forward's segments."""
     scales = None if k_scale is None or v_scale is None else KvScales(k_scale, v_scale)
     meta = AttentionMeta(page_table, seqused_k, seqused_q, bidir_regions, causal)
     shape = validate_attention_inputs(q, k_cache, v_cache, meta, scales)
@@ -71,7 +73,7 @@ def _paged_attention_op(
         segments = SegmentPlan(
             segs_per_row, cu_seqlens_q, causal_k, noncausal_k, inside_BL, valid_BL
         )
-    plan = AttentionPlan(BACKENDS[backend], shape.q_len, meta, segments, segment_pages)
+    plan = AttentionPlan(backend_of(backend), shape.q_len, meta, segments, segment_pages)
     out = run_attention(q, k_cache, v_cache, plan, shape, softmax_scale, scales)
     return out.contiguous()  # the fake promises a fresh contiguous tensor
 
@@ -89,11 +91,11 @@ def attention_op(
     softmax_scale: float,
     kv_scales: KvScales | None,
 ) -> Tensor:
-    """Call ``kestrel::paged_attention`` over ``plan`` (its tensors and its backend's name)."""
+    """Call ``kestrel::paged_attention`` over ``plan`` (its tensors and its backend's key)."""
     s, m = plan.segments, plan.meta
     return torch.ops.kestrel.paged_attention(
         q, k_cache, v_cache, m.page_table, m.seqused_k, m.seqused_q, m.bidir_regions, m.causal,
-        float(softmax_scale), plan.backend.name,
+        float(softmax_scale), plan.backend.key,
         0 if s is None else s.segs_per_row,
         None if s is None else s.cu_seqlens_q,
         None if s is None else s.causal_k,

@@ -15,7 +15,8 @@ CUDA runtime measures them before it captures its decode graphs (``tune_pool``):
   heads per program, positions per iteration, warps, programs aimed for), and Triton serves
   that batch size, in its fastest configuration, only if that is at least ``MARGIN`` faster.
 
-The choices go to ``dispatch.set_decode_table`` before the graphs are captured, so each
+The choices make the runtime's decode route (``route_of``: a ``decode_route.DecodeRoute``, held
+by the ``backends.TritonDecode`` the runtime serves on) before the graphs are captured, so each
 bucket's graph holds the kernel chosen for its size; the trials are logged and kept
 (``MoondreamRuntime.decode_trials``). ``compare`` is the decision itself, a pure function of
 two calls and a timer (the CPU tests drive it with the torch reference, the Triton interpreter
@@ -35,6 +36,7 @@ import torch
 from torch import Tensor
 
 from kestrel_kernels.contract import AttentionMeta, default_scale
+from kestrel_kernels.decode_route import DecodeRoute
 from kestrel_kernels.triton_decode import DecodeConfig
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ __all__ = [
     "compare",
     "decode_case",
     "graph_ms",
+    "route_of",
     "tune_pool",
 ]
 
@@ -198,7 +201,7 @@ def tune_pool(
     backend the Triton kernel is measured against (None: FlashAttention; the torch backend in
     the CPU tests); ``candidates``: its configurations."""
     from kestrel_kernels.backends import FLASH
-    from kestrel_kernels.dispatch import decode_kernel_forced
+    from kestrel_kernels.decode_route import decode_kernel_forced
     from kestrel_kernels.triton_decode import paged_decode
 
     baseline = baseline or FLASH
@@ -241,7 +244,7 @@ def check_fp8(
     host, so it cannot be graph-captured: the kernel serves FP8 decode wherever it agrees)."""
     from kestrel_kernels.attention import paged_attention
     from kestrel_kernels.backends import TORCH
-    from kestrel_kernels.dispatch import decode_kernel_forced
+    from kestrel_kernels.decode_route import decode_kernel_forced
     from kestrel_kernels.triton_decode import paged_decode
 
     trials = []
@@ -259,6 +262,16 @@ def check_fp8(
                                   "agrees" if ok else f"triton differs by {diff:.3g}"))  # fmt: skip
         log.info("FP8 decode, batch %d: %s", batch, trials[-1].reason)
     return trials
+
+
+def route_of(trials: Sequence[DecodeTrial], *, fp8: bool = False) -> DecodeRoute:
+    """The decode route ``trials`` chose: each batch size's kernel and the Triton kernel's
+    fastest configuration; ``fp8``: they are ``check_fp8``'s, and the kernel serves FP8 pages
+    only if it agreed at every size."""
+    if fp8:
+        return DecodeRoute(fp8=bool(trials) and all(t.choice == "triton" for t in trials))
+    configs = {t.batch: t.config for t in trials if t.config is not None}
+    return DecodeRoute({t.batch: t.choice for t in trials}, configs=configs)
 
 
 def _relative_diff(want: Tensor, got: Tensor) -> float:

@@ -7,8 +7,9 @@ as ``[n_pages, page_size=1, Hkv, D]``, each varlen query sequence gets a ``page_
 loaded by TMA, so the kernel uses its cp.async paged-KV path (``paged_kv_non_tma``).
 
 The package is imported only when a CUDA sm90 device asks for it (``import kestrel_kernels``
-never imports it); ``load_binding`` is the single import point, which is also where the CPU
-contract test substitutes a recording fake.
+never imports it); ``load_binding`` is the single import point. A backend object may bring
+its own binding instead (``FlashBackend(binding=...)``: the counting stand-in, the CPU
+contract tests' recording fakes), which runs without the package or its probe.
 
 The bidirectional region needs no mask function: ``segments`` turns the masking rule into varlen
 sequences that are plain right-aligned causal or non-causal attention, and
@@ -115,12 +116,14 @@ def _paged_kernel(
     seqs: VarlenSeqs,
     *,
     pages_SP: Tensor | None = None,
+    binding: Callable[..., object] | None = None,
 ) -> Tensor:
     """One varlen call over the paged cache; sequence ``s`` reads page-table row ``s // segs``
-    (``pages_SP``: those rows already expanded, one per sequence)."""
+    (``pages_SP``: those rows already expanded, one per sequence); ``binding``: the varlen
+    function (None: the package's)."""
     if pages_SP is None:
         pages_SP = pages_per_segment(page_table_BP, seqs.segs_per_row)
-    out = load_binding()(
+    out = (binding or load_binding())(
         q_THD,
         k_cache.unsqueeze(1),  # [n_pages, page_size=1, Hkv, D]
         v_cache.unsqueeze(1),
@@ -135,8 +138,9 @@ def _paged_kernel(
 
 
 def _gather_kernel(
-    q_THD: Tensor, k_cache: Tensor, v_cache: Tensor, page_table_BP: Tensor, seqs: VarlenSeqs
-) -> Tensor:
+    q_THD: Tensor, k_cache: Tensor, v_cache: Tensor, page_table_BP: Tensor, seqs: VarlenSeqs, *,
+    binding: Callable[..., object] | None = None,
+) -> Tensor:  # fmt: skip
     """Fallback: gather the rows' pages into contiguous K/V, then ``cu_seqlens_k`` offsets."""
     batch, max_pages = page_table_BP.shape
     flat = page_table_BP.reshape(-1).long()
@@ -145,7 +149,7 @@ def _gather_kernel(
     starts = torch.arange(batch, device=q_THD.device, dtype=torch.int32) * max_pages
     total = torch.full((1,), batch * max_pages, device=q_THD.device, dtype=torch.int32)
     cu_seqlens_k = torch.cat([starts.repeat_interleave(seqs.segs_per_row), total])
-    out = load_binding()(
+    out = (binding or load_binding())(
         q_THD,
         k_flat,  # [B * max_pages, Hkv, D]
         v_flat,
@@ -160,9 +164,10 @@ def _gather_kernel(
     return _first(out)
 
 
-def check_fa_inputs(q: Tensor, shape: AttentionShape) -> None:
-    """Raise ``BackendUnavailableError`` unless the ``fa`` backend can take these inputs."""
-    found = probe(q.device)
+def check_fa_inputs(q: Tensor, shape: AttentionShape, *, probed: bool = True) -> None:
+    """Raise ``BackendUnavailableError`` unless the ``fa`` backend can take these inputs
+    (``probed=False``: the package is not needed, a stand-in binding runs)."""
+    found = probe(q.device) if probed else FaProbe(True, "a stand-in binding")
     if not found.ok:
         raise BackendUnavailableError(f"attention backend 'fa' cannot run: {found.reason}")
     if q.dtype not in _FA_DTYPES:
@@ -190,19 +195,22 @@ def paged_attention_fa(
     plan: AttentionPlan,
     shape: AttentionShape,
     softmax_scale: float,
+    *,
+    binding: Callable[..., object] | None = None,
 ) -> Tensor:
     """``paged_attention`` on FlashAttention (inputs already validated; see ``contract``)
     over the forward's ``plan`` (``backends.FlashBackend.plan``: its segments and, for the
-    paged kernel, the per-segment page table, built once for all layers)."""
-    check_fa_inputs(q, shape)
+    paged kernel, the per-segment page table, built once for all layers); ``binding``: a
+    stand-in for the package's varlen function (None: the package's, probed)."""
+    check_fa_inputs(q, shape, probed=binding is None)
     segments, page_table = plan.segments, plan.meta.page_table
     assert segments is not None, "an fa plan holds its segments"
-    kernel: Callable[..., Tensor] = _gather_kernel
+    kernel: Callable[..., Tensor] = functools.partial(_gather_kernel, binding=binding)
     if _paged_enabled():
         segment_pages = plan.segment_pages
         if segment_pages is None:
             segment_pages = pages_per_segment(page_table.contiguous(), segments.segs_per_row)
-        kernel = functools.partial(_paged_kernel, pages_SP=segment_pages)
+        kernel = functools.partial(_paged_kernel, pages_SP=segment_pages, binding=binding)
     else:
         page_table = page_table.contiguous()
     return run_segmented(q, k_cache, v_cache, page_table, segments, kernel, softmax_scale)

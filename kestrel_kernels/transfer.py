@@ -22,7 +22,7 @@ from torch import Tensor
 from kestrel_kernels import pinned
 from kestrel_kernels.counting import active_counter, count_upload
 
-__all__ = ["Readback", "upload"]
+__all__ = ["Readback", "upload", "upload_into"]
 
 
 def upload(data: object, dtype: torch.dtype, device: torch.device | str) -> Tensor:
@@ -42,6 +42,23 @@ def upload(data: object, dtype: torch.dtype, device: torch.device | str) -> Tens
     out = view.to(device, non_blocking=True)
     ring.copied(slot)
     return out
+
+
+def upload_into(static: Tensor, host: Tensor) -> None:
+    """``host`` into a fixed device buffer (a CUDA graph's input) without blocking: on CUDA
+    through a slot of the pinned ring reserved at start-up (pinned per call only where none
+    was reserved). Counted as one non-blocking upload."""
+    count_upload(blocking=False)
+    ring = pinned.ring(static.device) if static.is_cuda else None
+    staged = ring.staged(host) if ring is not None else None
+    if ring is None or staged is None:
+        if static.is_cuda:
+            host = host.pin_memory()
+        static.copy_(host, non_blocking=True)
+        return
+    slot, view = staged
+    static.copy_(view, non_blocking=True)
+    ring.copied(slot)
 
 
 class Readback:

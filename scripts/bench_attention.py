@@ -23,7 +23,7 @@ import time
 import torch
 
 import kestrel_kernels as kk
-from kestrel_kernels import decode_tune, dispatch
+from kestrel_kernels import decode_route, decode_tune
 from kestrel_kernels.contract import KvScales, quantize_kv
 from kestrel_kernels.decode_tune import graph_ms
 
@@ -125,7 +125,7 @@ def _gpu_rows(opts) -> list[dict]:
         return []
     from kestrel_kernels.triton_decode import DecodeConfig, plan_decode
 
-    dispatch.set_decode_kernel("fa")  # the fa row runs FlashAttention whatever the environment
+    decode_route.set_decode_kernel("fa")  # the fa row runs FlashAttention whatever the environment
     configs = [DecodeConfig()]
     if opts.sweep:
         configs += [

@@ -4,10 +4,11 @@ run on a CPU, and the decode / prefill rows it counts (launches, syncs, uploads)
 The model is the family's structure (24 text layers, 27 vision layers, 729 patches per crop,
 the 730-position BOS + image block; Moondream 3: tau attention and 64 experts, top 8, from
 layer 4, FP8 experts as published) at small widths, with random bf16 weights: launch, sync and
-upload counts depend on the structure, not on the widths. ``gpu_branches`` swaps in what a GPU
-would run: the ``fa`` backend with FlashAttention's torch model (one launch a call), the
-Triton kernels under ``TRITON_INTERPRET=1`` (one launch each), and for FP8 experts Hopper's
-scaled grouped GEMM (its float32 model, one launch). A row's setup (its prefills and first
+upload counts depend on the structure, not on the widths. The runtime runs on ``COUNTING``, the
+``fa`` backend object with FlashAttention's torch model as its binding (one launch a call), and
+``gpu_branches`` swaps in the rest of what a GPU would run: the Triton kernels under
+``TRITON_INTERPRET=1`` (one launch each), and for FP8 experts Hopper's scaled grouped GEMM (its
+float32 model, one launch). A row's setup (its prefills and first
 decode steps, never counted) runs the torch forms, and the crops' device probe that every
 runtime's start-up runs is run once per process: the interpreter is slow.
 """
@@ -41,7 +42,8 @@ from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.runtime.vision_graphs import VisionGraphs
 from kestrel.scheduler import Request, Scheduler
 from kestrel.testing.random_weights import random_model
-from kestrel_kernels import contract, fa_backend, fused
+from kestrel_kernels import contract, fused
+from kestrel_kernels.backends import FlashBackend
 from kestrel_kernels.counting import LaunchCounter
 from kestrel_kernels.segments import VarlenSeqs
 from kestrel_kernels.torch_backend import varlen_paged_attention_torch
@@ -66,6 +68,9 @@ def fake_binding(
     return out, None
 
 
+COUNTING = FlashBackend(binding=fake_binding)  # the ``fa`` backend on its torch model
+
+
 @functools.cache
 def _probe_once(config, device: str) -> str | None:
     return device_disagrees(config, device)
@@ -73,11 +78,8 @@ def _probe_once(config, device: str) -> str | None:
 
 @contextlib.contextmanager
 def gpu_branches(triton: bool = True):
-    """The ``fa`` backend with the stand-in binding; host-side value checks (CPU only) paused;
-    the Triton kernels (where ``triton`` is installed, and asked for)."""
-    saved = (fa_backend.probe, fa_backend.load_binding)
-    fa_backend.probe = lambda device=None: fa_backend.FaProbe(True, "counting stand-in")
-    fa_backend.load_binding = lambda: fake_binding
+    """Host-side value checks (CPU only) paused; the Triton kernels (where ``triton`` is
+    installed, and asked for); Hopper's FP8 grouped GEMM; the crops' probe run once."""
     probe = crop_maker.device_disagrees  # the crops' device probe (~35 s interpreted): once
     crop_maker.device_disagrees = lambda config, device: _probe_once(config, str(device))
     hopper = moe_module.scaled_grouped_supported
@@ -92,7 +94,6 @@ def gpu_branches(triton: bool = True):
         fused.set_fused_backend(fused_before)
         moe_module.scaled_grouped_supported = hopper
         crop_maker.device_disagrees = probe
-        fa_backend.probe, fa_backend.load_binding = saved
 
 
 def family_model(family: str, layers: int = 24, small: bool = False) -> MoondreamModel:
@@ -120,7 +121,7 @@ def build(max_batch: int, family: str = "md2", layers: int = 24, small: bool = F
         MoondreamTokenizer.for_checkpoint(FIXTURES[family]),
         kv_cache_pages=max_batch * 900 + 4000,
         max_batch_size=max_batch,
-        attention_backend="fa",
+        attention_backend=COUNTING,
         device_crops=True,  # as on CUDA: the image's crops cut where the encoder runs
     )
     rt.decode_graphs = DecodeGraphs(

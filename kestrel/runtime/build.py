@@ -43,7 +43,9 @@ log = logging.getLogger("kestrel.runtime")
 class RuntimeOptions:
     """How a ``MoondreamRuntime`` is built (``MoondreamRuntime(model, tokenizer, **fields)``).
 
-    ``kv_cache_pages=None`` sizes the pool: on CUDA from the memory free after a warm-up,
+    ``attention_backend``: a name (``kestrel_kernels.resolve_backend``: "auto", "torch",
+    "fa") or a backend object, taken as it is (a stand-in). ``kv_cache_pages=None`` sizes
+    the pool: on CUDA from the memory free after a warm-up,
     ``kv_memory_fraction`` of it (default 0.9; ``kv_report`` says what was found), elsewhere
     ``max_batch_size * max_context + 1``. ``cuda_graphs``: replay decode steps from CUDA graphs
     when the ``fa`` attention backend runs (see ``cuda_graphs``). ``retain_decoded``: keep
@@ -61,7 +63,7 @@ class RuntimeOptions:
     kv_cache_pages: int | None = None
     max_batch_size: int = 16
     enable_prefix_cache: bool = True
-    attention_backend: str = "auto"
+    attention_backend: str | AttentionBackend = "auto"
     kv_memory_fraction: float | None = None
     cuda_graphs: bool = True
     retain_decoded: bool = True
@@ -90,6 +92,7 @@ class RuntimeParts:
     kv_report: KvPoolReport | None  # how an auto-sized pool was sized (None: pages given)
     compiled_prefill: CompiledPrefill | None
     decode_trials: list[DecodeTrial]  # each decode bucket's attention kernel, as measured
+    backend: AttentionBackend  # the attention backend served on (the measured decode route)
     graphs: GraphSet
     crops: CropPool
 
@@ -134,7 +137,8 @@ def build_parts(
     model: MoondreamModel, o: RuntimeOptions, backend: AttentionBackend
 ) -> RuntimeParts:
     """The pool, tiers and cache (``_kv_pool``), then the start-up (module doc), on
-    ``backend``: the attention backend the runtime resolved."""
+    ``backend``: the attention backend the runtime resolved (``RuntimeParts.backend``: the
+    one to serve on, with the decode route measured at start-up)."""
     page_table, kv, embeddings, report = _kv_pool(model, o, backend)
     prefix_cache = RadixPrefixCache(page_table)
     if o.host_kv_bytes:  # evicted KV kept in pinned host memory (CUDA; host_kv.py)
@@ -145,11 +149,10 @@ def build_parts(
     if compile:
         check_compile(model.device)
     compiled = CompiledPrefill() if compile else None
-    options = dict(max_batch_size=o.max_batch_size, backend=backend, capture=o.cuda_graphs,
-                   compile=compile)  # fmt: skip
+    options = dict(max_batch_size=o.max_batch_size, capture=o.cuda_graphs, compile=compile)
     table = page_table.page_table
-    trials = choose_decode_kernels(model, kv, table, **options)
-    graphs = GraphSet.build(model, kv, table, fp8_kv=fp8_kv, **options)
+    trials, backend = choose_decode_kernels(model, kv, table, backend=backend, **options)
+    graphs = GraphSet.build(model, kv, table, fp8_kv=fp8_kv, backend=backend, **options)
     pins = _pins_host(model.device)
     if pins:
         pinned.reserve(model.device)
@@ -158,4 +161,4 @@ def build_parts(
     cached = (page_table.n_pages - 1) // model.config.image_tokens if o.enable_prefix_cache else 0
     crops = CropPool.for_runtime(model.config.vision, model.device, pins, cached, o.device_crops)
     return RuntimeParts(page_table, kv, prefix_cache, embeddings, report, compiled, trials,
-                        graphs, crops)  # fmt: skip
+                        backend, graphs, crops)  # fmt: skip

@@ -44,6 +44,7 @@ from kestrel.runtime.prefill import (
 )
 from kestrel_kernels.backends import AttentionBackend
 from kestrel_kernels.batch import AttentionBatch, RowsLayout
+from kestrel_kernels.graph_inputs import DecodeGraphInputs
 from kestrel_kernels.segments import single_call_max_rows
 from kestrel_kernels.transfer import upload
 
@@ -125,22 +126,15 @@ class CompiledDecode:
         model: MoondreamModel,
         kv: PagedKV,
         page_table_RP: Tensor,
-        rows_B: Tensor,
-        lengths_B: Tensor,
-        ids_B: Tensor,
-        override_B: Tensor,
+        inputs: DecodeGraphInputs,
         override_BC: Tensor,
-        backend: AttentionBackend,
     ) -> tuple[Tensor, Tensor]:
-        size = int(rows_B.shape[0])
+        size = inputs.size
         if size not in self._shapes:
             log.info("compiling the decode step for batch %d (torch.compile, inductor)", size)
             self._shapes.add(size)
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return self._compiled(
-                model, kv, page_table_RP, rows_B, lengths_B, ids_B, override_B, override_BC,
-                backend,
-            )  # fmt: skip
+            return self._compiled(model, kv, page_table_RP, inputs, override_BC)
 
 
 def prefill_static(

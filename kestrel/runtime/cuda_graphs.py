@@ -8,8 +8,11 @@ of static buffers with no host synchronisation; it is captured once per batch-si
 Moondream 3's MoE layers run inside the step as grouped GEMMs over the chosen experts
 (``moe.moe_mlp``: no host synchronisation, shapes fixed by the bucket size).
 
-Per step the host writes rows, lengths, token ids and an override flag into one pinned buffer and
-copies it without blocking, replays, and clones the outputs (the next replay overwrites them).
+A bucket's attention inputs are fixed buffers its backend makes (``AttentionBackend.
+decode_graph_inputs``: rows and lengths, with two lanes of the step's own for token ids and
+override flags). Per step the host writes them into one pinned buffer and copies it without
+blocking (``DecodeGraphInputs.load``), replays, and clones the outputs (the next replay
+overwrites them).
 Text tokens are embedded inside the graph. Coordinate and size tokens (point / detect feedback)
 need the region encoders: those steps embed on the host side first (a synchronising upload) and
 pass the rows through the override buffer.
@@ -37,20 +40,19 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.region import embed_tokens
 from kestrel.moondream.text import PagedKV
 from kestrel.runtime.compiled import CompiledDecode
-from kestrel.runtime.decode import decode_static
+from kestrel.runtime.decode import LANES, TOKEN_IDS, decode_static
 from kestrel.tokens import CoordToken, SizeToken, TextToken
-from kestrel_kernels import pinned
-from kestrel_kernels.backends import AttentionBackend
-from kestrel_kernels.counting import count_upload, graph_body
+from kestrel_kernels.counting import graph_body
+from kestrel_kernels.graph_inputs import DecodeGraphInputs, GraphedBackend
 
-__all__ = ["DecodeGraphs", "GraphCapture", "bucket_sizes", "graphs_supported", "upload_into"]
+__all__ = ["DecodeGraphs", "GraphCapture", "bucket_sizes", "graphs_supported"]
 
 log = logging.getLogger("kestrel.runtime")
 
 Token = TextToken | CoordToken | SizeToken
 
 
-def graphs_supported(model: MoondreamModel, backend: AttentionBackend) -> bool:
+def graphs_supported(model: MoondreamModel, backend: GraphedBackend) -> bool:
     """Whether decode can be graph-captured: CUDA, fp16/bf16 weights, a backend that
     ``captures_decode`` (the ``fa`` backend)."""
     if model.device.type != "cuda" or model.dtype not in (torch.float16, torch.bfloat16):
@@ -66,21 +68,6 @@ def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
         b *= 2
     sizes.append(max_batch_size)
     return tuple(sizes)
-
-
-def upload_into(static: Tensor, host: Tensor) -> None:
-    """``host`` into a graph's input buffer without blocking: on CUDA through a slot of the
-    pinned ring reserved at start-up (pinned per call only where none was reserved)."""
-    ring = pinned.ring(static.device) if static.is_cuda else None
-    staged = ring.staged(host) if ring is not None else None
-    if ring is None or staged is None:
-        if static.is_cuda:
-            host = host.pin_memory()
-        static.copy_(host, non_blocking=True)
-        return
-    slot, view = staged
-    static.copy_(view, non_blocking=True)
-    ring.copied(slot)
 
 
 class GraphCapture:
@@ -120,7 +107,7 @@ class _Bucket:
     """Static buffers of one batch size and, once captured, its graph."""
 
     size: int
-    index_4B: Tensor  # int64 [4, B]: rows, lengths, token ids, override flags
+    inputs: DecodeGraphInputs  # rows, lengths; lanes: token ids, override flags
     override_BC: Tensor  # embeddings of the override rows
     hidden_BC: Tensor | None = None
     logits_BV: Tensor | None = None
@@ -137,7 +124,7 @@ class DecodeGraphs:
         page_table_RP: Tensor,
         *,
         max_batch_size: int,
-        backend: AttentionBackend,
+        backend: GraphedBackend,
         capture: bool = True,
         compile: bool = False,
     ) -> None:
@@ -168,20 +155,15 @@ class DecodeGraphs:
         device: a look-ahead step); returns fresh (hidden [n, C], logits [n, V]) tensors."""
         n = len(rows)
         bucket = self._bucket(next(s for s in self.sizes if s >= n))
-        pad = [0] * (bucket.size - n)
         if tokens is None:
             is_text, ids = [True] * n, [0] * n
         else:
             is_text = [isinstance(t, TextToken) for t in tokens]
             ids = [t.token_id if text else 0 for t, text in zip(tokens, is_text, strict=True)]
         flags = [0 if text else 1 for text in is_text]
-        host = torch.tensor(
-            [[*rows, *pad], [*lengths, *pad], [*ids, *pad], [*flags, *pad]], dtype=torch.int64
-        )
-        count_upload(blocking=False)
-        upload_into(bucket.index_4B, host)
+        bucket.inputs.load(bucket.inputs.host(rows, lengths, ids, flags))
         if ids_B is not None:
-            bucket.index_4B[2, :n].copy_(ids_B)  # device to device, after the upload
+            bucket.inputs.lane(TOKEN_IDS)[:n].copy_(ids_B)  # device to device, after the upload
         elif not all(is_text):
             assert tokens is not None
             bucket.override_BC[:n].copy_(embed_tokens(list(tokens), self.model))
@@ -205,12 +187,8 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ internals
     def _step(self, bucket: _Bucket) -> tuple[Tensor, Tensor]:
-        rows, lengths, ids, flags = bucket.index_4B.unbind(0)
         step = decode_static if self.compiled is None else self.compiled
-        return step(
-            self.model, self.kv, self.page_table_RP, rows, lengths, ids, flags > 0,
-            bucket.override_BC, self.backend,
-        )  # fmt: skip
+        return step(self.model, self.kv, self.page_table_RP, bucket.inputs, bucket.override_BC)
 
     def _forward(self, bucket: _Bucket) -> None:
         bucket.hidden_BC, bucket.logits_BV = self._step(bucket)
@@ -221,7 +199,7 @@ class DecodeGraphs:
             dev, dim = self.page_table_RP.device, self.model.config.text.dim
             bucket = _Bucket(
                 size,
-                torch.zeros(4, size, dtype=torch.int64, device=dev),
+                self.backend.decode_graph_inputs(size, dev, lanes=LANES),
                 torch.zeros(size, dim, dtype=self.model.dtype, device=dev),
             )
             self._buckets[size] = bucket
@@ -231,7 +209,7 @@ class DecodeGraphs:
         """Capture ``bucket``'s step; on failure log why and leave it eager. The buffers hold
         padding rows while this runs, so no KV page is written."""
         if self._capturer is None:
-            self._capturer = GraphCapture(bucket.index_4B.device)
+            self._capturer = GraphCapture(self.page_table_RP.device)
         try:
             graph, (hidden, logits) = self._capturer.capture(lambda: self._step(bucket))
         except RuntimeError as exc:  # e.g. a kernel that syncs; serve this bucket eagerly

@@ -4,9 +4,10 @@ Two forms of the same step:
 
 - ``decode_eager``: built from host lists each step; the page table is cut to the longest row.
   Used on CPU, with the ``torch`` attention backend, and for batches with LoRA adapters.
-- ``decode_static``: a pure function of device tensors with static shapes and no host
-  synchronisation (embedding, full-width page-table rows, slots and key counts computed on the
-  device), the form ``cuda_graphs.DecodeGraphs`` captures.
+- ``decode_static``: a pure function of fixed device buffers (the backend's
+  ``DecodeGraphInputs``) with static shapes and no host synchronisation (embedding, full-width
+  page-table rows, slots and key counts computed on the device), the form
+  ``cuda_graphs.DecodeGraphs`` captures.
 
 Moondream 3's MoE layers take one form in both (``moe.moe_mlp``: the chosen experts as grouped
 GEMMs, shapes fixed by the batch size, no host synchronisation), which is what lets the step
@@ -26,8 +27,12 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, embed_text, lm_head, text_forward
 from kestrel_kernels.backends import AttentionBackend
 from kestrel_kernels.batch import AttentionBatch
+from kestrel_kernels.graph_inputs import DecodeGraphInputs
 
-__all__ = ["decode_eager", "decode_static"]
+__all__ = ["LANES", "OVERRIDES", "TOKEN_IDS", "decode_eager", "decode_static"]
+
+TOKEN_IDS, OVERRIDES = 0, 1  # the decode graph inputs' lanes the step keeps its own values in
+LANES = 2
 
 
 def _one_step(model, kv, x_BC: Tensor, inputs: ForwardInputs) -> Tensor:
@@ -58,24 +63,21 @@ def decode_static(
     model: MoondreamModel,
     kv: PagedKV,
     page_table_RP: Tensor,
-    rows_B: Tensor,
-    lengths_B: Tensor,
-    ids_B: Tensor,
-    override_B: Tensor,
+    inputs: DecodeGraphInputs,
     override_BC: Tensor,
-    backend: AttentionBackend | None,
 ) -> tuple[Tensor, Tensor]:
-    """One decode step for ``B`` rows: returns (hidden before post_ln [B, C], logits [B, V]).
+    """One decode step for ``inputs.size`` rows: returns (hidden before post_ln [B, C],
+    logits [B, V]).
 
-    ``rows_B``: int64 batch rows (0 = the reserved padding row); ``lengths_B``: int64 KV length of
-    each row before this step; ``ids_B``: int64 text token ids, embedded here; rows where the bool
-    ``override_B`` is set take ``override_BC`` instead (coordinate / size embeddings). Padding
-    rows get slot -1 (``write_kv`` skips it) and one key (page 0), and their outputs are
+    ``inputs``: the step's fixed attention inputs (``kestrel_kernels.graph_inputs``: each row's
+    page-table row, 0 = the reserved padding row, and its KV length before this step), with
+    two lanes of its own: the int64 text token ids, embedded here, and the override flags: rows
+    whose flag is set take ``override_BC`` instead (coordinate / size embeddings). Padding rows
+    get slot -1 (``write_kv`` skips it) and one key (page 0), and their outputs are
     meaningless.
     """
-    x_BC = embed_text(ids_B, model.text)
-    x_BC = torch.where(override_B[:, None], override_BC, x_BC)
-    pages_BP = page_table_RP.index_select(0, rows_B)  # [B, max_seq_len]
-    attention = AttentionBatch.decode(pages_BP, lengths_B, live_B=rows_B > 0, backend=backend)
+    x_BC = embed_text(inputs.lane(TOKEN_IDS), model.text)
+    x_BC = torch.where(inputs.lane(OVERRIDES)[:, None] > 0, override_BC, x_BC)
+    attention = inputs.batch(page_table_RP)
     hidden_BC = _one_step(model, kv, x_BC, ForwardInputs(attention))
     return hidden_BC, lm_head(hidden_BC, model.text)

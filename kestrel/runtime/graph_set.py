@@ -2,12 +2,14 @@
 
 Decode steps (``cuda_graphs.DecodeGraphs``) are graph-captured with the ``fa`` backend on CUDA
 (or compiled, with ``compile=True``); with FP8 KV pages only when decode attention runs the
-Triton decode kernel there (``dispatch.triton_serves_fp8``: sync-free over scaled pages; the
+Triton decode kernel there (``DecodeRoute.serves_fp8``: sync-free over scaled pages; the
 torch reference reads lengths on the host). Before the graphs are built,
 ``choose_decode_kernels`` measures FlashAttention against the Triton decode kernel for every
-bucket (``kestrel_kernels.decode_tune``, under ``KESTREL_DECODE_KERNEL=auto``), so each
-bucket's graph holds the faster one; over FP8 pages it checks the Triton kernel against the
-scaled reference, and only a kernel that agrees serves them (and lets FP8 decode be captured).
+bucket (``kestrel_kernels.decode_tune``, under ``KESTREL_DECODE_KERNEL=auto``) and gives the
+backend the runtime serves on: the resolved one, or a ``TritonDecode`` over it holding the
+measured route, so each bucket's graph holds the faster kernel; over FP8 pages it checks the
+Triton kernel against the scaled reference, and only a kernel that agrees serves them (and
+lets FP8 decode be captured).
 The vision encoder (``vision_graphs``) is captured alongside whenever nothing is compiled: it
 touches no KV. Prefill (``prefill_graphs``) is captured too, for both families (Moondream 3's
 MoE layers are grouped GEMMs with static shapes and no host sync, ``moe.moe_mlp``), unless the
@@ -30,10 +32,10 @@ from kestrel.moondream.text import PagedKV
 from kestrel.runtime.cuda_graphs import DecodeGraphs, bucket_sizes, graphs_supported
 from kestrel.runtime.prefill_graphs import PrefillGraphs
 from kestrel.runtime.vision_graphs import VisionGraphs
-from kestrel_kernels.backends import AttentionBackend
+from kestrel_kernels.backends import AttentionBackend, TritonDecode
 from kestrel_kernels.contract import default_scale
-from kestrel_kernels.decode_tune import DecodeTrial, check_fp8, tune_pool
-from kestrel_kernels.dispatch import get_decode_kernel, set_decode_table, triton_serves_fp8
+from kestrel_kernels.decode_route import get_decode_kernel
+from kestrel_kernels.decode_tune import DecodeTrial, check_fp8, route_of, tune_pool
 from kestrel_kernels.fused import triton_available
 
 __all__ = ["GraphSet", "choose_decode_kernels"]
@@ -66,7 +68,7 @@ class GraphSet:
         if not (graphs or compile):
             return cls()
         decode = None
-        if not fp8_kv or triton_serves_fp8(model.device):
+        if not fp8_kv or backend.decode_route.serves_fp8(model.device):
             decode = DecodeGraphs(
                 model, kv, page_table_RP, max_batch_size=max_batch_size, backend=backend,
                 capture=capture and graphs, compile=compile,
@@ -95,17 +97,18 @@ def choose_decode_kernels(
     backend: AttentionBackend,
     capture: bool,
     compile: bool,
-) -> list[DecodeTrial]:
+) -> tuple[list[DecodeTrial], AttentionBackend]:
     """Before the graphs are built: which decode kernel each bucket captures (module doc),
     measured over the idle pool's first layer (once per process for the same device and
-    shapes) and set in ``dispatch``; over FP8 pages, whether the Triton kernel agrees with the
-    scaled reference. Nothing when no graph is captured, Triton is missing or the kernel is
-    forced; a failed measurement leaves FlashAttention (and the reference over FP8 pages)
-    everywhere."""
+    shapes); over FP8 pages, whether the Triton kernel agrees with the scaled reference.
+    Returns the trials and the backend to serve on (``backend`` on the measured route).
+    Nothing is measured when no graph is captured, Triton is missing or the kernel is forced;
+    a failed measurement leaves FlashAttention (and the reference over FP8 pages) everywhere.
+    """
     if not (capture and graphs_supported(model, backend)) or compile:
-        return []
+        return [], backend
     if get_decode_kernel() != "auto" or not triton_available():
-        return []
+        return [], backend
     cfg = model.config.text
     scale, width = default_scale(cfg.head_dim, None), page_table_RP.shape[1]
     scales = getattr(kv, "kv_scales", None)
@@ -114,8 +117,7 @@ def choose_decode_kernels(
         if scales is not None:
             trials = check_fp8(kv.k[0], kv.v[0], scales[0], (sizes[0], sizes[-1]), width,
                                cfg.n_heads, softmax_scale=scale, q_dtype=model.dtype)  # fmt: skip
-            set_decode_table({}, fp8=all(t.choice == "triton" for t in trials))
-            return trials
+            return trials, TritonDecode(backend, route_of(trials, fp8=True))
         # the same shapes on the same device time the same: measured once per process
         key = (str(kv.k[0].device), kv.k[0].dtype, kv.k[0].shape[1:], cfg.n_heads, width, sizes)
         trials = _MEASURED.get(key)
@@ -124,8 +126,5 @@ def choose_decode_kernels(
             _MEASURED[key] = trials
     except Exception as exc:  # a kernel that cannot run here is not chosen
         log.warning("decode kernel measurement failed, FlashAttention serves decode: %s", exc)
-        set_decode_table({})
-        return []
-    configs = {t.batch: t.config for t in trials if t.config is not None}
-    set_decode_table({t.batch: t.choice for t in trials}, configs=configs)
-    return trials
+        return [], backend
+    return trials, TritonDecode(backend, route_of(trials))

@@ -6,10 +6,11 @@ far more than the GPU spends on them. Its shape varies, so it is padded up to a 
 ``rows`` sequences of at most ``tokens`` new positions each, with or without a bidirectional
 image block (a miss of an image prompt has one). Each bucket's inputs live in its
 ``PrefillGraphBuffers``, the fixed buffers its graph reads (a CUDA graph's static inputs, not
-a batch of requests): the embeddings, and one int32 block holding the positions (-1 on
-padding), each row's KV and query lengths, its page-table row, its last position and its image
-block, laid out as the eager prefill's
-(``kestrel_kernels.batch.RowsLayout``) and read into the same ``ForwardInputs``. The graph
+a batch of requests): the embeddings, and the attention inputs the backend makes for it
+(``AttentionBackend.prefill_graph_inputs``: one int32 block holding the positions, -1 on
+padding, each row's KV and query lengths, its page-table row, its last position and its image
+block, laid out as the eager prefill's, ``kestrel_kernels.batch.RowsLayout``), read into the
+same ``ForwardInputs``. The graph
 computes the page slots, the decoder, the last real position's hidden state and its logits.
 Padding positions and rows write no K/V (slot -1) and their outputs are dropped, as in the
 eager padded prefill (``prefill.py``), whose arithmetic per row this is.
@@ -24,7 +25,6 @@ prefill graphs (``graph_set.py`` says why).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,9 +37,8 @@ from kestrel.moondream.forward_inputs import ForwardInputs
 from kestrel.moondream.model import MoondreamModel
 from kestrel.moondream.text import PagedKV, lm_head, text_forward
 from kestrel.runtime.prefill import PrefillItem, causal_rows, check_items
-from kestrel_kernels.backends import AttentionBackend
-from kestrel_kernels.batch import AttentionBatch, RowsLayout, RowsMeta
-from kestrel_kernels.counting import count_upload, graph_body
+from kestrel_kernels.counting import graph_body
+from kestrel_kernels.graph_inputs import GraphedBackend, PrefillGraphInputs
 from kestrel_kernels.segments import SINGLE_CALL_MAX_CAUSAL_ROWS
 
 __all__ = ["PrefillGraphBuffers", "PrefillGraphs", "prefill_buckets"]
@@ -64,36 +63,47 @@ def prefill_buckets(prefix_len: int, max_context: int, max_batch: int) -> list[S
     return hits + [m for m in dict.fromkeys(misses) if m[1] > prefix_len]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class PrefillGraphBuffers:
-    """The fixed inputs of one prefill shape ``[B, T]`` (module doc): ``x_BTC`` and ``meta``,
-    an int32 ``kestrel_kernels.batch.RowsLayout`` block (one image block per row), the same
-    layout the eager prefill uploads. ``causal_rows``: the bound on a row's queries outside its
-    image block that the attention plan is built for (None: ``T``)."""
+    """The fixed inputs of one prefill shape ``[B, T]`` (module doc): the embeddings ``x_BTC``
+    and the attention inputs its backend made (``attention``: an int32
+    ``kestrel_kernels.batch.RowsLayout`` block with one image block per row, the layout the
+    eager prefill uploads, and the bound on a row's queries outside its block that the plan
+    is built for, ``causal_rows``; None: ``T``)."""
 
-    B: int
-    T: int
-    regions: bool
-    causal_rows: int | None
     x_BTC: Tensor
-    meta: Tensor
+    attention: PrefillGraphInputs
 
     @classmethod
-    def allocate(cls, shape: Shape, dim: int, dtype, device) -> PrefillGraphBuffers:
+    def allocate(
+        cls, shape: Shape, dim: int, dtype: torch.dtype, backend: GraphedBackend,
+        device: torch.device,
+    ) -> PrefillGraphBuffers:  # fmt: skip
         B, T, regions, causal_rows = shape
         x = torch.zeros(B, T, dim, dtype=dtype, device=device)
-        meta = torch.zeros(RowsLayout(B, T, 1).size, dtype=torch.int32, device=device)
-        batch = cls(B, T, regions, causal_rows, x, meta)
-        batch.meta.copy_(batch.host_meta([]))
-        return batch
+        attention = backend.prefill_graph_inputs(B, T, device, regions=regions,
+                                                 causal_rows=causal_rows)  # fmt: skip
+        return cls(x, attention)
+
+    @property
+    def B(self) -> int:
+        return self.attention.layout.B
+
+    @property
+    def T(self) -> int:
+        return self.attention.layout.T
+
+    @property
+    def regions(self) -> bool:
+        return self.attention.regions
+
+    @property
+    def causal_rows(self) -> int | None:
+        return self.attention.causal_rows
 
     @property
     def shape(self) -> Shape:
         return (self.B, self.T, self.regions, self.causal_rows)
-
-    @property
-    def layout(self) -> RowsLayout:
-        return RowsLayout(self.B, self.T, 1)
 
     def fits(self, items: Sequence[PrefillItem]) -> bool:
         return len(items) <= self.B and all(
@@ -104,42 +114,27 @@ class PrefillGraphBuffers:
             for it in items
         )
 
-    def host_meta(self, items: Sequence[PrefillItem]) -> Tensor:
-        """The ``meta`` block for ``items`` (padding rows: no position, one key on page 0)."""
-        return torch.tensor(self.layout.encode([it.span for it in items]), dtype=torch.int32)
+    def load(self, items: Sequence[PrefillItem]) -> None:
+        """``items`` into the buffers: their metadata in one non-blocking upload, then their
+        embeddings (the rows past them keep what they held: padding, dropped)."""
+        self.attention.load(self.attention.host([it.span for it in items]))
+        for b, it in enumerate(items):
+            self.x_BTC[b, : it.n].copy_(it.x_TC)
 
-    def views(self) -> RowsMeta:
-        """The fields of ``meta`` as views (``RowsLayout.views``)."""
-        return self.layout.views(self.meta)
-
-    def fields(self) -> tuple[Tensor, ...]:
-        """(positions [B, T], seqused_k, seqused_q, rows, regions [B, 2]) views of ``meta``."""
-        m = self.views()
-        return m.positions_BT, m.seqused_k, m.seqused_q, m.rows_B, m.regions
-
-    def inputs(self, page_table_RP: Tensor, backend: AttentionBackend) -> ForwardInputs:
-        """The forward's inputs read from these buffers (no host sync): every row's full
-        page-table row, padding positions and rows writing nothing, padding queries' outputs
-        left unzeroed (they are dropped; positions do not mix)."""
-        meta = self.views()
-        if not self.regions:
-            meta = dataclasses.replace(meta, regions=None)
-        pages_BP = page_table_RP.index_select(0, meta.rows_B.long())
-        return ForwardInputs(AttentionBatch.from_rows(
-            meta, pages_BP, padded=True, causal_rows=self.causal_rows, zero_padding=False,
-            backend=backend,
-        ))  # fmt: skip
+    def inputs(self, page_table_RP: Tensor) -> ForwardInputs:
+        """The forward's inputs read from these buffers (no host sync;
+        ``PrefillGraphInputs.batch``)."""
+        return ForwardInputs(self.attention.batch(page_table_RP))
 
 
 def prefill_static(
-    model: MoondreamModel, kv: PagedKV, page_table_RP: Tensor, batch: PrefillGraphBuffers,
-    backend: AttentionBackend,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    model: MoondreamModel, kv: PagedKV, page_table_RP: Tensor, batch: PrefillGraphBuffers
+) -> tuple[Tensor, Tensor]:
     """The whole padded prefill of ``batch`` as a pure function of its buffers (no host sync):
     (hidden before post_ln [B, C], logits [B, V]) of each row's last real position."""
-    inputs = batch.inputs(page_table_RP, backend)
+    inputs = batch.inputs(page_table_RP)
     hidden_BTC = text_forward(batch.x_BTC, model.text, model.config.text, inputs, kv)
-    last_B = batch.views().last_B
+    last_B = batch.attention.views().last_B
     hidden_BC = hidden_BTC.reshape(batch.B * batch.T, -1).index_select(0, last_B)
     return hidden_BC, lm_head(hidden_BC, model.text)
 
@@ -157,7 +152,7 @@ class PrefillGraphs:
 
     def __init__(
         self, model: MoondreamModel, kv: PagedKV, page_table_RP: Tensor, *, max_batch_size: int,
-        backend: AttentionBackend, capture: bool = True,
+        backend: GraphedBackend, capture: bool = True,
     ) -> None:  # fmt: skip
         self.model, self.kv, self.page_table_RP = model, kv, page_table_RP
         self.backend, self.capture = backend, capture
@@ -165,7 +160,7 @@ class PrefillGraphs:
         shapes = prefill_buckets(cfg.prefix_len, cfg.text.max_context, max_batch_size)
         dim, dev = cfg.text.dim, page_table_RP.device
         self._buckets = [
-            _Bucket(PrefillGraphBuffers.allocate(s, dim, model.dtype, dev)) for s in shapes
+            _Bucket(PrefillGraphBuffers.allocate(s, dim, model.dtype, backend, dev)) for s in shapes
         ]
         self._capturer: cuda_graphs.GraphCapture | None = None
         self.failures: dict[Shape, str] = {}
@@ -202,11 +197,7 @@ class PrefillGraphs:
         bucket = next((b for b in self._buckets if b.batch.fits(items)), None)
         if bucket is None:
             return None
-        batch = bucket.batch
-        count_upload(blocking=False)
-        cuda_graphs.upload_into(batch.meta, batch.host_meta(items))
-        for b, it in enumerate(items):
-            batch.x_BTC[b, : it.n].copy_(it.x_TC)
+        bucket.batch.load(items)
         if bucket.graph is not None:
             bucket.graph.replay()
             self.replays += 1
@@ -254,4 +245,4 @@ class PrefillGraphs:
         return hidden, logits
 
     def _step(self, bucket: _Bucket) -> tuple[Tensor, Tensor]:
-        return prefill_static(self.model, self.kv, self.page_table_RP, bucket.batch, self.backend)
+        return prefill_static(self.model, self.kv, self.page_table_RP, bucket.batch)

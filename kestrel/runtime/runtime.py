@@ -94,9 +94,10 @@ class MoondreamRuntime:
         self.options = o = RuntimeOptions.of(options, **overrides)
         self.model, self.tokenizer, self.config = model, tokenizer, model.config
         self.device, self.dtype = model.device, model.dtype
-        # the attention backend object, resolved once (kestrel_kernels.backends)
-        self.attention_backend = resolve_backend(o.attention_backend, self.device, self.dtype)
-        p = build_parts(model, o, self.attention_backend)  # build.py: pool, tiers, start-up
+        # the attention backend object, resolved once (kestrel_kernels.backends), and served
+        # on the decode route the start-up measured (build.py: pool, tiers, start-up)
+        p = build_parts(model, o, resolve_backend(o.attention_backend, self.device, self.dtype))
+        self.attention_backend = p.backend
         self.page_table, self.kv, self.prefix_cache = p.page_table, p.kv, p.prefix_cache
         self.embeddings, self.crops, self.kv_report = p.embeddings, p.crops, p.kv_report
         self.compiled_prefill, self.decode_trials = p.compiled_prefill, p.decode_trials

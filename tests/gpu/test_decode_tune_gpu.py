@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from kestrel import Engine
-from kestrel_kernels import dispatch, fa_backend
+from kestrel_kernels import decode_route, fa_backend
+from kestrel_kernels.backends import FLASH
 from kestrel_kernels.decode_tune import TOLERANCE, tune_pool
 from tests.conftest import FIXTURES, fixture_dir
 from tests.integration.conftest import FIXTURE_MODEL, assert_idle
@@ -30,17 +31,16 @@ def needs_fa():
     found = fa_backend.probe("cuda")
     if not found.ok:
         pytest.skip(f"fa backend unavailable: {found.reason}")
-    kernel, table = dispatch.get_decode_kernel(), dispatch.decode_table()
+    kernel = decode_route.get_decode_kernel()
     yield
-    dispatch.set_decode_kernel(kernel)
-    dispatch.set_decode_table(table)
+    decode_route.set_decode_kernel(kernel)
 
 
 def test_both_kernels_are_timed_at_moondream_shapes() -> None:
     pool = 64 * 900
     k = torch.zeros(pool, 32, 64, dtype=torch.bfloat16, device="cuda")
     v = torch.zeros_like(k)
-    dispatch.set_decode_kernel("auto")
+    decode_route.set_decode_kernel("auto")
     trials = tune_pool(k, v, (1, 8, 64), width=2048, heads=32)
     for t in trials:
         print(f"batch {t.batch}: {t.choice} ({t.reason}); fa {t.fa_ms} ms, triton "
@@ -56,15 +56,17 @@ def test_an_engine_measures_each_bucket_and_answers_as_with_fa() -> None:
     image = np.asarray(Image.open(next(iter(sorted(d.glob("*.png"))))).convert("RGB"))
     answers = {}
     for kernel in ("fa", "auto"):
-        dispatch.set_decode_kernel(kernel)
+        decode_route.set_decode_kernel(kernel)
         with Engine(FIXTURE_MODEL, device="cuda", kv_cache_pages=6000,
                     max_batch_size=8) as engine:  # fmt: skip
             rt = engine.runtime
             if kernel == "auto":
                 assert [t.batch for t in rt.decode_trials] == list(rt.decode_graphs.sizes)
-                assert dispatch.decode_table() == {t.batch: t.choice for t in rt.decode_trials}
+                route = rt.attention_backend.decode_route  # served on the measured route
+                assert route.table == {t.batch: t.choice for t in rt.decode_trials}
+                assert rt.decode_graphs.backend is rt.attention_backend
             else:
-                assert rt.decode_trials == []
+                assert rt.decode_trials == [] and rt.attention_backend is FLASH
             assert rt.decode_graphs.captured == rt.decode_graphs.sizes
             futures = [engine.submit_query(image, f"Question {i}?", settings={"max_tokens": 12})
                        for i in range(5)]  # fmt: skip
@@ -84,12 +86,12 @@ def test_fp8_pages_are_checked_then_captured(tmp_path) -> None:
     through it."""
     image = np.asarray(Image.open(FIXTURES / "md3-tiny-a/images/shapes_378.png").convert("RGB"))
     scaled = write_kv_scaled(tmp_path, image)
-    dispatch.set_decode_kernel("auto")
+    decode_route.set_decode_kernel("auto")
     with Engine(str(scaled), device="cuda", kv_dtype="fp8",
                 kv_cache_pages=6000, max_batch_size=4) as engine:  # fmt: skip
         rt = engine.runtime
         assert [(t.batch, t.choice) for t in rt.decode_trials] == [(1, "triton"), (4, "triton")]
-        assert dispatch.fp8_checked() and rt.decode_graphs is not None
+        assert rt.attention_backend.decode_route.fp8 and rt.decode_graphs is not None
         assert rt.decode_graphs.captured == rt.decode_graphs.sizes
         result = engine.query(None, "Say something.", settings={"max_tokens": 8})
         assert result.metrics.output_tokens > 0

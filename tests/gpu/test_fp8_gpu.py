@@ -20,6 +20,7 @@ from kestrel.moondream.config import TextMoeConfig
 from kestrel.moondream.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows
 from kestrel.moondream.model import Linear, MoeWeights, MoondreamModel
 from kestrel.moondream.moe import moe_mlp
+from kestrel_kernels import decode_route
 from kestrel_kernels import moe as kernels_moe
 from tests.conftest import FIXTURES
 from tests.gpu.test_md3_gpu import STEPS, fa_ready, replayed, run  # noqa: F401
@@ -109,7 +110,6 @@ def test_fp8_kv_pages_on_device(fp8_model) -> None:
     pages (scales calibrated here). With the kernel on, test_decode_tune_gpu.py."""
     from kestrel.runtime.runtime import MoondreamRuntime
     from kestrel.tokens import TextToken
-    from kestrel_kernels import dispatch
     from kestrel_kernels.contract import KV_FP8_DTYPE, KvScales
 
     image = np.asarray(Image.open(FIXTURES / "md3-tiny-a/images/shapes_378.png").convert("RGB"))
@@ -128,14 +128,14 @@ def test_fp8_kv_pages_on_device(fp8_model) -> None:
     scales = [KvScales((plain.kv.k[i].abs().max().float() * 1.25 / 448).reshape(1),
                        (plain.kv.v[i].abs().max().float() * 1.25 / 448).reshape(1))
               for i in range(fp8_model.config.text.n_layers)]  # fmt: skip
-    before = dispatch.get_decode_kernel()
-    dispatch.set_decode_kernel("fa")
+    before = decode_route.get_decode_kernel()
+    decode_route.set_decode_kernel("fa")
     try:
         rt = MoondreamRuntime(fp8_model, kv_cache_pages=1000, max_batch_size=1,
                               kv_scales=scales)  # fmt: skip
         got = decode(rt)
     finally:
-        dispatch.set_decode_kernel(before)
+        decode_route.set_decode_kernel(before)
     assert rt.kv.k[0].dtype == KV_FP8_DTYPE and rt.kv.k[0].is_cuda and rt.decode_graphs is None
     for g, w in zip(got, want, strict=True):
         assert bool(torch.isfinite(g).all())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kestrel_kernels as kk
-from kestrel_kernels import dispatch, fa_backend
+from kestrel_kernels import decode_route, fa_backend
 from kestrel_kernels.backends import FLASH, TORCH
 from kestrel_kernels.contract import KvScales, quantize_kv
 from kestrel_kernels.triton_decode import DecodeConfig, paged_decode
@@ -36,9 +36,9 @@ SCALES = (0.05, 0.04)
 def cuda_and_restore():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    before = dispatch.get_decode_kernel()
+    before = decode_route.get_decode_kernel()
     yield
-    dispatch.set_decode_kernel(before)
+    decode_route.set_decode_kernel(before)
 
 
 def make_case(heads: int, kv_heads: int, dtype: torch.dtype, lens=LENS, seed: int = 0):
@@ -102,7 +102,7 @@ def test_matches_flash_attention_decode(batch: int) -> None:
     want = kk.paged_attention(**with_meta(case), backend=FLASH)
     got = triton_out(case, config=None)
     assert_close(got, want, msg="triton vs fa")
-    dispatch.set_decode_kernel("triton")  # the switch: backend "fa" now runs the kernel
+    decode_route.set_decode_kernel("triton")  # the switch: backend "fa" now runs the kernel
     switched = kk.paged_attention(**with_meta(case), backend=FLASH)
     assert torch.equal(switched, got)  # the same kernel on the same inputs
 

@@ -30,7 +30,7 @@ from kestrel.runtime.compiled import (
     compile_unavailable_reason,
 )
 from kestrel.runtime.cuda_graphs import DecodeGraphs
-from kestrel.runtime.decode import decode_static
+from kestrel.runtime.decode import LANES, decode_static
 from kestrel.tokens import TextToken
 from kestrel_kernels import fa_backend
 from kestrel_kernels.backends import TORCH
@@ -122,10 +122,10 @@ def test_decode_step_is_one_graph_with_one_attention_op_per_layer(fixture, make_
     states = [rt.start_sequence(p, max_new_tokens=3)[0] for p in _prompts(model, (4, 6))]
     rows = torch.tensor([s.batch_idx for s in states])
     lengths = torch.tensor([s.length for s in states])
-    ids, flags = torch.tensor([11, 12]), torch.zeros(2, dtype=torch.bool)
+    inputs = rt.attention_backend.decode_graph_inputs(2, rt.device, lanes=LANES)
+    inputs.load(inputs.host(rows.tolist(), lengths.tolist(), [11, 12], [0, 0]))  # ids, flags
     override = torch.zeros(2, model.config.text.dim)
-    backend = rt.attention_backend
-    args = (model, rt.kv, rt.page_table.page_table, rows, lengths, ids, flags, override, backend)
+    args = (model, rt.kv, rt.page_table.page_table, inputs, override)
     slots = rt.page_table.page_table[rows, lengths].long()
     recorder = Recorder()
     with torch.inference_mode():

@@ -73,11 +73,12 @@ def test_buckets_and_what_fits(model) -> None:
     assert [(b, bound) for b, _t, _r, bound in misses] == [(1, 64), (1, None)]
     assert all(t > cfg.prefix_len and t % 64 == 0 for _b, t, _r, _c in misses)
     assert misses[0][1] >= cfg.prefix_len + 64  # a question of 64 positions fits the first
-    batch = PrefillGraphBuffers.allocate((2, 16, False, None), cfg.text.dim, model.dtype,
-                                  torch.device("cpu"))  # fmt: skip
-    positions, seqused_k, seqused_q, rows, regions = batch.fields()
-    assert (positions == -1).all() and seqused_k.tolist() == seqused_q.tolist() == [1, 1]
-    assert rows.tolist() == [0, 0] and regions.tolist() == [[0, 0], [0, 0]]
+    batch = PrefillGraphBuffers.allocate((2, 16, False, None), cfg.text.dim, model.dtype, TORCH,
+                                         torch.device("cpu"))  # fmt: skip
+    m = batch.attention.views()  # padding rows until loaded: no position, one key on page 0
+    assert (m.positions_BT == -1).all() and m.seqused_k.tolist() == m.seqused_q.tolist() == [1, 1]
+    assert m.rows_B.tolist() == [0, 0] and m.regions.tolist() == [[0, 0], [0, 0]]
+    assert batch.attention.backend is TORCH and batch.shape == (2, 16, False, None)
 
 
 def test_a_prefill_that_fits_no_bucket_runs_eagerly(make_runtime, model, images) -> None:

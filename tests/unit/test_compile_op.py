@@ -7,6 +7,7 @@ fake binding of ``test_fa_contract`` (the CUDA code path, on CPU).
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 import kestrel_kernels as kk
-from kestrel_kernels import compile_op, fa_backend
-from kestrel_kernels.backends import TORCH
+from kestrel_kernels import compile_op, fa_backend, plan
+from kestrel_kernels.backends import FLASH, TORCH
 from tests.attention_args import with_meta
 from tests.tolerance import assert_close
 from tests.unit.test_fa_contract import RecordingBinding, make_inputs
@@ -124,3 +125,31 @@ def test_import_does_not_load_dynamo() -> None:
     code = "import sys, kestrel, kestrel.runtime.compiled; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_an_unregistered_backend_object_reaches_the_op_whole() -> None:
+    """A backend object that is not the registered one of its name (a stand-in binding, a
+    measured decode route) goes through the op under a key of its own, and the op runs that
+    object, not the registered one; the key dies with the object."""
+    calls = []
+
+    def stand_in(q, k, v, **kw):
+        calls.append(q.shape[0])
+        return torch.zeros_like(q), None
+
+    backend = kk.FlashBackend(binding=stand_in)
+    key = backend.key
+    assert key.startswith("fa@") and plan.backend_of(key) is backend
+    assert FLASH.key == kk.FlashBackend().key == "fa" and plan.backend_of("fa") is FLASH
+    assert TORCH.key == "torch" and plan.backend_of("torch") is TORCH
+    a = make_inputs([7, 3], 1)  # bfloat16, as FlashAttention takes
+    forward, args = _two_layers(a, backend)
+    recorder = Recorder()
+    got = torch.compile(forward, backend=recorder, fullgraph=True, dynamic=False)(*args)
+    assert [n.args[9] for n in recorder.op_nodes()] == [key, key]
+    assert len(calls) == 2 and not got.any()  # the stand-in ran, once a layer
+    del backend, forward, recorder
+    torch._dynamo.reset()
+    gc.collect()
+    with pytest.raises(KeyError, match="no live attention backend"):
+        plan.backend_of(key)

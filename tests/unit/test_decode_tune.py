@@ -1,7 +1,7 @@
 """The start-up choice of decode kernel per batch size (``kestrel_kernels/decode_tune.py``):
 the decision, the measurement over a pool's pages (the Triton kernel under the interpreter
-against the torch reference, a stand-in timer), the dispatch table it sets, and the runtime's
-gating and failure path."""
+against the torch reference, a stand-in timer), the decode route it makes (held by the
+``TritonDecode`` backend the runtime serves on), and the runtime's gating and failure path."""
 
 from __future__ import annotations
 
@@ -15,21 +15,27 @@ import kestrel_kernels as kk
 from kestrel.moondream.model import MoondreamModel
 from kestrel.runtime import graph_set
 from kestrel.runtime.runtime import MoondreamRuntime
-from kestrel_kernels import decode_tune, dispatch, triton_decode
-from kestrel_kernels.backends import FLASH, TORCH
+from kestrel_kernels import decode_route, decode_tune, triton_decode
+from kestrel_kernels.backends import FLASH, TORCH, TritonDecode
 from kestrel_kernels.contract import KernelInputError, KvScales
-from kestrel_kernels.decode_tune import DecodeTrial, check_fp8, compare, decode_case, tune_pool
+from kestrel_kernels.decode_route import NO_ROUTE, DecodeRoute
+from kestrel_kernels.decode_tune import (
+    DecodeTrial,
+    check_fp8,
+    compare,
+    decode_case,
+    route_of,
+    tune_pool,
+)
 from kestrel_kernels.triton_decode import DecodeConfig
 from tests.conftest import FIXTURES
 
 
 @pytest.fixture(autouse=True)
 def _restore():
-    kernel, table = dispatch.get_decode_kernel(), dispatch.decode_table()
-    configs, fp8 = dispatch.decode_configs(), dispatch.fp8_checked()
+    kernel = decode_route.get_decode_kernel()
     yield
-    dispatch.set_decode_kernel(kernel)
-    dispatch.set_decode_table(table, fp8=fp8, configs=configs)
+    decode_route.set_decode_kernel(kernel)
 
 
 def _const(value: torch.Tensor):
@@ -100,29 +106,49 @@ def test_the_pool_measurement_runs_both_kernels(monkeypatch) -> None:
     assert [(t.batch, t.choice, t.config) for t in trials] == [(1, "triton", B), (2, "fa", A)]
     assert timed == [None, A, B] * 2  # fa, then each configuration, per batch size
     assert all(t.max_diff < 1e-4 for t in trials)  # fp32: the kernel equals the reference
-    assert dispatch.get_decode_kernel() == "auto"  # the baseline's forcing was undone
+    assert decode_route.get_decode_kernel() == "auto"  # the baseline's forcing was undone
 
 
-def test_the_table_sends_chosen_sizes_to_triton_on_cuda() -> None:
-    dispatch.set_decode_kernel("auto")
-    dispatch.set_decode_table({1: "triton", 8: "fa"})
+def test_the_route_sends_chosen_sizes_to_triton_on_cuda() -> None:
+    decode_route.set_decode_kernel("auto")
+    route = DecodeRoute({1: "triton", 8: "fa"})
     cuda = SimpleNamespace(type="cuda")
 
     def q(batch: int, device=cuda):
         return SimpleNamespace(device=device, shape=(batch, 1, 4, 16))
 
-    assert dispatch._wanted(q(1), scaled=False) and not dispatch._wanted(q(8), scaled=False)
-    assert not dispatch._wanted(q(2), scaled=False)  # not measured: fa
-    assert not dispatch._wanted(q(2), scaled=True)  # FP8 pages: only once checked (below)
-    assert not dispatch._wanted(q(1, SimpleNamespace(type="cpu")), scaled=False)
-    with dispatch.decode_kernel_forced("fa"):
-        assert not dispatch._wanted(q(1), scaled=False)
-    assert dispatch._wanted(q(1), scaled=False)
+    assert route.wanted(q(1), scaled=False) and not route.wanted(q(8), scaled=False)
+    assert not route.wanted(q(2), scaled=False)  # not measured: fa
+    assert not route.wanted(q(2), scaled=True)  # FP8 pages: only once checked (below)
+    assert not route.wanted(q(1, SimpleNamespace(type="cpu")), scaled=False)
+    assert not NO_ROUTE.wanted(q(1), scaled=False)  # a plain backend's: nothing under auto
+    with decode_route.decode_kernel_forced("fa"):
+        assert not route.wanted(q(1), scaled=False)
+    assert route.wanted(q(1), scaled=False)
     with pytest.raises(KernelInputError, match="'fa' or 'triton'"):
-        dispatch.set_decode_table({4: "flash"})
+        DecodeRoute({4: "flash"})
     with pytest.raises(KernelInputError, match="DecodeConfig"):
-        dispatch.set_decode_table({1: "triton"}, configs={1: "block_n=8"})
-    assert dispatch.decode_table() == {1: "triton", 8: "fa"}
+        DecodeRoute({1: "triton"}, configs={1: "block_n=8"})
+    table = {1: "triton"}
+    held = DecodeRoute(table)
+    table[2] = "triton"
+    assert held.table == {1: "triton"}  # the route keeps its own copy
+
+
+def test_a_measured_backend_is_its_base_on_a_route() -> None:
+    route = route_of([DecodeTrial(1, 1.0, 0.5, 0.0, "triton", "faster", B),
+                      DecodeTrial(2, 1.0, 1.5, 0.0, "fa", "triton not faster", A)])  # fmt: skip
+    assert route == DecodeRoute({1: "triton", 2: "fa"}, configs={1: B, 2: A})
+    assert route_of([DecodeTrial(1, None, None, 0.0, "triton", "agrees")], fp8=True).fp8
+    assert not route_of([DecodeTrial(1, None, None, 0.0, "fa", "differs")], fp8=True).fp8
+    assert not route_of([], fp8=True).fp8
+    tuned = TritonDecode(FLASH, route)
+    assert (tuned.name, tuned.captures_decode, tuned.swaps_decode) == ("fa", True, True)
+    assert FLASH.decode_route is NO_ROUTE and tuned.decode_route is route
+    assert kk.resolve_backend(tuned) is tuned  # an object is taken as it is
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    plan = tuned.plan(kk.AttentionMeta(table, torch.ones(2, dtype=torch.int32)), 1)
+    assert plan.backend is tuned and plan.segments is not None  # fa's plan, read on the route
 
 
 def test_the_measured_configuration_reaches_the_kernel(monkeypatch) -> None:
@@ -135,32 +161,30 @@ def test_the_measured_configuration_reaches_the_kernel(monkeypatch) -> None:
         return torch.zeros_like(q)
 
     monkeypatch.setattr(triton_decode, "paged_decode", recorder)
-    dispatch.set_decode_kernel("triton")
-    dispatch.set_decode_table({}, configs={2: B})
-    assert dispatch.decode_configs() == {2: B}
+    decode_route.set_decode_kernel("triton")
+    backend = TritonDecode(TORCH, DecodeRoute(configs={2: B}))
     scales = KvScales(torch.tensor([0.05]), torch.tensor([0.05]))
     k = torch.randn(20, 2, 16).to(torch.float8_e4m3fn)  # FP8 pages: the kernel's other case
     for batch in (2, 3):
         table = torch.arange(1, 1 + 4 * batch, dtype=torch.int32).view(batch, 4) % 20
         meta = kk.AttentionMeta(table, torch.full((batch,), 4, dtype=torch.int32))
-        kk.paged_attention(torch.randn(batch, 1, 2, 16), k, k, meta, backend=TORCH,
+        kk.paged_attention(torch.randn(batch, 1, 2, 16), k, k, meta, backend=backend,
                            kv_scales=scales)  # fmt: skip
     assert seen == [B, None]  # batch 3 was not measured: the default launch
 
 
 def test_fp8_pages_go_to_triton_only_once_checked() -> None:
-    dispatch.set_decode_kernel("auto")
+    decode_route.set_decode_kernel("auto")
     cuda = torch.device("cuda")
     fp8_q = SimpleNamespace(device=SimpleNamespace(type="cuda"), shape=(2, 1, 4, 16))
-    dispatch.set_decode_table({})
-    assert not dispatch.triton_serves_fp8(cuda) and not dispatch._wanted(fp8_q, scaled=True)
-    dispatch.set_decode_table({}, fp8=True)
-    assert dispatch.triton_serves_fp8(cuda) and dispatch._wanted(fp8_q, scaled=True)
-    assert not dispatch.triton_serves_fp8(torch.device("cpu"))
-    dispatch.set_decode_kernel("fa")
-    assert not dispatch.triton_serves_fp8(cuda)
-    dispatch.set_decode_kernel("triton")
-    assert dispatch.triton_serves_fp8(torch.device("cpu"))  # forced: the interpreter tests
+    unchecked, checked = DecodeRoute(), DecodeRoute(fp8=True)
+    assert not unchecked.serves_fp8(cuda) and not unchecked.wanted(fp8_q, scaled=True)
+    assert checked.serves_fp8(cuda) and checked.wanted(fp8_q, scaled=True)
+    assert not checked.serves_fp8(torch.device("cpu"))
+    decode_route.set_decode_kernel("fa")
+    assert not checked.serves_fp8(cuda)
+    decode_route.set_decode_kernel("triton")
+    assert unchecked.serves_fp8(torch.device("cpu"))  # forced: the interpreter tests
 
 
 def test_the_fp8_check_compares_with_the_scaled_reference(monkeypatch) -> None:
@@ -191,7 +215,7 @@ def _choose(monkeypatch, model, rt, **kw):
     return graph_set.choose_decode_kernels(model, rt.kv, rt.page_table.page_table, **options)
 
 
-def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> None:
+def test_the_runtime_measures_each_bucket_and_serves_on_the_route(monkeypatch) -> None:
     model, rt = _runtime()
     seen = {}
 
@@ -203,32 +227,32 @@ def test_the_runtime_measures_each_bucket_and_sets_the_table(monkeypatch) -> Non
 
     monkeypatch.setattr(graph_set, "tune_pool", fake)
     monkeypatch.setattr(graph_set, "_MEASURED", {})
-    dispatch.set_decode_kernel("auto")
-    trials = _choose(monkeypatch, model, rt)
+    decode_route.set_decode_kernel("auto")
+    trials, backend = _choose(monkeypatch, model, rt)
     cfg = model.config.text
     assert seen == dict(batches=(1, 2, 4), width=rt.page_table.page_table.shape[1],
                         heads=cfg.n_heads, head_dim=cfg.head_dim, layer0=True)  # fmt: skip
-    assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"} and len(trials) == 3
-    assert dispatch.decode_configs() == {1: B, 2: A, 4: A} and not dispatch.fp8_checked()
+    assert isinstance(backend, TritonDecode) and backend.base is FLASH and len(trials) == 3
+    assert backend.decode_route == DecodeRoute({1: "triton", 2: "fa", 4: "fa"},
+                                               configs={1: B, 2: A, 4: A})  # fmt: skip
     seen.clear()
-    dispatch.set_decode_table({})
-    assert _choose(monkeypatch, model, rt) == trials and seen == {}  # same shapes: not again
-    assert dispatch.decode_table() == {1: "triton", 2: "fa", 4: "fa"}
-    assert len(_choose(monkeypatch, model, rt, max_batch_size=2)) == 2  # other buckets: timed
+    again, backend = _choose(monkeypatch, model, rt)
+    assert again == trials and seen == {}  # same shapes: not again
+    assert backend.decode_route.table == {1: "triton", 2: "fa", 4: "fa"}
+    assert len(_choose(monkeypatch, model, rt, max_batch_size=2)[0]) == 2  # other buckets: timed
     assert seen["batches"] == (1, 2)
     for forced in ({"compile": True}, {"capture": False}):  # nothing captured: nothing measured
-        assert _choose(monkeypatch, model, rt, **forced) == []
-    dispatch.set_decode_kernel("fa")  # forced: nothing measured, the table left alone
-    assert _choose(monkeypatch, model, rt) == []
-    assert dispatch.decode_table() == {1: "triton", 2: "fa"}
+        assert _choose(monkeypatch, model, rt, **forced) == ([], FLASH)
+    decode_route.set_decode_kernel("fa")  # forced: nothing measured, the backend as resolved
+    assert _choose(monkeypatch, model, rt) == ([], FLASH)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image for this device")
 
     monkeypatch.setattr(graph_set, "tune_pool", broken)
     monkeypatch.setattr(graph_set, "_MEASURED", {})
-    dispatch.set_decode_kernel("auto")
-    assert _choose(monkeypatch, model, rt) == [] and dispatch.decode_table() == {}
+    decode_route.set_decode_kernel("auto")
+    assert _choose(monkeypatch, model, rt) == ([], FLASH)
 
 
 @pytest.mark.parametrize("agrees", [True, False])
@@ -245,13 +269,14 @@ def test_fp8_pages_are_checked_not_timed(monkeypatch, agrees: bool) -> None:
 
     monkeypatch.setattr(graph_set, "check_fp8", fake)
     monkeypatch.setattr(graph_set, "tune_pool", lambda *a, **k: pytest.fail("timed FP8 pages"))
-    dispatch.set_decode_kernel("auto")
-    trials = _choose(monkeypatch, model, rt)
+    decode_route.set_decode_kernel("auto")
+    trials, backend = _choose(monkeypatch, model, rt)
     assert seen == dict(batches=(1, 4), scales=True, q_dtype=model.dtype) and len(trials) == 2
-    assert dispatch.fp8_checked() is agrees and dispatch.decode_table() == {}
+    assert backend.decode_route == DecodeRoute(fp8=agrees)
 
 
 def test_nothing_is_measured_without_captured_graphs() -> None:
     _, rt = _runtime()
     assert rt.decode_trials == [] and rt.decode_graphs is None  # a CPU runtime
+    assert rt.attention_backend is TORCH  # served on as resolved
     assert decode_tune.MARGIN > 0 and decode_tune.TOLERANCE < 0.1

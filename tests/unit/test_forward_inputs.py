@@ -24,6 +24,8 @@ from kestrel_kernels.batch import AttentionBatch, RowsLayout, RowSpan
 from kestrel_kernels.contract import KernelInputError
 from tests.conftest import fixture_dir
 
+CPU = torch.device("cpu")
+
 I32, I64 = torch.int32, torch.int64
 
 
@@ -135,9 +137,9 @@ def test_unpadded_rows_pass_no_query_counts_and_several_blocks_keep_their_axis()
 
 def test_graph_buffers_give_the_eager_rows_in_the_same_type() -> None:
     items, table = _items()[1:], _table()  # two hits in a 4-row bucket
-    batch = PrefillGraphBuffers.allocate((4, 8, False, None), 4, torch.float32, torch.device("cpu"))
-    batch.meta.copy_(batch.host_meta(items))
-    got = batch.inputs(table, TORCH)
+    batch = PrefillGraphBuffers.allocate((4, 8, False, None), 4, torch.float32, TORCH, CPU)
+    batch.load(items)
+    got = batch.inputs(table)
     assert isinstance(got, ForwardInputs) and got.lora is None
     att = got.attention
     layout = RowsLayout(2, 8, 0)
@@ -150,14 +152,14 @@ def test_graph_buffers_give_the_eager_rows_in_the_same_type() -> None:
     assert att.slot_mapping[16:].tolist() == [-1] * 16  # padding rows write nothing
     assert att.seqused_k[2:].tolist() == [1, 1] and att.page_table[2:].eq(0).all()
     assert att.bidir_regions is None and att.zero_padding is False
-    assert batch.views().last_B.tolist() == [2, 8 + 5, 16, 24]
+    assert batch.attention.views().last_B.tolist() == [2, 8 + 5, 16, 24]
 
 
 def test_graph_buffers_keep_the_image_block() -> None:
     item = _items()[0]
-    batch = PrefillGraphBuffers.allocate((1, 64, True, 64), 4, torch.float32, torch.device("cpu"))
-    batch.meta.copy_(batch.host_meta([item]))
-    att = batch.inputs(_table(width=64), TORCH).attention
+    batch = PrefillGraphBuffers.allocate((1, 64, True, 64), 4, torch.float32, TORCH, CPU)
+    batch.load([item])
+    att = batch.inputs(_table(width=64)).attention
     assert att.bidir_regions.tolist() == [[0, 6]] and att.causal_rows == 64
 
 

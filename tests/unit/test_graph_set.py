@@ -13,7 +13,7 @@ from kestrel.moondream.model import MoondreamModel
 from kestrel.runtime import graph_set
 from kestrel.runtime.runtime import MoondreamRuntime
 from kestrel.tokens import TextToken
-from kestrel_kernels import contract, dispatch
+from kestrel_kernels import contract, decode_route
 from kestrel_kernels import moe as kernels_moe
 from kestrel_kernels.backends import FLASH, TORCH
 from kestrel_kernels.contract import KvScales
@@ -26,9 +26,9 @@ pytest.importorskip("triton")
 
 @pytest.fixture
 def switch():
-    before = dispatch.get_decode_kernel()
-    yield dispatch.set_decode_kernel
-    dispatch.set_decode_kernel(before)
+    before = decode_route.get_decode_kernel()
+    yield decode_route.set_decode_kernel
+    decode_route.set_decode_kernel(before)
 
 
 def _built(monkeypatch, fixture: str, *, fp8: bool, compile: bool = False):

@@ -21,7 +21,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 import kestrel_kernels as kk  # noqa: E402
-from kestrel_kernels import dispatch, fa_backend, triton_decode  # noqa: E402
+from kestrel_kernels import decode_route, dispatch, fa_backend, triton_decode  # noqa: E402
 from kestrel_kernels.backends import FLASH, TORCH  # noqa: E402
 from kestrel_kernels.contract import (  # noqa: E402
     AttentionShape,
@@ -48,9 +48,9 @@ SCALES = KvScales(torch.tensor([0.02]), torch.tensor([0.03]))
 @pytest.fixture
 def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    before = dispatch.get_decode_kernel()
+    before = decode_route.get_decode_kernel()
     yield
-    dispatch.set_decode_kernel(before)
+    decode_route.set_decode_kernel(before)
 
 
 def make_case(heads: int, kv_heads: int, dtype: torch.dtype, seed: int = 0, lens=LENS):
@@ -220,9 +220,9 @@ def test_dispatch_takes_the_kernel_only_when_switched_on(
     interpreted, fa_calls, monkeypatch
 ) -> None:
     case = make_case(4, 2, torch.bfloat16)
-    dispatch.set_decode_kernel("fa")
+    decode_route.set_decode_kernel("fa")
     assert not run(case, FLASH).any() and fa_calls == [1]  # the default: today's path
-    dispatch.set_decode_kernel("triton")
+    decode_route.set_decode_kernel("triton")
     got = run(case, FLASH)
     assert fa_calls == [1] and got.shape == case["q"].shape
     assert_close(got[:, 0], reference(case))
@@ -242,7 +242,7 @@ def test_dispatch_runs_fp8_pages_through_the_kernel(interpreted) -> None:
     case = make_case(8, 2, torch.bfloat16, seed=3)
     case["k_cache"] = quantize_kv(case["k_cache"], SCALES.k)
     case["v_cache"] = quantize_kv(case["v_cache"], SCALES.v)
-    dispatch.set_decode_kernel("triton")
+    decode_route.set_decode_kernel("triton")
     with LaunchCounter() as c:
         run(case, TORCH, kv_scales=SCALES)
     assert c.by_op["triton_decode_split"] == 1 and c.launches <= 2, c.by_op
@@ -257,7 +257,7 @@ def test_dispatch_keeps_todays_path_when_tracing_or_not_interpreted(
     interpreted, monkeypatch
 ) -> None:
     case = make_case(4, 4, torch.float32)
-    dispatch.set_decode_kernel("triton")
+    decode_route.set_decode_kernel("triton")
     shape = AttentionShape(len(LENS), 1, 4, 4, D, POOL, WIDTH)
     plan = kk.AttentionPlan(FLASH, 1, AttentionMeta(case["page_table"], case["seqused_k"]))
     assert dispatch.uses_triton_decode(case["q"], shape, plan, False)
@@ -267,7 +267,7 @@ def test_dispatch_keeps_todays_path_when_tracing_or_not_interpreted(
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not dispatch.uses_triton_decode(case["q"], shape, plan, True)  # a CPU
     with pytest.raises(KernelInputError, match="decode kernel"):
-        dispatch.set_decode_kernel("flash")
+        decode_route.set_decode_kernel("flash")
 
 
 def test_compiled_call_traces_whole_with_the_switch_on(interpreted, monkeypatch) -> None:
@@ -277,7 +277,7 @@ def test_compiled_call_traces_whole_with_the_switch_on(interpreted, monkeypatch)
     case["k_cache"] = quantize_kv(case["k_cache"], SCALES.k)
     case["v_cache"] = quantize_kv(case["v_cache"], SCALES.v)
     seqused_q = (case["seqused_k"] > 0).to(torch.int32)
-    dispatch.set_decode_kernel("triton")
+    decode_route.set_decode_kernel("triton")
     calls = []
 
     def counted(*args, **kw):
@@ -329,10 +329,10 @@ def test_model_decodes_over_fp8_pages_through_the_kernel(interpreted, monkeypatc
         return torch.stack(out)
 
     with torch.inference_mode():
-        dispatch.set_decode_kernel("fa")
+        decode_route.set_decode_kernel("fa")
         want = run()
         assert calls == []
-        dispatch.set_decode_kernel("triton")
+        decode_route.set_decode_kernel("triton")
         got = run()
     assert len(calls) == 3 * layers
     assert_close(got, want, rel=1e-5)
@@ -340,10 +340,11 @@ def test_model_decodes_over_fp8_pages_through_the_kernel(interpreted, monkeypatc
 
 def test_switch_read_from_the_environment() -> None:
     code = (
-        "import importlib, os; import kestrel_kernels as kk; from kestrel_kernels import dispatch\n"
+        "import importlib, os; import kestrel_kernels as kk\n"
+        "from kestrel_kernels import decode_route\n"
         "print(kk.get_decode_kernel())\n"
         "os.environ['KESTREL_DECODE_KERNEL'] = 'cuda'\n"
-        "try:\n    importlib.reload(dispatch)\nexcept kk.KernelInputError as e:\n    print(e)\n"
+        "try:\n    importlib.reload(decode_route)\nexcept kk.KernelInputError as e:\n    print(e)\n"
     )
     env = {**os.environ, "KESTREL_DECODE_KERNEL": "triton"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
