@@ -108,7 +108,7 @@ def _run_ray(
         adapters = [*adapters, (common.ADAPTER, str(Path(args.adapter).expanduser()))]
     replica = distributed.ReplicaOptions(
         model=args.model,
-        engine=common.engine_kwargs(args),
+        engine=common.engine_options(args),
         adapters=tuple(adapters),
         settings=common.settings_from_args(args),
         adapter=common.adapter_name(args),

@@ -2,8 +2,8 @@
 :class:`~kestrel.engine.options.EngineOptions` (:data:`ENGINE_FLAGS`), or a reason why a field
 has none (:data:`NOT_ON_CLI`); ``tests/unit/test_engine_options.py`` fails on a field that has
 neither. Every command that loads a model takes them (``add_engine_options``) and builds its
-Engine from them (``engine_options``; ``engine_kwargs``: the same as keywords, as the Ray
-replicas take them). Also the argument types the commands share.
+Engine from them (``engine_options``, which the Ray replicas take too; ``engine_kwargs``: the
+options the command line sets, as keywords). Also the argument types the commands share.
 
 The engine package is imported only where an Engine's own check or value is needed.
 """

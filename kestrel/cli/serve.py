@@ -181,7 +181,7 @@ def _run_ray(args: argparse.Namespace, sock, api_key: str | None) -> int:
                                    shutdown_timeout_s=args.shutdown_timeout,
                                    app_prefix=args.ray_app, attach=args.ray_attach)  # fmt: skip
     replica = serving.ReplicaOptions(
-        model=args.model, engine=common.engine_kwargs(args), adapters=_adapter_paths(args)
+        model=args.model, engine=common.engine_options(args), adapters=_adapter_paths(args)
     )
     with serving.serve_cluster(args.ray_address, replica, options) as door:
         app = server.create_app(door, api_key=api_key, **_limits(args))

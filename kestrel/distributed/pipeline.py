@@ -135,14 +135,14 @@ def _placement(
     res = ray.cluster_resources()
     cpus, gpus = float(res.get("CPU", 0)), int(res.get("GPU", 0))
     spare = cpus - _SPARE_CPUS
-    device = str(replica.engine.get("device", "auto"))
+    device = str(replica.engine.device)
     if spare <= 0:
         raise InvalidInputError(f"the Ray cluster has {cpus:g} CPUs; --ray needs at least 2")
     if gpus and device != "cpu":
         n = wanted or gpus
         if n > gpus:
             raise InvalidInputError(f"{n} replicas need {n} GPUs; the Ray cluster has {gpus}")
-        engine = {**replica.engine, "device": "cuda"}  # the GPU Ray gives the actor
+        engine = replace(replica.engine, device="cuda")  # the GPU Ray gives the actor
         return n, replace(replica, engine=engine), {
             "num_gpus": 1, "num_cpus": min(1.0, spare / n)
         }  # fmt: skip

@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from kestrel.batch.run import RequestFeed
+from kestrel.engine.options import EngineOptions
 
 from .rows import request_of, table_of_records
 
@@ -46,13 +47,13 @@ class CrashOnce:
 @dataclass(frozen=True, slots=True)
 class ReplicaOptions:
     """How each replica builds its engine and asks its questions: the CLI's engine options
-    (``engine``: ``EngineOptions`` fields as Engine keywords, as ``cli.common.engine_kwargs``
-    gives them), adapters to load (name, path), the generation
+    (``engine``: an ``EngineOptions``, as ``cli.common.engine_options`` gives it; a mapping of
+    its fields is turned into one), adapters to load (name, path), the generation
     settings, default adapter and ``response_format`` of every request, and the in-flight
     bound per call."""
 
     model: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
+    engine: EngineOptions = field(default_factory=EngineOptions)
     adapters: tuple[tuple[str, str], ...] = ()
     settings: dict[str, Any] | None = None
     adapter: str | None = None
@@ -60,6 +61,9 @@ class ReplicaOptions:
     max_in_flight: int = 64
     threads: int | None = None  # torch intra-op threads (CPU replicas)
     crash: CrashOnce | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", EngineOptions.of(self.engine))
 
     def open_engine(self) -> tuple[Any, str]:
         """In the replica's process: its Engine (threads set, adapters loaded) and its name,
@@ -71,7 +75,7 @@ class ReplicaOptions:
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        engine = Engine(self.model, **self.engine)
+        engine = Engine(self.model, self.engine)
         for name, path in self.adapters:
             engine.load_adapter(name, path)
         return engine, f"{ray.util.get_node_ip_address()}:{os.getpid()}"

@@ -73,12 +73,12 @@ def placement(
     cluster has GPUs (and the device is not "cpu"), else ``cpus_per_replica`` CPUs each."""
     res = ray.cluster_resources()
     cpus, gpus = float(res.get("CPU", 0)), int(res.get("GPU", 0))
-    device = str(replica.engine.get("device", "auto"))
+    device = str(replica.engine.device)
     if gpus and device != "cpu":
         n = options.replicas or gpus
         if n > gpus:
             raise InvalidInputError(f"{n} replicas need {n} GPUs; the Ray cluster has {gpus}")
-        engine = {**replica.engine, "device": "cuda"}  # the GPU Ray gives the actor
+        engine = replace(replica.engine, device="cuda")  # the GPU Ray gives the actor
         return n, replace(replica, engine=engine), {"num_gpus": 1, "num_cpus": 1}
     n = options.replicas or DEFAULT_CPU_REPLICAS
     share = options.cpus_per_replica or max(1.0, float(int(cpus // n)))

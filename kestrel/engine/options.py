@@ -1,6 +1,6 @@
 """What an Engine is built with: :class:`EngineOptions`, one frozen value shared by ``Engine``,
 :func:`~kestrel.engine.setup.load_runtime`, the command line (``kestrel/cli/common.py``: one
-flag per option) and the Ray replicas (``ReplicaOptions.engine``: its fields as keywords).
+flag per option) and the Ray replicas (``ReplicaOptions.engine``).
 
 A new option is one field here: ``Engine(...)`` and ``load_runtime(...)`` take every field as a
 keyword (their signatures are made from the fields, :func:`parameters`), and a test fails

@@ -255,8 +255,8 @@ def test_the_health_monitor_takes_a_silent_replica_off_and_a_loaded_one_back() -
         ({"CPU": 64, "GPU": 8}, 3, {"device": "auto"}, 3, {"num_gpus": 1, "num_cpus": 1}, "cuda",
          None),
         ({"CPU": 8, "GPU": 2}, 2, {"device": "cpu"}, 2, {"num_cpus": 4.0}, "cpu", 4),
-        ({"CPU": 2}, None, {}, 2, {"num_cpus": 1.0}, None, 1),
-        ({"CPU": 9}, 4, {}, 4, {"num_cpus": 2.0}, None, 2),
+        ({"CPU": 2}, None, {}, 2, {"num_cpus": 1.0}, "auto", 1),
+        ({"CPU": 9}, 4, {}, 4, {"num_cpus": 2.0}, "auto", 2),
     ],
 )  # fmt: skip
 def test_placement_one_gpu_each_else_a_share_of_the_cpus(
@@ -269,7 +269,7 @@ def test_placement_one_gpu_each_else_a_share_of_the_cpus(
     options = serve_cluster.ServeOptions(replicas=wanted)
     got_n, replica, got_actor = serve_cluster.placement(ReplicaOptions(engine=engine), options)
     assert (got_n, got_actor) == (n, actor)
-    assert replica.engine.get("device") == device and replica.threads == threads
+    assert replica.engine.device == device and replica.threads == threads
 
 
 def test_placement_refuses_more_than_the_cluster_has(monkeypatch) -> None:
