@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel_kernels.backends import FLASH, TORCH, TritonDecode
+from kestrel_kernels.backends import FLASH, TORCH, TorchBackend, TritonDecode
 from kestrel_kernels.batch import AttentionBatch, RowSpan
 from kestrel_kernels.contract import KernelInputError
 from kestrel_kernels.counting import LaunchCounter
@@ -67,3 +67,50 @@ def test_prefill_inputs_hold_their_shape_and_bound() -> None:
         plain.host(spans)
     plain.load(plain.host([RowSpan(3, 2, 5)]))
     assert plain.batch(_table()).bidir_regions is None
+
+
+class _Recording(TorchBackend):
+    """The torch backend, noting each graph buffer it is asked for and each plan."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple] = []
+        self.plans = 0
+
+    def plan(self, meta, q_len, **kw):
+        self.plans += 1
+        return super().plan(meta, q_len, **kw)
+
+    def decode_graph_inputs(self, size, device, lanes=0):
+        self.made.append(("decode", size, lanes))
+        return super().decode_graph_inputs(size, device, lanes)
+
+    def prefill_graph_inputs(self, rows, tokens, device, *, regions, causal_rows):
+        self.made.append(("prefill", rows, tokens, regions, causal_rows))
+        return super().prefill_graph_inputs(rows, tokens, device, regions=regions,
+                                            causal_rows=causal_rows)  # fmt: skip
+
+
+def test_the_graph_sets_take_their_buffers_from_the_backend() -> None:
+    """Every decode bucket and every prefill bucket reads buffers its backend made, and a
+    step run from them plans on that backend."""
+    from kestrel.moondream.model import MoondreamModel
+    from kestrel.runtime.cuda_graphs import DecodeGraphs
+    from kestrel.runtime.prefill_graphs import PrefillGraphs
+    from kestrel.runtime.runtime import MoondreamRuntime
+    from tests.conftest import FIXTURES
+
+    model = MoondreamModel.from_pretrained(FIXTURES / "md2-tiny-a")
+    backend = _Recording()
+    rt = MoondreamRuntime(model, kv_cache_pages=64, max_batch_size=4, attention_backend=backend)
+    assert rt.attention_backend is backend  # an object is served on as it is
+    table = rt.page_table.page_table
+    decode = DecodeGraphs(model, rt.kv, table, max_batch_size=4, backend=backend, capture=False)
+    decode.capture_all()  # uncaptured: the buckets' buffers only
+    assert [m for m in backend.made if m[0] == "decode"] == [("decode", s, 2) for s in (1, 2, 4)]
+    prefill = PrefillGraphs(model, rt.kv, table, max_batch_size=4, backend=backend, capture=False)
+    made = [m[1:] for m in backend.made if m[0] == "prefill"]
+    assert made == list(prefill.shapes) and len(made) > 1
+    before = backend.plans
+    with torch.inference_mode():
+        hidden, _ = decode.run([0], [0], None, torch.zeros(1, dtype=torch.int64))  # padding row
+    assert backend.plans == before + 1 and hidden.shape == (1, model.config.text.dim)
