@@ -364,12 +364,24 @@ def validate_scaled_kv(dtype: torch.dtype, k_cache: Tensor, v_cache: Tensor, sca
             )
 
 
-def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    """The environment variable ``name`` (``default`` when unset), one of ``choices``."""
-    value = os.environ.get(name, default)
-    if value not in choices:
-        raise KernelInputError(f"{name}={value!r}; choose one of {choices}")
-    return value
+class EnvSwitch:
+    """A process-wide choice among ``choices``: the environment variable ``env`` when made (at
+    import; ``default`` when unset), then whatever :meth:`set` is given. ``what`` names it in
+    the error a bad value raises (``KernelInputError``)."""
+
+    __slots__ = ("choices", "value", "what")
+
+    def __init__(self, env: str, choices: tuple[str, ...], default: str, what: str) -> None:
+        self.choices, self.what = choices, what
+        value = os.environ.get(env, default)
+        if value not in choices:
+            raise KernelInputError(f"{env}={value!r}; choose one of {choices}")
+        self.value = value
+
+    def set(self, name: str) -> None:
+        if name not in self.choices:
+            raise KernelInputError(f"unknown {self.what} {name!r}; choose one of {self.choices}")
+        self.value = name
 
 
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:

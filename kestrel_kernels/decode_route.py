@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kestrel_kernels.contract import BackendUnavailableError, KernelInputError, env_choice
+from kestrel_kernels.contract import BackendUnavailableError, EnvSwitch, KernelInputError
 from kestrel_kernels.fused import triton_available
 from kestrel_kernels.triton_decode import DecodeConfig
 
@@ -37,34 +37,29 @@ __all__ = [
     "set_decode_kernel",
 ]
 
-_DECODE_CHOICES = ("auto", "fa", "triton")
-_decode_kernel = env_choice("KESTREL_DECODE_KERNEL", _DECODE_CHOICES, "auto")
+_MODE = EnvSwitch("KESTREL_DECODE_KERNEL", ("auto", "fa", "triton"), "auto", "decode kernel")
 
 
 def set_decode_kernel(name: str) -> None:
     """What decode-shaped calls run: "auto" (the default), "fa" or "triton" (module doc)."""
-    global _decode_kernel
-    if name not in _DECODE_CHOICES:
-        raise KernelInputError(f"unknown decode kernel {name!r}; choose one of {_DECODE_CHOICES}")
     if name == "triton" and not triton_available():
         raise BackendUnavailableError("decode kernel 'triton' needs the triton package")
-    _decode_kernel = name
+    _MODE.set(name)
 
 
 def get_decode_kernel() -> str:
-    return _decode_kernel
+    return _MODE.value
 
 
 @contextmanager
 def decode_kernel_forced(name: str) -> Iterator[None]:
     """Decode calls run ``name`` inside the block (the start-up measurement's baseline)."""
-    global _decode_kernel
-    before = _decode_kernel
+    before = _MODE.value
     set_decode_kernel(name)
     try:
         yield
     finally:
-        _decode_kernel = before
+        _MODE.value = before
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +87,15 @@ class DecodeRoute:
     def serves_fp8(self, device: torch.device) -> bool:
         """Whether decode over FP8 pages on ``device`` runs the Triton kernel (sync-free, so
         it can be graph-captured) rather than the torch reference."""
-        if _decode_kernel == "triton":
-            return True
-        return _decode_kernel == "auto" and device.type == "cuda" and self.fp8
+        mode = _MODE.value
+        return mode == "triton" or (mode == "auto" and device.type == "cuda" and self.fp8)
 
     def wanted(self, q: Tensor, scaled: bool) -> bool:
         """Whether the mode and the route send this decode-shaped call to the kernel."""
-        if _decode_kernel == "triton":
+        mode = _MODE.value
+        if mode == "triton":
             return q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        if _decode_kernel != "auto" or q.device.type != "cuda":
+        if mode != "auto" or q.device.type != "cuda":
             return False
         if scaled:
             return self.fp8

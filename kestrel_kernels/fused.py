@@ -41,8 +41,7 @@ from torch import Tensor
 
 from kestrel_kernels.contract import (
     BackendUnavailableError,
-    KernelInputError,
-    env_choice,
+    EnvSwitch,
 )
 from kestrel_kernels.counting import opaque
 from kestrel_kernels.kv_write import HeadLayout, KvWrite
@@ -60,20 +59,16 @@ __all__ = [
     "triton_available",
 ]
 
-_CHOICES = ("auto", "torch", "triton")
-_fused = env_choice("KESTREL_FUSED", _CHOICES, "auto")
+_FUSED = EnvSwitch("KESTREL_FUSED", ("auto", "torch", "triton"), "auto", "fused backend")
 
 
 def set_fused_backend(name: str) -> None:
     """What the fused ops run: "auto" (Triton on CUDA when it imports), "torch" or "triton"."""
-    global _fused
-    if name not in _CHOICES:
-        raise KernelInputError(f"unknown fused backend {name!r}; choose one of {_CHOICES}")
-    _fused = name
+    _FUSED.set(name)
 
 
 def get_fused_backend() -> str:
-    return _fused
+    return _FUSED.value
 
 
 @functools.cache
@@ -86,9 +81,10 @@ def fused_backend(device: torch.device) -> str:
     """The form the fused ops take for tensors on ``device``: "triton" or "torch". Under
     ``torch.compile`` always the torch forms: Inductor fuses them itself, and the Triton
     launchers and the package probe are not traceable."""
-    if _fused == "torch" or torch.compiler.is_compiling():
+    mode = _FUSED.value
+    if mode == "torch" or torch.compiler.is_compiling():
         return "torch"
-    if _fused == "triton":
+    if mode == "triton":
         if not triton_available():
             raise BackendUnavailableError("fused backend 'triton' needs the triton package")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
